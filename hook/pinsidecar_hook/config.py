@@ -1,0 +1,90 @@
+"""The hook's configuration, read from the environment of the engine process.
+
+Environment rather than vLLM arguments because the hook must work with an unmodified engine command line and
+in a container whose image cannot be rebuilt: the daemon sets these variables on the process or container it
+launches. Nothing here may import vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ENV", "HookConfig", "HookConfigError"]
+
+# Variable names, in one place: the daemon's launcher builds the environment from these.
+ENV = {
+    "mode": "PINSIDECAR_HOOK_MODE",  # off | count | pin
+    "counts_path": "PINSIDECAR_COUNTS_PATH",  # count mode writes here
+    "map_path": "PINSIDECAR_MAP_PATH",  # pin mode reads this map at boot
+    "stats_path": "PINSIDECAR_STATS_PATH",  # pin mode writes live stats here
+    "flush_interval_s": "PINSIDECAR_FLUSH_INTERVAL_S",
+    "workload": "PINSIDECAR_WORKLOAD",
+    "histogram": "PINSIDECAR_STATS_HISTOGRAM",  # 1: stats carry the full [layer][expert] histogram
+    "backend": "PINSIDECAR_PIN_BACKEND",  # auto | cpu | triton | flashinfer | torch
+}
+
+MODES = ("off", "count", "pin")
+# Periodic flush: often enough that a SIGKILLed worker loses at most a few seconds of counts, rarely enough
+# that the copy of a [layers, experts] int64 tensor is noise.
+DEFAULT_FLUSH_INTERVAL_S = 5.0
+
+
+class HookConfigError(ValueError):
+    """A hook setting that cannot work. Raised at engine boot so that the engine refuses to start."""
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    mode: str = "off"
+    counts_path: Path | None = None
+    map_path: Path | None = None
+    stats_path: Path | None = None
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    workload: str = ""
+    histogram: bool = True
+    backend: str = "auto"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> HookConfig:
+        env = os.environ if env is None else env
+        mode = env.get(ENV["mode"], "off").strip().lower() or "off"
+        if mode not in MODES:
+            raise HookConfigError(f"{ENV['mode']}={mode!r} is not one of {MODES}")
+
+        def path(key: str) -> Path | None:
+            raw = env.get(ENV[key], "").strip()
+            return Path(raw) if raw else None
+
+        raw_interval = env.get(ENV["flush_interval_s"], "").strip()
+        try:
+            interval = float(raw_interval) if raw_interval else DEFAULT_FLUSH_INTERVAL_S
+        except ValueError:
+            raise HookConfigError(f"{ENV['flush_interval_s']}={raw_interval!r} is not a number") from None
+        if interval <= 0:
+            raise HookConfigError(f"{ENV['flush_interval_s']} must be > 0, got {interval}")
+        cfg = cls(
+            mode=mode, counts_path=path("counts_path"), map_path=path("map_path"), stats_path=path("stats_path"),
+            flush_interval_s=interval, workload=env.get(ENV["workload"], ""),
+            histogram=env.get(ENV["histogram"], "1").strip() not in ("0", "false", "no"),
+            backend=env.get(ENV["backend"], "auto").strip().lower() or "auto",
+        )
+        if mode == "count" and cfg.counts_path is None:
+            raise HookConfigError(f"count mode needs {ENV['counts_path']} (where to write the counts)")
+        if mode == "pin" and cfg.map_path is None:
+            raise HookConfigError(f"pin mode needs {ENV['map_path']} (the row map to apply)")
+        return cfg
+
+    def to_env(self) -> dict[str, str]:
+        """The inverse of :meth:`from_env`, for launchers."""
+        out = {ENV["mode"]: self.mode, ENV["flush_interval_s"]: str(self.flush_interval_s),
+               ENV["histogram"]: "1" if self.histogram else "0", ENV["backend"]: self.backend}
+        for key in ("counts_path", "map_path", "stats_path"):
+            value = getattr(self, key)
+            if value is not None:
+                out[ENV[key]] = str(value)
+        if self.workload:
+            out[ENV["workload"]] = self.workload
+        return out
