@@ -1,0 +1,359 @@
+"""``pinsidecar map``: build a placement from counts, evaluate it, look at it, compare two.
+
+Every figure a usage map is judged by is printed next to the positional baseline for the same budget (what vLLM's
+``--cpu-offload-gb`` would do), because that is the only comparison that says whether deploying it is worth it.
+The positional baseline is an evaluation object, not a map file: it has a different hot count in every layer,
+which the map format refuses on purpose (see :class:`pinsidecar.maps.PlacementMask`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pinsidecar import maps
+from pinsidecar.artifacts import CountsArtifact
+from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
+
+__all__ = ["check_out_path", "format_table", "register"]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width table (right-aligned numbers), readable in a terminal and in a log."""
+    cells = [[str(h) for h in headers], *[[_cell(v) for v in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if n and _numeric(c) else c.ljust(w) for c, w in zip(row, widths,
+                                                                                           strict=True)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return "" if v is None else str(v)
+
+
+def _numeric(s: str) -> bool:
+    return s.replace(".", "", 1).replace("%", "").replace("-", "", 1).isdigit()
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2%}"
+
+
+def _gib(n: int) -> str:
+    """Bytes for a person: GiB for model-sized figures, smaller units for toy models."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_out_path(out: str, inputs: Sequence[str] = (), what: str = "output") -> Path:
+    """Refuse an output path that is a directory or one of the inputs (before any work, so nothing is written)."""
+    target = Path(out)
+    if target.is_dir():
+        raise UserError(f"--out {out} is a directory", f"pass a file name for the {what}, e.g. {out.rstrip('/')}/"
+                        f"{what}.json")
+    resolved = target.resolve()
+    for src in inputs:
+        if Path(src).resolve() == resolved:
+            raise UserError(f"--out {out} is also an input file", "write the result to a new file")
+    return target
+
+
+def _write(fn: Any, path: Path) -> None:
+    try:
+        fn(path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}", "check the directory exists and is writable"
+                        ) from None
+
+
+def _expert_bytes(counts: Sequence[CountsArtifact], names: Sequence[str], given: int | None) -> int:
+    if given is not None:
+        if given <= 0:
+            raise UserError(f"--expert-bytes must be positive, got {given}")
+        return given
+    known = {(n, c.meta.get("expert_bytes")) for n, c in zip(names, counts, strict=True)
+             if c.meta.get("expert_bytes") is not None}
+    values = {v for _, v in known}
+    if len(values) > 1:
+        raise UserError(f"counts files disagree on expert_bytes: {sorted(known)}",
+                        "pass --expert-bytes X to say which is right")
+    if not values:
+        return 0
+    value = values.pop()
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"counts meta expert_bytes={value!r} is not a positive integer", "pass --expert-bytes X")
+    return value
+
+
+def _resolve_hot_rows(hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int, counts: CountsArtifact) -> int:
+    if (hot_rows is None) == (hbm_bytes is None):
+        raise UserError("give exactly one budget: --hot-rows N or --hbm-bytes B")
+    if hot_rows is not None:
+        maps.check_hot_rows(hot_rows, counts.num_experts)
+        return hot_rows
+    assert hbm_bytes is not None
+    if expert_bytes <= 0:
+        raise UserError(
+            f"--hbm-bytes {hbm_bytes} needs the size of one expert, and the counts do not record it",
+            "pass --expert-bytes X (bytes of one expert: weights, scales and biases of all its tensors), "
+            "or give the budget as --hot-rows N",
+        )
+    return maps.hot_rows_for_budget(hbm_bytes, counts.num_layers, expert_bytes, counts.num_experts)
+
+
+def _positional_description(mask: maps.PlacementMask) -> str:
+    full, part = mask.meta["full_cold_layers"], mask.meta["partial_layer_cold"]
+    ordered = sorted(mask.layer_ids)
+    text = f"{mask.cold_total} cold experts = {full} whole layer(s)"
+    if full:
+        text += f" ({ordered[0]}..{ordered[full - 1]})"
+    if part:
+        text += f" + {part} experts of layer {ordered[full]}"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------- build
+
+
+def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int | None,
+           positional: bool, label: str, out: str | None) -> dict[str, Any]:
+    if positional and out:
+        raise UserError(
+            "--positional cannot be written to --out: the positional placement has a different hot count in every "
+            "layer (whole layers cold), which is not a deployable fixed-geometry map, and vLLM deploys it itself "
+            "with --cpu-offload-gb",
+            "drop --out; the baseline is printed here (--json to keep it), and `map eval MAP COUNTS` reports it "
+            "for any map's budget",
+        )
+    if not positional and not out:
+        raise UserError("missing --out MAP", "say where to write the map, e.g. --out maps/code.map.json")
+    target = check_out_path(out, counts_paths, "map") if out else None
+    names = list(counts_paths)
+    counts = maps.load_counts_files(names)
+    total = maps.sum_counts(counts, names)
+    xbytes = _expert_bytes(counts, names, expert_bytes)
+    rows = _resolve_hot_rows(hot_rows, hbm_bytes, xbytes, total)
+    emap = maps.build_usage_map(counts, rows, label, expert_bytes=xbytes, names=names,
+                                meta={"source_files": [os.path.basename(n) for n in names]})
+    mask = maps.positional_for(emap)
+    usage_eval = maps.evaluate(emap, total, "map", "counts")
+    positional_eval = maps.evaluate(mask, total, "positional baseline", "counts")
+    result: dict[str, Any] = {
+        "hot_rows": rows,
+        "cold_rows": emap.cold_rows,
+        "budget_from": "hot-rows" if hot_rows is not None else "hbm-bytes",
+        "hbm_bytes": hbm_bytes,
+        "expert_bytes": xbytes,
+        "counts": names,
+        "tokens": total.tokens,
+        "selections": total.selections,
+        "predicted_cold_rate": emap.predicted_cold_rate,
+        "positional_cold_rate": positional_eval["cold_rate"],
+        "positional": {"description": _positional_description(mask), **mask.meta,
+                       "per_layer": positional_eval["per_layer"]},
+        "leave_one_out": maps.leave_one_out(counts, rows, names),
+    }
+    if positional:
+        result["mode"] = "positional"
+        return result
+    assert target is not None
+    _write(lambda p: maps.save_map(emap, p), target)
+    result.update(mode="usage", out=str(target), map=maps.summary(emap), per_layer=usage_eval["per_layer"])
+    return result
+
+
+def _build_human(r: dict[str, Any]) -> str:
+    lines = []
+    if r["mode"] == "usage":
+        m = r["map"]
+        lines.append(f"wrote {r['out']}  hash {m['short_hash']}  label {m['label'] or '-'}")
+    lines.append(f"budget: {r['hot_rows']} hot / {r['cold_rows']} cold rows per layer"
+                 + (f" (from --hbm-bytes {r['hbm_bytes']} at {r['expert_bytes']} bytes/expert)"
+                    if r["budget_from"] == "hbm-bytes" else ""))
+    lines.append(f"counts: {len(r['counts'])} file(s), {r['tokens']} tokens, {r['selections']} selections")
+    lines.append(f"usage map cold-selection rate (in-sample):      {_pct(r['predicted_cold_rate'])}")
+    lines.append(f"positional (--cpu-offload-gb, same budget):     {_pct(r['positional_cold_rate'])}"
+                 f"   [{r['positional']['description']}]")
+    if r["leave_one_out"]:
+        lines.append("")
+        lines.append("leave-one-out (map from the other counts, evaluated on this one):")
+        lines.append(format_table(["held out", "workload", "cold rate", "train cold rate"],
+                                  [[row["held_out"], row["workload"], _pct(row["cold_rate"]),
+                                    _pct(row["train_cold_rate"])] for row in r["leave_one_out"]]))
+    if r["mode"] == "positional":
+        lines.append("")
+        lines.append("positional baseline per layer (no map file written: it is not a fixed-geometry map):")
+        lines.append(format_table(["layer", "cold experts", "cold rate"],
+                                  [[p["layer_id"], p["cold_experts"], _pct(p["cold_rate"])]
+                                   for p in r["positional"]["per_layer"]]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- eval
+
+
+def _eval(map_path: str, counts_path: str) -> dict[str, Any]:
+    emap = maps.read_map(map_path)
+    counts = maps.read_counts(counts_path)
+    usage = maps.evaluate(emap, counts, map_path, counts_path)
+    positional = maps.evaluate(maps.positional_for(emap), counts, "positional baseline", counts_path)
+    for row, pos in zip(usage["per_layer"], positional["per_layer"], strict=True):
+        row["positional_cold_rate"] = pos["cold_rate"]
+    usage.update(map=map_path, counts=counts_path, positional_cold_rate=positional["cold_rate"],
+                 improvement=(positional["cold_rate"] / usage["cold_rate"]) if usage["cold_rate"] else None)
+    return usage
+
+
+def _eval_human(r: dict[str, Any]) -> str:
+    lines = [
+        f"map {r['map']} [{r['map_hash'].split(':')[-1][:12]}] {r['label'] or ''} on counts {r['counts']} "
+        f"({r['tokens']} tokens, {r['selections']} selections)",
+        f"cold-selection rate:           {_pct(r['cold_rate'])}  ({r['cold_selections']} of {r['selections']})",
+        f"positional, same budget:       {_pct(r['positional_cold_rate'])}",
+        f"predicted when built:          {_pct(r['predicted_cold_rate'])}",
+    ]
+    if r["improvement"]:
+        lines.append(f"positional / usage:            {r['improvement']:.1f}x fewer cold selections")
+    lines.append("")
+    lines.append(format_table(
+        ["layer", "cold rate", "positional", "selections", "cold sel", "cold touched"],
+        [[p["layer_id"], _pct(p["cold_rate"]), _pct(p["positional_cold_rate"]), p["selections"], p["cold_selections"],
+          f"{p['cold_experts_touched']}/{p['cold_experts']}"] for p in r["per_layer"]],
+    ))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- show / diff
+
+
+def _show_human(r: dict[str, Any]) -> str:
+    g = r["geometry"]
+    lines = [
+        f"map [{r['short_hash']}] {r['label'] or '-'}  policy {r['policy']}  created {r['created_at'] or '-'}",
+        f"model: {r['model']['name'] or '-'} {r['model']['path'] or ''} {r['model']['revision'] or ''}".rstrip(),
+        f"geometry: {g['num_layers']} layers x {g['num_experts']} experts (top-{g['top_k']}), "
+        f"{g['hot_rows']} hot / {g['cold_rows']} cold rows per layer, {g['expert_bytes']} bytes/expert",
+        f"bytes: hot {_gib(r['hot_bytes'])}, cold {_gib(r['cold_bytes'])}",
+        f"predicted cold-selection rate: {_pct(r['predicted_cold_rate'])}",
+        f"built from {len(r['source_counts'])} counts: " + ", ".join(d.split(':')[-1][:12] for d in r['source_counts']),
+    ]
+    ev = r.get("evaluation")
+    if ev:
+        lines.append(f"on {r['counts']}: cold-selection rate {_pct(ev['cold_rate'])}")
+    rates = r.get("predicted_cold_rate_per_layer")
+    per_layer = ev["per_layer"] if ev else None
+    if per_layer or rates:
+        lines.append("")
+        hdr = ["layer", "cold rate (counts)" if per_layer else "predicted cold rate"]
+        vals = [p["cold_rate"] for p in per_layer] if per_layer else rates
+        lines.append(format_table(hdr, [[lid, _pct(v)] for lid, v in zip(r["layer_ids"], vals, strict=True)]))
+    if r.get("png"):
+        lines.append(f"\nwrote {r['png']}")
+    return "\n".join(lines)
+
+
+def _diff_human(r: dict[str, Any]) -> str:
+    lines = [
+        f"a: [{r['a']['hash'].split(':')[-1][:12]}] {r['a']['label'] or '-'} ({r['a']['policy']})",
+        f"b: [{r['b']['hash'].split(':')[-1][:12]}] {r['b']['label'] or '-'} ({r['b']['policy']})",
+        r["verdict"],
+        f"compile-cache hit: {'yes' if r['compile_cache_hit'] else 'NO'}",
+        f"moves: {r['hot_to_cold']} hot->cold, {r['cold_to_hot']} cold->hot in {r['layers_changed']} of "
+        f"{r['comparable_layers']} comparable layers"
+        + (f" ({_gib(r['moved_bytes'])} moved)" if r.get("moved_bytes") else ""),
+    ]
+    changed = [p for p in r["per_layer"] if p["hot_to_cold"] or p["cold_to_hot"]]
+    if changed:
+        lines.append("")
+        lines.append(format_table(["layer", "hot->cold", "cold->hot"],
+                                  [[p["layer_id"], _ids(p["hot_to_cold"]), _ids(p["cold_to_hot"])] for p in changed]))
+    return "\n".join(lines)
+
+
+def _ids(ids: list[int], limit: int = 10) -> str:
+    shown = ",".join(str(i) for i in ids[:limit])
+    return f"{len(ids)}: {shown}" + (",..." if len(ids) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------------- click
+
+
+def register(main: click.Group) -> None:
+    @main.group("map")
+    def map_group() -> None:
+        """Build, evaluate, show and compare expert placement maps."""
+
+    @map_group.command("build")
+    @click.argument("counts", nargs=-1, required=True, type=click.Path(dir_okay=False))
+    @click.option("--hot-rows", type=int, help="Experts kept in HBM per layer (1..num_experts-1).")
+    @click.option("--hbm-bytes", type=int, help="HBM budget for experts, in bytes; converted to hot rows per layer.")
+    @click.option("--expert-bytes", type=int, help="Bytes of one expert (default: from the counts' meta).")
+    @click.option("--positional", is_flag=True,
+                  help="Print the positional (--cpu-offload-gb) baseline for the budget instead of writing a map.")
+    @click.option("--label", default="", help="A name for the map (e.g. the traffic class).")
+    @click.option("--out", type=click.Path(), help="Where to write the map (atomically; directories are created).")
+    @json_option
+    @handle_errors
+    def build_cmd(counts: tuple[str, ...], hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int | None,
+                  positional: bool, label: str, out: str | None, as_json: bool) -> None:
+        """Make each layer's hot set from its most-selected experts in COUNTS (summed); same hot count everywhere.
+
+        With several COUNTS, also prints a leave-one-out evaluation (the figure that says how well the map
+        generalises). Always prints the positional baseline for the same budget.
+        """
+        emit(_build(counts, hot_rows, hbm_bytes, expert_bytes, positional, label, out), as_json, _build_human)
+
+    @map_group.command("eval")
+    @click.argument("map_path", metavar="MAP", type=click.Path(dir_okay=False))
+    @click.argument("counts", type=click.Path(dir_okay=False))
+    @json_option
+    @handle_errors
+    def eval_cmd(map_path: str, counts: str, as_json: bool) -> None:
+        """Cold-selection rate of MAP on COUNTS, total and per layer, next to the positional baseline."""
+        emit(_eval(map_path, counts), as_json, _eval_human)
+
+    @map_group.command("show")
+    @click.argument("map_path", metavar="MAP", type=click.Path(dir_okay=False))
+    @click.option("--counts", "counts_path", type=click.Path(dir_okay=False),
+                  help="Colour the heatmap by these counts' selection shares and evaluate on them.")
+    @click.option("--png", type=click.Path(), help="Write a heatmap of the placement and per-layer coverage.")
+    @json_option
+    @handle_errors
+    def show_cmd(map_path: str, counts_path: str | None, png: str | None, as_json: bool) -> None:
+        """Summary of MAP (geometry, bytes, prediction), optionally a PNG heatmap."""
+        emap = maps.read_map(map_path)
+        inputs = [map_path, *([counts_path] if counts_path else [])]
+        target = check_out_path(png, inputs, "heatmap") if png else None
+        counts = maps.read_counts(counts_path) if counts_path else None
+        result: dict[str, Any] = {"map": map_path, **maps.summary(emap)}
+        if counts is not None:
+            result.update(counts=counts_path, evaluation=maps.evaluate(emap, counts, map_path, counts_path))
+        if target is not None:
+            from pinsidecar.heatmap import write_map_png
+
+            _write(lambda p: write_map_png(p, emap, counts), target)
+            result["png"] = str(target)
+        emit(result, as_json, _show_human)
+
+    @map_group.command("diff")
+    @click.argument("a", type=click.Path(dir_okay=False))
+    @click.argument("b", type=click.Path(dir_okay=False))
+    @json_option
+    @handle_errors
+    def diff_cmd(a: str, b: str, as_json: bool) -> None:
+        """What a remap from A to B moves, and whether the reboot is a compile-cache hit."""
+        ma, mb = maps.read_map(a), maps.read_map(b)
+        emit({"a_path": a, "b_path": b, **maps.diff_maps(ma, mb)}, as_json, _diff_human)
+
