@@ -1,0 +1,303 @@
+"""The gate: a small reverse proxy in front of the engine, so a drain-reboot loses no request.
+
+Clients talk to the gate, never to the engine. Normally it is a transparent pass-through: method, path, query,
+headers (minus hop-by-hop ones) and body go to the engine, and the engine's response comes back chunk by chunk as
+it arrives (server-sent events are never buffered), so the client cannot tell it is there. During a drain-reboot
+the daemon calls :meth:`Gate.hold` (new requests wait at the gate instead of reaching an engine that is going
+away), :meth:`Gate.drain` (wait, bounded, for requests already at the engine to finish), reboots the engine,
+points the gate at it (:meth:`Gate.set_upstream` if its address changed) and calls :meth:`Gate.release`, which
+lets the held requests through in arrival order.
+
+Every wait is bounded: at most ``max_queue`` requests are held, each for at most ``max_hold_s``; beyond either the
+client gets ``503`` with ``Retry-After``. A body over ``max_body_bytes`` gets ``413`` (before anything reaches the
+engine), an engine that refuses connections while the gate is open gets ``502`` with a body that says so.
+
+The gate can also sample request bodies into a :class:`~pinsidecar.capture.CaptureStore` (opt-in), which later
+count boots replay.
+
+Threading: all methods must be called from the event loop the gate runs on (use
+``loop.call_soon_threadsafe`` from another thread). Counters (:attr:`Gate.counters`) may be read from anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from pinsidecar.capture import CaptureStore
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "GATE_OUTCOMES", "HOP_BY_HOP_HEADERS", "Gate"]
+
+log = structlog.get_logger(__name__)
+
+# OpenAI-style requests are small (a long prompt is tens of KiB); 4 MiB leaves room for long contexts and still
+# bounds what a held queue can pin in memory (max_queue x max_body_bytes).
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# RFC 9110 section 7.6.1 hop-by-hop headers, plus the obsolete Proxy-Connection; headers named in Connection are
+# stripped too.
+HOP_BY_HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
+    "transfer-encoding", "upgrade",
+})
+GATE_OUTCOMES = ("proxied", "rejected_queue_full", "rejected_hold_timeout", "rejected_stopping", "too_large",
+                 "bad_gateway", "upstream_broken", "client_disconnected")
+_STRIP_REQUEST = frozenset({"host", "content-length"})  # the client session sets both for the upstream
+
+
+def _filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str], extra: frozenset[str] = frozenset()
+                    ) -> CIMultiDict[str]:
+    named = {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
+    drop = HOP_BY_HOP_HEADERS | named | extra
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
+
+
+class Gate:
+    """Reverse proxy with hold / release / drain; see the module docstring for when the daemon calls what."""
+
+    def __init__(self, listen_host: str, listen_port: int, upstream_url: str, *, max_queue: int = 64,
+                 max_hold_s: float = 120.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 capture: CaptureStore | None = None, retry_after_s: int = 5, connect_timeout_s: float = 5.0,
+                 shutdown_timeout_s: float = 5.0) -> None:
+        if max_queue < 0 or max_hold_s < 0 or max_body_bytes < 1:
+            raise ValueError(f"gate limits must be non-negative (max_queue={max_queue}, max_hold_s={max_hold_s}, "
+                             f"max_body_bytes={max_body_bytes})")
+        self.listen_host = listen_host
+        self.listen_port = listen_port
+        self.max_queue = max_queue
+        self.max_hold_s = max_hold_s
+        self.max_body_bytes = max_body_bytes
+        self.capture = capture
+        self.retry_after_s = retry_after_s
+        self.connect_timeout_s = connect_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.counters: dict[str, int] = dict.fromkeys(GATE_OUTCOMES, 0)
+        self.longest_hold_s = 0.0  # the longest any request waited at a hold (the drain-reboot stall)
+        self._upstream = upstream_url.rstrip("/")
+        self._in_flight = 0
+        self._held = 0
+        self._stopping = False
+        self._open: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._holding = False
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    # ------------------------------------------------------------------------------------------------ state
+    @property
+    def in_flight(self) -> int:
+        """Requests passed to the engine whose response has not finished."""
+        return self._in_flight
+
+    @property
+    def held(self) -> int:
+        """Requests waiting at the gate for :meth:`release`."""
+        return self._held
+
+    @property
+    def holding(self) -> bool:
+        return self._holding
+
+    @property
+    def upstream_url(self) -> str:
+        return self._upstream
+
+    @property
+    def port(self) -> int:
+        """The port actually listened on (useful with ``listen_port=0``)."""
+        if self._site is not None and self._site._server is not None:  # aiohttp keeps the server private
+            sockets = getattr(self._site._server, "sockets", None) or []
+            if sockets:
+                return int(sockets[0].getsockname()[1])
+        return self.listen_port
+
+    def set_upstream(self, url: str) -> None:
+        """Send requests that pass the gate from now on to ``url`` (an engine restarted on another port)."""
+        self._upstream = url.rstrip("/")
+        log.info("gate upstream changed", upstream=self._upstream)
+
+    # ------------------------------------------------------------------------------------------------ control
+    async def start(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        if self._holding:
+            self._open.clear()
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+            auto_decompress=False,  # pass compressed bodies through byte for byte
+        )
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.listen_host, self.listen_port,
+                                 shutdown_timeout=self.shutdown_timeout_s)
+        await self._site.start()
+        log.info("gate listening", host=self.listen_host, port=self.port, upstream=self._upstream)
+
+    async def stop(self) -> None:
+        """Stop listening. Held requests get 503; in-flight ones get up to ``shutdown_timeout_s`` to finish."""
+        self._stopping = True
+        if self._open is not None:
+            self._open.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner, self._site = None, None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._stopping = False
+
+    def hold(self) -> None:
+        """From now on, new requests wait at the gate (bounded) instead of reaching the engine."""
+        self._holding = True
+        if self._open is not None:
+            self._open.clear()
+        log.info("gate holding new requests", in_flight=self._in_flight)
+
+    def release(self) -> None:
+        """Let held and new requests through again."""
+        self._holding = False
+        if self._open is not None:
+            self._open.set()
+        log.info("gate released", held=self._held)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the requests already at the engine to finish; return how many still are.
+
+        Call :meth:`hold` first, or new requests keep arriving and the count may never reach zero.
+        """
+        assert self._idle is not None, "gate not started"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._in_flight:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._idle.wait(), remaining)
+            except TimeoutError:
+                break
+        if self._in_flight:
+            log.warning("drain timed out with requests still in flight", in_flight=self._in_flight,
+                        timeout_s=timeout_s)
+        return self._in_flight
+
+    # ------------------------------------------------------------------------------------------------ proxy
+    def _count(self, outcome: str) -> None:
+        self.counters[outcome] = self.counters.get(outcome, 0) + 1
+
+    def _unavailable(self, why: str, outcome: str) -> web.Response:
+        self._count(outcome)
+        return _error(503, f"pinsidecar gate: {why}; retry after {self.retry_after_s} s", "service_unavailable",
+                      {"Retry-After": str(self.retry_after_s)})
+
+    async def _wait_open(self) -> web.Response | None:
+        assert self._open is not None
+        if self._open.is_set():
+            return None
+        if self._held >= self.max_queue:
+            return self._unavailable(f"the engine is restarting and the hold queue is full ({self.max_queue})",
+                                     "rejected_queue_full")
+        self._held += 1
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._open.wait(), self.max_hold_s)
+        except TimeoutError:
+            return self._unavailable(f"the engine is restarting and the request waited {self.max_hold_s:g} s",
+                                     "rejected_hold_timeout")
+        finally:
+            self._held -= 1
+            self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - started)
+        return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if self._stopping:
+            return self._unavailable("the sidecar is shutting down", "rejected_stopping")
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            self._count("too_large")
+            return _error(413, f"pinsidecar gate: request body of {request.content_length} bytes is over the "
+                          f"limit of {self.max_body_bytes} bytes", "request_too_large")
+        refused = await self._wait_open()
+        if refused is not None:
+            return refused
+        if self._stopping:
+            return self._unavailable("the sidecar is shutting down", "rejected_stopping")
+        assert self._idle is not None
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._proxy(request)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self._count("too_large")
+            return _error(413, f"pinsidecar gate: request body is over the limit of {self.max_body_bytes} bytes",
+                          "request_too_large")
+        if self.capture is not None and body and request.method == "POST":
+            self.capture.offer(request.path, body)
+        headers = _filter_headers(request.headers, _STRIP_REQUEST)
+        if request.remote:
+            prior = request.headers.get("X-Forwarded-For")
+            headers["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
+        upstream = self._upstream
+        assert self._session is not None
+        try:
+            up = await self._session.request(
+                request.method, URL(upstream + request.raw_path, encoded=True), headers=headers, data=body or None,
+                allow_redirects=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self._count("bad_gateway")
+            return _error(502, f"pinsidecar gate: the engine at {upstream} is not reachable "
+                          f"({type(exc).__name__}: {exc}); it may be starting or restarting", "bad_gateway")
+        async with up:
+            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=_filter_headers(up.headers))
+            try:
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+            except ConnectionResetError:
+                # the client went away: closing the upstream response makes the engine abort the request
+                self._count("client_disconnected")
+                up.close()
+                return resp
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # the engine died mid-response: cut the client's connection so it sees a broken response,
+                # never a clean end of a truncated one
+                self._count("upstream_broken")
+                log.warning("engine response broke off mid-stream", path=request.path, error=str(exc))
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+        self._count("proxied")
+        return resp
+
+    def snapshot(self) -> dict[str, Any]:
+        """The gate's state for ``pinsidecar status``."""
+        return {"upstream": self._upstream, "holding": self._holding, "held": self._held,
+                "in_flight": self._in_flight, "longest_hold_s": round(self.longest_hold_s, 3),
+                "counters": dict(self.counters)}

@@ -1,0 +1,298 @@
+"""The gate: transparent forwarding, unbuffered streaming, hold/release with bounded waits, 413, 502, drain counts.
+
+Runs against :class:`pinsidecar.testing.upstream.UpstreamStub` (a local OpenAI-like server whose chunk timing the
+test controls); the real engine behind the gate is the daemon's drain-reboot test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from pinsidecar.capture import CaptureStore
+from pinsidecar.gate import Gate
+from pinsidecar.testing.upstream import UpstreamStub
+
+
+def run(test: Callable[[UpstreamStub], Awaitable[None]], **stub_kwargs: Any) -> None:
+    async def main() -> None:
+        stub = UpstreamStub(**stub_kwargs)
+        await stub.start()
+        try:
+            await asyncio.wait_for(test(stub), 60)
+        finally:
+            await stub.stop()
+
+    asyncio.run(main())
+
+
+async def started(gate: Gate) -> Gate:
+    await gate.start()
+    return gate
+
+
+def url(gate: Gate, path: str) -> str:
+    return f"http://127.0.0.1:{gate.port}{path}"
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_forwards_method_path_query_headers_body_and_strips_hop_by_hop() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.put(URL(url(gate, "/echo/a%20b/c?x=1&y=%2F"), encoded=True), data=b"\x00payload\xff",
+                                headers={"X-Custom": "kept", "Connection": "keep-alive, X-Drop-Me",
+                                         "X-Drop-Me": "gone", "Proxy-Authorization": "Basic abc",
+                                         "Authorization": "Bearer t"})
+                assert r.status == 200
+                assert r.headers["X-Stub"] == "echo"
+                assert "X-Hop" not in r.headers  # named in the upstream's Connection header
+                got = await r.json()
+        finally:
+            await gate.stop()
+        headers = {k.lower(): v for k, v in got["headers"]}
+        assert got["method"] == "PUT"
+        assert got["path"] == "/echo/a b/c"
+        assert got["raw_path"] == "/echo/a%20b/c?x=1&y=%2F"  # byte for byte, not re-encoded
+        assert got["body"] == b"\x00payload\xff".decode("latin-1")
+        assert headers["x-custom"] == "kept"
+        assert headers["authorization"] == "Bearer t"
+        assert "x-drop-me" not in headers
+        assert "proxy-authorization" not in headers
+        assert headers["x-forwarded-for"] == "127.0.0.1"
+        assert gate.counters["proxied"] == 1
+
+    run(body)
+
+
+def test_streaming_chunks_pass_through_as_they_are_sent() -> None:
+    """Each chunk must reach the client before the engine sends the next one: a buffering proxy would deliver
+    them all at the end (the stub sends one every 0.3 s)."""
+
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        arrivals: list[tuple[int, int]] = []  # (sent_ns, arrived_ns)
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(url(gate, "/v1/completions"),
+                                 json={"prompt": "hi", "max_tokens": 5, "stream": True, "chunk_interval_s": 0.3})
+                assert r.status == 200
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                buf = b""
+                async for data in r.content.iter_any():
+                    now = asyncio.get_running_loop().time()
+                    buf += data
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        payload = event.removeprefix(b"data: ")
+                        if payload != b"[DONE]":
+                            arrivals.append((json.loads(payload)["sent_ns"], int(now * 1e9)))
+        finally:
+            await gate.stop()
+        assert len(arrivals) == 5
+        for (_, arrived), (next_sent, _) in itertools.pairwise(arrivals):
+            assert arrived < next_sent, "a chunk was held back until the next one was sent"
+
+    run(body)
+
+
+def test_hold_queues_requests_until_release() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                gate.hold()
+                tasks = [asyncio.create_task(s.post(url(gate, "/v1/completions"), json={"prompt": str(i),
+                                                                                          "max_tokens": 2}))
+                         for i in range(3)]
+                await wait_until(lambda: gate.held == 3)
+                assert stub.requests == 0, "a held request reached the engine"
+                gate.release()
+                responses = await asyncio.gather(*tasks)
+                assert [r.status for r in responses] == [200, 200, 200]
+                assert stub.requests == 3
+                assert gate.held == 0
+                assert gate.longest_hold_s > 0
+        finally:
+            await gate.stop()
+
+    run(body)
+
+
+def test_full_queue_and_hold_timeout_answer_503_with_retry_after() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url, max_queue=2, max_hold_s=30.0, retry_after_s=7))
+        short = await started(Gate("127.0.0.1", 0, stub.url, max_hold_s=0.2))
+        try:
+            async with aiohttp.ClientSession() as s:
+                gate.hold()
+                waiting = [asyncio.create_task(s.get(url(gate, "/v1/models"))) for _ in range(2)]
+                await wait_until(lambda: gate.held == 2)
+                r = await s.get(url(gate, "/v1/models"))
+                assert r.status == 503
+                assert r.headers["Retry-After"] == "7"
+                assert "queue is full" in (await r.json())["error"]["message"]
+                assert gate.counters["rejected_queue_full"] == 1
+                gate.release()
+                assert [r.status for r in await asyncio.gather(*waiting)] == [200, 200]
+
+                short.hold()
+                r = await s.get(url(short, "/v1/models"))
+                assert r.status == 503
+                assert r.headers["Retry-After"] == "5"
+                assert short.counters["rejected_hold_timeout"] == 1
+        finally:
+            await gate.stop()
+            await short.stop()
+
+    run(body)
+
+
+def test_oversized_body_is_413_and_never_reaches_the_engine() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url, max_body_bytes=1024))
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(url(gate, "/v1/completions"), data=b"x" * 2000)
+                assert r.status == 413
+                assert "over the limit of 1024 bytes" in (await r.json())["error"]["message"]
+
+                async def chunked() -> Any:  # no Content-Length: the limit is enforced while reading
+                    for _ in range(4):
+                        yield b"y" * 600
+
+                r = await s.post(url(gate, "/v1/completions"), data=chunked())
+                assert r.status == 413
+                r = await s.post(url(gate, "/v1/completions"), json={"prompt": "ok", "max_tokens": 1})
+                assert r.status == 200
+        finally:
+            await gate.stop()
+        assert stub.requests == 1
+        assert gate.counters["too_large"] == 2
+
+    run(body)
+
+
+def test_engine_refusing_connections_is_502_with_a_clear_body() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        dead = UpstreamStub()
+        await dead.start()
+        dead_url = dead.url
+        await dead.stop()  # nothing listens there now
+        gate = await started(Gate("127.0.0.1", 0, dead_url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(url(gate, "/v1/completions"), json={"prompt": "x"})
+                assert r.status == 502
+                msg = (await r.json())["error"]["message"]
+                assert dead_url in msg and "not reachable" in msg
+                gate.set_upstream(stub.url)
+                r = await s.post(url(gate, "/v1/completions"), json={"prompt": "x", "max_tokens": 1})
+                assert r.status == 200
+        finally:
+            await gate.stop()
+        assert gate.counters["bad_gateway"] == 1
+
+    run(body)
+
+
+def test_drain_counts_requests_still_in_flight() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                slow = [asyncio.create_task(s.post(url(gate, "/v1/completions"),
+                                                   json={"prompt": "p", "max_tokens": 1, "delay_s": 1.0}))
+                        for _ in range(2)]
+                await wait_until(lambda: stub.active == 2)
+                gate.hold()
+                assert gate.in_flight == 2
+                assert await gate.drain(0.05) == 2
+                assert await gate.drain(30.0) == 0
+                assert [r.status for r in await asyncio.gather(*slow)] == [200, 200]
+                assert await gate.drain(0.0) == 0
+                gate.release()
+        finally:
+            await gate.stop()
+
+    run(body)
+
+
+def test_streaming_request_in_flight_until_its_last_chunk() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(url(gate, "/v1/completions"),
+                                 json={"prompt": "p", "max_tokens": 4, "stream": True, "chunk_interval_s": 0.2})
+                assert r.status == 200
+                assert gate.in_flight == 1  # headers arrived, the stream has not finished
+                gate.hold()
+                drained = asyncio.create_task(gate.drain(30.0))
+                text = await r.text()
+                assert text.endswith("data: [DONE]\n\n")
+                assert await drained == 0
+        finally:
+            await gate.stop()
+
+    run(body)
+
+
+def test_client_disconnect_aborts_the_engine_request() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(url(gate, "/v1/completions"),
+                                 json={"prompt": "p", "max_tokens": 50, "stream": True, "chunk_interval_s": 0.05})
+                await r.content.readline()
+                r.close()  # the client goes away mid-stream
+            await wait_until(lambda: gate.in_flight == 0 and stub.active == 0)
+        finally:
+            await gate.stop()
+        assert stub.aborted == 1
+        assert gate.counters["client_disconnected"] == 1
+
+    run(body)
+
+
+def test_capture_samples_completion_bodies_as_workload_lines(tmp_path: Path) -> None:
+    store = CaptureStore(tmp_path / "cap", sample_rate=1.0)
+
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url, capture=store))
+        try:
+            async with aiohttp.ClientSession() as s:
+                for i in range(3):
+                    r = await s.post(url(gate, "/v1/completions"), json={"prompt": f"p{i}", "max_tokens": 2})
+                    assert r.status == 200
+                r = await s.post(url(gate, "/v1/chat/completions"),
+                                 json={"messages": [{"role": "user", "content": "hé"}], "max_tokens": 2})
+                assert r.status == 200
+                r = await s.get(url(gate, "/v1/models"))
+                assert r.status == 200
+        finally:
+            await gate.stop()
+
+    run(body)
+    done = store.rotate()
+    assert done is not None
+    lines = [json.loads(line) for line in done.read_text().splitlines()]
+    assert [x.get("prompt") for x in lines[:3]] == ["p0", "p1", "p2"]
+    assert lines[3]["messages"][0]["content"] == "hé"
+    assert len(lines) == 4
