@@ -167,7 +167,8 @@ class GateConfig:
     max_hold_s: float = field(default=300.0, metadata={_POSITIVE: True})  # longest a held request waits
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={_POSITIVE: True})
     capture_dir: Path | None = None  # opt-in request capture store; absent = off
-    capture_max_bytes: int = field(default=256 * 1024 * 1024, metadata={_POSITIVE: True})
+    capture_max_bytes: int = field(default=256 * 1024 * 1024, metadata={_MIN: 8192})  # total, over all files
+    capture_max_files: int = field(default=8, metadata={_POSITIVE: True})
     capture_sample_rate: float = field(default=1.0, metadata={_MIN: 0})
 
 

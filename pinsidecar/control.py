@@ -1,0 +1,192 @@
+"""The daemon's control API: ``GET /status``, ``POST /drain-reboot``, ``POST /remap``.
+
+HTTP on loopback by default (``control.host``/``control.port``) or a unix socket (``control.unix_socket``), served
+by ``aiohttp.web`` inside the daemon's event loop. The rules, and why:
+
+- **Mutating calls need ``Authorization: Bearer <token>``**, the token read from ``control.token_file``. The file
+  must be mode 0600 (no group or other bits): a token anyone on the box can read protects nothing, so the daemon
+  refuses to start otherwise. A missing or wrong token is answered 401 *before* anything is parsed or done.
+  ``GET /status`` is read-only and open on the loopback listener.
+- **Bodies are bounded** (``control.max_body_bytes``): a larger ``Content-Length`` (or a body that turns out larger)
+  is 413 before anything is done.
+- Errors are JSON ``{"error": "..."}`` with a status that says whose fault it is (400 bad input, 409 busy,
+  500/502 the operation failed, 501 not available yet).
+
+The daemon implements :class:`ControlTarget`; this module knows nothing about engines or gates.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+from aiohttp import web
+
+__all__ = ["ControlError", "ControlServer", "ControlTarget", "TokenFileError", "read_token"]
+
+log = structlog.get_logger(__name__)
+
+REMAP_NOT_AVAILABLE = "remap pipeline not available yet"
+
+
+class TokenFileError(RuntimeError):
+    """The token file is missing, empty or readable by others: the daemon refuses to start."""
+
+
+class ControlError(Exception):
+    """Raised by a :class:`ControlTarget` to answer with ``status`` and ``message``."""
+
+    def __init__(self, status: int, message: str, payload: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.payload = payload or {}
+
+
+class ControlTarget(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    async def drain_reboot(self, map_ref: str | None, timeout_s: float | None) -> dict[str, Any]: ...
+
+
+def read_token(path: Path, create: bool = False) -> str:
+    """The bearer token in ``path``. With ``create``, a missing file is created (random token, mode 0600)."""
+    path = Path(path)
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32) + "\n")
+        log.info("control_token_created", path=str(path))
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise TokenFileError(f"control.token_file: {path} does not exist (create it with mode 0600)") from None
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise TokenFileError(f"control.token_file: {path} has mode {mode:04o}; it must not be readable by group or "
+                             f"others (chmod 600 {path})")
+    token = path.read_text().strip()
+    if len(token) < 16:
+        raise TokenFileError(f"control.token_file: {path} holds {len(token)} characters; use at least 16 "
+                             "(e.g. `openssl rand -hex 32`)")
+    return token
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(payload, default=str) + "\n",
+                        content_type="application/json")
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return _json({"error": message, **extra}, status)
+
+
+class ControlServer:
+    """The control API, bound to a :class:`ControlTarget`. ``await start()`` / ``await stop()``."""
+
+    def __init__(self, target: ControlTarget, token: str, *, host: str = "127.0.0.1", port: int = 0,
+                 unix_socket: Path | None = None, max_body_bytes: int = 64 * 1024) -> None:
+        self.target = target
+        self._token = token.encode()
+        self.host, self.port, self.unix_socket = host, port, unix_socket
+        self.max_body_bytes = max_body_bytes
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
+        self.app.router.add_get("/status", self._status)
+        self.app.router.add_post("/drain-reboot", self._drain_reboot)
+        self.app.router.add_post("/remap", self._remap)
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.unix_socket}" if self.unix_socket else f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        if self.unix_socket is not None:
+            self.unix_socket.parent.mkdir(parents=True, exist_ok=True)
+            if self.unix_socket.exists():
+                self.unix_socket.unlink()
+            site: web.BaseSite = web.UnixSite(self._runner, str(self.unix_socket))
+            await site.start()
+            os.chmod(self.unix_socket, 0o660)
+        else:
+            site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+            await site.start()
+            if self.port == 0:  # tests ask for any free port
+                server = getattr(site, "_server", None)
+                if server is not None and server.sockets:
+                    self.port = server.sockets[0].getsockname()[1]
+        log.info("control_listening", address=self.address)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------------------------------------------ guard
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            return _error(413, f"request body of {request.content_length} bytes is over the limit of "
+                          f"{self.max_body_bytes} bytes")
+        if request.method != "GET" and not self._authorized(request):
+            log.warning("control_unauthorized", path=request.path, remote=request.remote)
+            return web.Response(status=401, text=json.dumps({"error": "missing or wrong bearer token"}) + "\n",
+                                content_type="application/json", headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
+        except ControlError as exc:
+            return _error(exc.status, str(exc), **exc.payload)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        raw = await request.read()  # bounded by client_max_size -> HTTPRequestEntityTooLarge
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ControlError(400, f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ControlError(400, "body must be a JSON object")
+        return body
+
+    # ------------------------------------------------------------------------------------------------ handlers
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return _json(self.target.status())
+
+    async def _drain_reboot(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        unknown = sorted(set(body) - {"map", "timeout_s"})
+        if unknown:
+            raise ControlError(400, f"unknown field {unknown[0]!r} (allowed: map, timeout_s)")
+        map_ref = body.get("map")
+        if map_ref is not None and (not isinstance(map_ref, str) or not map_ref):
+            raise ControlError(400, "map: expected a path, a file name in the maps folder, or a hash")
+        timeout_s = body.get("timeout_s")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
+                                      or timeout_s <= 0):
+            raise ControlError(400, f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        result = await self.target.drain_reboot(map_ref, None if timeout_s is None else float(timeout_s))
+        return _json(result, 200 if result.get("ok") else 500)
+
+    async def _remap(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        return _error(501, REMAP_NOT_AVAILABLE)

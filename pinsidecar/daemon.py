@@ -1,0 +1,332 @@
+"""The sidecar daemon: one asyncio process that fronts, supervises and reports on one engine.
+
+``pinsidecar run`` calls :func:`run_daemon`. The start order is chosen so that nothing is half-up:
+
+1. the config is already validated; the control token is read (mode 0600 or the daemon refuses to start);
+2. the Prometheus exporter, the gate (clients' entry point), the control API and the maps library start;
+3. the supervisor boots the engine and keeps it alive (:mod:`pinsidecar.supervisor`);
+4. ``READY=1`` goes to systemd when the engine is first ready (or has failed for good: the daemon stays up to
+   report that, and systemd must not kill it for a slow start); the main loop sends ``WATCHDOG=1`` at half of
+   ``WATCHDOG_USEC`` and ``STATUS=`` on every state change.
+
+**Drain-reboot** (:meth:`Daemon.drain_reboot`, from the control API): the gate holds new requests, in-flight ones
+get up to ``timeout_s`` to finish, the engine is stopped and started again (with the new map if one is given,
+validated first), and once it serves, the gate releases what it held. A map of a different geometry is allowed
+but logged as *not a hash-hit reboot* (the compile caches will miss). If the engine does not come up with the new
+map, the daemon boots the old one again and says so (``rolled_back``).
+
+**SIGTERM / SIGINT**: ``STOPPING=1``, the gate holds, in-flight requests drain (bounded), the engine stops, exit 0.
+
+The active map survives daemon restarts: after a successful switch it is recorded in
+``<state_dir>/active-map.json`` and preferred over ``engine.map`` at the next start while it still validates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from pinsidecar import __version__
+from pinsidecar.artifacts import ArtifactError, atomic_write_json, load_map, utc_now
+from pinsidecar.config import Config
+from pinsidecar.control import ControlError, ControlServer, read_token
+from pinsidecar.engine import EngineError, EngineProcess, EngineSpec
+from pinsidecar.maplib import MapLibrary, MapNotFound
+from pinsidecar.sdnotify import Notifier
+from pinsidecar.supervisor import EngineState, Supervisor
+
+__all__ = ["Daemon", "run_daemon"]
+
+log = structlog.get_logger(__name__)
+
+ACTIVE_MAP_FILE = "active-map.json"
+
+
+def make_launcher_factory(cfg: Config) -> Any:
+    """The launcher for ``engine.launcher``: a local process (default) or a container."""
+    if cfg.engine.launcher == "container":
+        from pinsidecar.engine_container import ContainerEngine
+
+        return lambda spec: ContainerEngine(spec, cfg.container, cfg.daemon.state_dir)
+    return EngineProcess
+
+
+class Daemon:
+    """The running daemon. Build with a validated :class:`Config`; ``await run()`` until a stop signal."""
+
+    def __init__(self, cfg: Config, notifier: Notifier | None = None, launcher_factory: Any = None) -> None:
+        self.cfg = cfg
+        self.notifier = notifier or Notifier.from_env()
+        self.state_dir = cfg.daemon.state_dir
+        self.launcher_factory = launcher_factory or make_launcher_factory(cfg)
+        self.started_at = time.time()
+        self.exporter: Any = None
+        self.gate: Any = None
+        self.control: ControlServer | None = None
+        self.maps = MapLibrary(cfg.maps_dir, watch=cfg.maps.watch)
+        self.supervisor: Supervisor | None = None
+        self.last_drain_reboot: dict[str, Any] | None = None
+        self._stop = asyncio.Event()
+        self._ready_sent = False
+        self._drain_busy = False
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _spec_for(self, map_path: Path | None) -> EngineSpec:
+        return self.cfg.engine_spec(map_path)
+
+    def _initial_map(self) -> Path | None:
+        configured = self.cfg.engine.map
+        if self.cfg.engine.hook_mode != "pin":
+            return None
+        record = self.state_dir / ACTIVE_MAP_FILE
+        try:
+            doc = json.loads(record.read_text())
+            path, want = Path(doc["path"]), doc["hash"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return configured
+        try:
+            emap = load_map(path)
+        except (ArtifactError, OSError) as exc:
+            log.warning("active_map_unusable", path=str(path), reason=str(exc), using=str(configured))
+            return configured
+        if emap.content_hash != want:
+            log.warning("active_map_changed", path=str(path), recorded=want, now=emap.content_hash,
+                        using=str(configured))
+            return configured
+        if path != configured:
+            log.info("active_map_from_state", path=str(path), hash=want, configured=str(configured))
+        return path
+
+    def _on_state(self, state: str, detail: str) -> None:
+        text = f"engine {state}" + (f": {detail}" if detail else "")
+        if not self._ready_sent and state in (EngineState.READY, EngineState.FAILED):
+            self._ready_sent = True
+            self.notifier.ready(text)
+            log.info("daemon_ready", engine=state)
+        else:
+            self.notifier.status(text)
+
+    # ------------------------------------------------------------------------------------------------ start / stop
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        token = read_token(cfg.control.token_file, create=cfg.control.create_token)  # type: ignore[arg-type]
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        spec = self._spec_for(None)
+        if cfg.metrics.enabled:
+            from pinsidecar.metrics import Exporter
+
+            stats_path = Path(spec.env["PINSIDECAR_STATS_PATH"]) if "PINSIDECAR_STATS_PATH" in spec.env else None
+            kwargs: dict[str, Any] = {"stats_path": stats_path, "engine_metrics_url": spec.base_url,
+                                      "cgroup_root": cfg.metrics.cgroup_root}
+            if not cfg.metrics.nvml:
+                kwargs["nvml"] = None
+            self.exporter = Exporter(**kwargs)
+            self.exporter.start_http(cfg.metrics.host, cfg.metrics.port)
+        if cfg.gate.enabled:
+            from pinsidecar.gate import Gate
+
+            capture = None
+            if cfg.gate.capture_dir is not None:
+                capture = self._capture_store()
+            self.gate = Gate(cfg.gate.host, cfg.gate.port, spec.base_url, max_queue=cfg.gate.max_queue,
+                             max_hold_s=cfg.gate.max_hold_s, max_body_bytes=cfg.gate.max_body_bytes,
+                             capture=capture)
+            await self.gate.start()
+            if self.exporter is not None and hasattr(self.exporter, "attach_gate"):
+                self.exporter.attach_gate(self.gate)
+        self.control = ControlServer(self, token, host=cfg.control.host, port=cfg.control.port,
+                                     unix_socket=cfg.control.unix_socket, max_body_bytes=cfg.control.max_body_bytes)
+        await self.control.start()
+        await self.maps.start()
+        self.supervisor = Supervisor(
+            self._spec_for, self.launcher_factory, cfg.supervisor, ready_timeout_s=cfg.engine.ready_timeout_s,
+            stop_timeout_s=cfg.engine.stop_timeout_s, map_path=self._initial_map(), exporter=self.exporter,
+            on_state=self._on_state)
+        self._tasks.append(asyncio.create_task(self.supervisor.run(), name="supervisor"))
+        log.info("daemon_started", version=__version__, config=str(cfg.path), control=self.control.address,
+                 gate=f"{cfg.gate.host}:{cfg.gate.port}" if self.gate else None,
+                 metrics=f"{cfg.metrics.host}:{cfg.metrics.port}" if self.exporter else None)
+
+    def _capture_store(self) -> Any:
+        from pinsidecar.capture import CaptureStore
+
+        g = self.cfg.gate
+        # The store rotates files: the total cap is split over capture_max_files files.
+        return CaptureStore(g.capture_dir, sample_rate=g.capture_sample_rate,  # type: ignore[arg-type]
+                            max_file_bytes=max(1024, g.capture_max_bytes // g.capture_max_files),
+                            max_files=g.capture_max_files)
+
+    async def shutdown(self) -> None:
+        """Drain and stop everything (SIGTERM path)."""
+        self.notifier.stopping("stopping: draining requests")
+        log.info("daemon_stopping")
+        if self.gate is not None:
+            self.gate.hold()
+            remaining = await self.gate.drain(self.cfg.control.drain_timeout_s)
+            if remaining:
+                log.warning("shutdown_drain_incomplete", in_flight=remaining)
+        if self.supervisor is not None:
+            await self.supervisor.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.gate is not None:
+            await self.gate.stop()
+        if self.control is not None:
+            await self.control.stop()
+        await self.maps.stop()
+        if self.exporter is not None:
+            self.exporter.stop()
+        self.notifier.close()
+        log.info("daemon_stopped")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Start, serve until SIGTERM/SIGINT (or :meth:`request_stop`), shut down. Returns the exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+            interval = self.notifier.watchdog_interval_s()
+            while not self._stop.is_set():
+                if interval is not None:
+                    self.notifier.watchdog()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=interval or 3600.0)
+        finally:
+            await self.shutdown()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)
+        return 0
+
+    # ------------------------------------------------------------------------------------------------ control
+
+    def status(self) -> dict[str, Any]:
+        sup = self.supervisor
+        return {
+            "daemon": {"version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 1),
+                       "config": str(self.cfg.path) if self.cfg.path else None,
+                       "control": self.control.address if self.control else None,
+                       "metrics": f"http://{self.cfg.metrics.host}:{self.cfg.metrics.port}/metrics"
+                       if self.exporter else None,
+                       "launcher": self.cfg.engine.launcher, "hook_mode": self.cfg.engine.hook_mode},
+            "engine": sup.snapshot() if sup else {"state": EngineState.STOPPED},
+            "gate": self.gate.snapshot() if self.gate is not None else None,
+            "maps": {"dir": str(self.maps.directory), "entries": [e.to_json() for e in self.maps.entries()]},
+            "last_drain_reboot": self.last_drain_reboot,
+        }
+
+    def _resolve_map(self, ref: str) -> Path:
+        try:
+            path = self.maps.resolve(ref)
+        except MapNotFound as exc:
+            raise ControlError(400, str(exc)) from None
+        try:
+            load_map(path)
+        except (ArtifactError, OSError) as exc:
+            raise ControlError(400, f"map rejected: {exc}") from None
+        if self.cfg.engine.hook_mode != "pin":
+            raise ControlError(400, f"engine.hook_mode is {self.cfg.engine.hook_mode!r}: a map is applied only in "
+                               "pin mode (set engine.hook_mode = \"pin\")")
+        return path
+
+    async def drain_reboot(self, map_ref: str | None, timeout_s: float | None) -> dict[str, Any]:
+        """Hold, drain (bounded), reboot (optionally with a new map, rolling back on failure), release."""
+        sup = self.supervisor
+        if sup is None:
+            raise ControlError(503, "the daemon is still starting")
+        if self._drain_busy:
+            raise ControlError(409, "a drain-reboot is already running")
+        new_map = self._resolve_map(map_ref) if map_ref else None
+        timeout = timeout_s if timeout_s is not None else self.cfg.control.drain_timeout_s
+        self._drain_busy = True
+        t0 = time.monotonic()
+        result: dict[str, Any] = {"ok": False, "started_at": utc_now(), "map": str(new_map) if new_map else None,
+                                  "rolled_back": False}
+        try:
+            hash_hit = True
+            if new_map is not None:
+                emap = load_map(new_map)
+                result["map_hash"] = emap.content_hash
+                if sup.map is not None and not emap.same_geometry(sup.map):
+                    hash_hit = False
+                    log.warning("drain_reboot_geometry_change", map=str(new_map), old=sup.map.geometry(),
+                                new=emap.geometry(), note="not a hash-hit reboot: compile caches will miss")
+            result["hash_hit"] = hash_hit
+            log.info("drain_reboot_begin", map=str(new_map) if new_map else None, timeout_s=timeout)
+            async with sup.lock:
+                sup._set_state(EngineState.DRAINING, "holding new requests, draining in-flight ones")
+                if self.gate is not None:
+                    self.gate.hold()
+                try:
+                    if self.gate is not None:
+                        remaining = await self.gate.drain(timeout)
+                        result["in_flight_cut"] = remaining
+                    result["drain_s"] = round(time.monotonic() - t0, 3)
+                    old_map = sup.map_path
+                    try:
+                        rec = await sup.reboot("drain-reboot", new_map, use_map=new_map is not None)
+                        result.update(ok=True, boot_s=rec.seconds, cache_miss=rec.cache_miss)
+                        if new_map is not None:
+                            self._record_active_map(new_map, rec.map_hash)
+                    except (EngineError, ArtifactError) as exc:
+                        result["error"] = str(exc).splitlines()[0]
+                        result["engine_log"] = getattr(exc, "log_tail", [])[-10:]
+                        await self._after_failed_reboot(sup, new_map, old_map, result)
+                finally:
+                    if self.gate is not None:
+                        if sup.launcher is not None:
+                            self.gate.set_upstream(sup.launcher.base_url)
+                        self.gate.release()
+                        result["longest_hold_s"] = round(self.gate.longest_hold_s, 3)
+        finally:
+            self._drain_busy = False
+            result["seconds"] = round(time.monotonic() - t0, 3)
+            self.last_drain_reboot = result
+            log.info("drain_reboot_end", **{k: v for k, v in result.items() if k != "engine_log"})
+        return result
+
+    async def _after_failed_reboot(self, sup: Supervisor, new_map: Path | None, old_map: Path | None,
+                                   result: dict[str, Any]) -> None:
+        if new_map is None:
+            sup.note_failure(f"drain-reboot boot failed: {result['error']}")
+            return
+        log.error("drain_reboot_rollback", failed_map=str(new_map), back_to=str(old_map))
+        try:
+            await sup.boot("rollback", old_map, use_map=True)
+            result["rolled_back"] = True
+            result["error"] += f" (rolled back to {old_map or 'no map'}; the engine serves the old map)"
+        except (EngineError, ArtifactError) as exc:
+            result["rollback_error"] = str(exc).splitlines()[0]
+            sup.note_failure(f"rollback failed: {result['rollback_error']}")
+
+    def _record_active_map(self, path: Path, map_hash: str | None) -> None:
+        try:
+            atomic_write_json(self.state_dir / ACTIVE_MAP_FILE, {"path": str(path), "hash": map_hash,
+                                                                 "activated_at": utc_now()})
+        except OSError as exc:
+            log.warning("active_map_not_recorded", error=str(exc))
+
+
+def run_daemon(cfg: Config) -> int:
+    """Entry point for ``pinsidecar run``."""
+    return asyncio.run(Daemon(cfg).run())
+

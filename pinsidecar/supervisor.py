@@ -1,0 +1,338 @@
+"""Keep one engine running: boot, wait for readiness (bounded), watch liveness, restart with backoff, give up.
+
+The supervisor owns the engine's lifecycle and nothing else; the daemon drives drain-reboots through
+:meth:`Supervisor.reboot` and reads :meth:`Supervisor.snapshot` for status. Why it works the way it does:
+
+- **Blocking launcher calls run in threads.** :class:`~pinsidecar.engine.Launcher` is synchronous (it is shared
+  with the CLI tools), and a boot waits minutes; the daemon's event loop must keep feeding the systemd watchdog
+  and answering the control API meanwhile.
+- **Liveness** is the process (or container) alive *and* ``/health`` answering. A dead process is acted on at
+  the next check (every ``health_interval_s``); a live one must fail ``health_failures`` checks in a row, since
+  one missed probe is a GC pause, not a hang.
+- **Backoff and the crash loop.** Each failed boot or crash in a row doubles the wait before the next boot
+  (``backoff_initial_s`` .. ``backoff_max_s``); ``crash_loop_limit`` of them in a row puts the supervisor in the
+  ``failed`` state: it stops restarting, the daemon stays up, and status and metrics say why. An engine that
+  stays ready ``stable_after_s`` resets the count. A drain-reboot (an operator asking) clears ``failed``.
+- **Every boot is recorded**: reason, seconds from start to ready, the map hash and its geometry. A boot much
+  slower than the last successful one with the same geometry (``cache_miss_factor`` times and at least
+  ``cache_miss_min_s`` longer) is flagged as a compile-cache miss: a remap must keep kernel shapes, so a slow
+  reboot means something fed the cache key that should not have (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from pinsidecar.artifacts import ArtifactError, ExpertMap, load_map, utc_now
+from pinsidecar.config import SupervisorConfig
+from pinsidecar.engine import EngineError, EngineSpec, Launcher
+
+__all__ = ["BootRecord", "EngineState", "Supervisor", "geometry_key"]
+
+log = structlog.get_logger(__name__)
+
+
+class EngineState:
+    """The engine's states, as exported (``pinsidecar_engine_state``) and shown in status."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"  # live but failing /health; restarted after health_failures checks
+    BACKOFF = "backoff"  # waiting before the next boot after a crash or failed boot
+    DRAINING = "draining"  # drain-reboot in progress (the gate holds new requests)
+    STOPPING = "stopping"
+    FAILED = "failed"  # crash-loop limit reached: no more restarts until an operator asks
+
+    ALL = (STOPPED, STARTING, READY, UNHEALTHY, BACKOFF, DRAINING, STOPPING, FAILED)
+
+
+@dataclass(frozen=True)
+class BootRecord:
+    reason: str  # start | crash | unhealthy | drain-reboot | rollback | retry
+    started_at: str
+    ok: bool
+    seconds: float  # start -> ready (or -> failure)
+    map_path: str | None
+    map_hash: str | None
+    geometry: str
+    cache_miss: bool = False
+    error: str = ""
+
+
+def geometry_key(emap: ExpertMap | None) -> str:
+    """What the compile caches may depend on: the map's geometry (or ``none`` without a map)."""
+    if emap is None:
+        return "none"
+    g = emap.geometry()
+    return ",".join(f"{k}={g[k]}" for k in sorted(g)) + f",layers={'-'.join(map(str, emap.layer_ids))}"
+
+
+class Supervisor:
+    """Runs one engine. ``spec_for(map_path)`` builds the engine spec for a map; ``make_launcher(spec)`` builds a
+    fresh launcher for each boot (launchers are single-use)."""
+
+    def __init__(self, spec_for: Callable[[Path | None], EngineSpec], make_launcher: Callable[[EngineSpec], Launcher],
+                 cfg: SupervisorConfig, *, ready_timeout_s: float, stop_timeout_s: float,
+                 map_path: Path | None = None, exporter: Any = None,
+                 on_state: Callable[[str, str], None] | None = None) -> None:
+        self.spec_for = spec_for
+        self.make_launcher = make_launcher
+        self.cfg = cfg
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.map_path = map_path
+        self.map: ExpertMap | None = load_map(map_path) if map_path is not None else None
+        self.exporter = exporter
+        self.on_state = on_state
+        self.launcher: Launcher | None = None
+        self.state = EngineState.STOPPED
+        self.detail = ""
+        self.boots: deque[BootRecord] = deque(maxlen=50)
+        self.failures_in_row = 0
+        self.restarts_total = 0
+        self.ready_since: float | None = None
+        self.lock = asyncio.Lock()  # held for every boot/stop; the daemon holds it across a drain-reboot
+        self._closing = False
+        self._wake = asyncio.Event()
+        self._missing_export: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------------ export
+
+    def _export(self, method: str, *args: Any) -> None:
+        fn = getattr(self.exporter, method, None) if self.exporter is not None else None
+        if fn is None:
+            if self.exporter is not None and method not in self._missing_export:
+                self._missing_export.add(method)
+                log.warning("exporter_method_missing", method=method)
+            return
+        try:
+            fn(*args)
+        except Exception as exc:  # metrics must never take the supervisor down
+            log.warning("exporter_call_failed", method=method, error=str(exc))
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        if state != self.state or detail != self.detail:
+            log.info("engine_state", state=state, detail=detail or None)
+        self.state, self.detail = state, detail
+        self._export("set_engine_state", state)
+        if self.on_state is not None:
+            self.on_state(state, detail)
+
+    # ------------------------------------------------------------------------------------------------ boot / stop
+
+    def _previous_ok(self, geometry: str) -> BootRecord | None:
+        for rec in reversed(self.boots):
+            if rec.ok and rec.geometry == geometry:
+                return rec
+        return None
+
+    async def boot(self, reason: str, map_path: Path | None = None, *, use_map: bool = False) -> BootRecord:
+        """Start an engine and wait until it serves. Call with :attr:`lock` held and no engine running.
+
+        ``use_map``: boot with ``map_path`` (None = no map); otherwise with the current map. On success the map
+        becomes current. Raises :class:`EngineError` (``EngineBootError`` with the last log lines) on failure;
+        the engine is stopped and the state is left to the caller.
+        """
+        if self.launcher is not None:
+            raise EngineError("boot() while an engine is running; stop it first")
+        mp = map_path if use_map else self.map_path
+        emap = (load_map(mp) if mp is not None else None) if use_map else self.map
+        geometry = geometry_key(emap)
+        spec = self.spec_for(mp)
+        launcher = self.make_launcher(spec)
+        self._set_state(EngineState.STARTING, reason)
+        t0 = time.monotonic()
+        try:
+            self.launcher = launcher
+            await asyncio.to_thread(launcher.start)
+            self._export("set_engine_pid", launcher.pid)
+            cid = getattr(launcher, "container_id", None)
+            if cid:
+                self._export("set_container", cid)
+            await asyncio.to_thread(launcher.wait_ready, self.ready_timeout_s)
+        except (EngineError, OSError) as exc:
+            seconds = time.monotonic() - t0
+            self.launcher = None
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(launcher.stop, 5.0)
+            rec = BootRecord(reason, utc_now(), False, round(seconds, 3), str(mp) if mp else None,
+                             emap.content_hash if emap else None, geometry, False, str(exc).splitlines()[0])
+            self.boots.append(rec)
+            log.error("engine_boot_failed", reason=reason, seconds=rec.seconds, error=str(exc))
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(str(exc)) from exc
+        seconds = time.monotonic() - t0
+        prev = self._previous_ok(geometry)
+        cache_miss = bool(prev and seconds > prev.seconds * self.cfg.cache_miss_factor
+                          and seconds - prev.seconds >= self.cfg.cache_miss_min_s)
+        rec = BootRecord(reason, utc_now(), True, round(seconds, 3), str(mp) if mp else None,
+                         emap.content_hash if emap else None, geometry, cache_miss)
+        self.boots.append(rec)
+        self.map_path, self.map = mp, emap
+        self.ready_since = time.monotonic()
+        if cache_miss:
+            log.warning("engine_boot_cache_miss", seconds=rec.seconds, previous_seconds=prev.seconds if prev else None,
+                        geometry=geometry, hint="a boot with the same geometry should hit the compile cache")
+        self._export("record_boot", reason, seconds, rec.map_hash or "", cache_miss)
+        if emap is not None:
+            self._export("set_map", emap.content_hash, emap.label, emap.created_at)
+        self._set_state(EngineState.READY)
+        return rec
+
+    async def stop_engine(self, state: str = EngineState.STOPPED, timeout_s: float | None = None) -> int | None:
+        """Stop the running engine (if any). Call with :attr:`lock` held."""
+        launcher, self.launcher = self.launcher, None
+        self.ready_since = None
+        if launcher is None:
+            return None
+        self._set_state(EngineState.STOPPING)
+        code = await asyncio.to_thread(launcher.stop, self.stop_timeout_s if timeout_s is None else timeout_s)
+        self._export("set_engine_pid", None)
+        self._set_state(state)
+        return code
+
+    # ------------------------------------------------------------------------------------------------ the loop
+
+    def _backoff_s(self) -> float:
+        n = max(1, self.failures_in_row)
+        return min(self.cfg.backoff_initial_s * 2 ** (n - 1), self.cfg.backoff_max_s)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake early on :meth:`wake` (shutdown, or an operator clearing ``failed``)."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def note_failure(self, reason: str) -> float | None:
+        """Count a crash or failed boot; returns the backoff to wait, or None once the crash-loop limit is hit
+        (state ``failed``)."""
+        self.failures_in_row += 1
+        self.restarts_total += 1
+        if self.failures_in_row >= self.cfg.crash_loop_limit:
+            self._set_state(EngineState.FAILED,
+                            f"{self.failures_in_row} failures in a row ({reason}); not restarting "
+                            "(fix the cause, then `pinsidecar drain-reboot` or restart the daemon)")
+            return None
+        wait = self._backoff_s()
+        self._set_state(EngineState.BACKOFF, f"{reason}; next boot in {wait:.1f} s")
+        return wait
+
+    async def _record_failure(self, reason: str) -> None:
+        wait = self.note_failure(reason)
+        if wait is not None:
+            await self._sleep(wait)
+
+    async def _check(self, launcher: Launcher, misses: int) -> tuple[str | None, int]:
+        """One liveness check. Returns (reason to restart or None, consecutive health misses)."""
+        if not await asyncio.to_thread(launcher.alive):
+            return "crash", misses
+        if await asyncio.to_thread(launcher.health):
+            if self.state == EngineState.UNHEALTHY:
+                self._set_state(EngineState.READY)
+            return None, 0
+        misses += 1
+        if misses >= self.cfg.health_failures:
+            return "unhealthy", misses
+        self._set_state(EngineState.UNHEALTHY, f"/health failed {misses} time(s) in a row")
+        return None, misses
+
+    async def run(self) -> None:
+        """Boot and keep the engine alive until :meth:`close`. Never raises for engine trouble."""
+        reason = "start"
+        misses = 0
+        while not self._closing:
+            if self.state == EngineState.FAILED:
+                await self._sleep(self.cfg.health_interval_s)
+                continue
+            if self.launcher is None:
+                failure = ""
+                async with self.lock:
+                    if self._closing or self.launcher is not None or self.state == EngineState.FAILED:
+                        continue
+                    try:
+                        await self.boot(reason)
+                        misses = 0
+                    except (EngineError, ArtifactError) as exc:
+                        failure = f"boot failed: {str(exc).splitlines()[0]}"
+                if failure:
+                    if self._closing:
+                        break
+                    await self._record_failure(failure)  # sleeps the backoff outside the lock
+                    reason = "retry"
+                    continue
+            await self._sleep(self.cfg.health_interval_s)
+            if self._closing or self.lock.locked():
+                continue  # a drain-reboot owns the engine right now
+            launcher = self.launcher
+            if launcher is None:
+                continue
+            problem, misses = await self._check(launcher, misses)
+            if (self.ready_since is not None and self.failures_in_row
+                    and time.monotonic() - self.ready_since >= self.cfg.stable_after_s):
+                log.info("engine_stable", after_failures=self.failures_in_row)
+                self.failures_in_row = 0
+            if problem is None:
+                continue
+            async with self.lock:
+                if self.launcher is not launcher or self._closing:
+                    continue  # replaced or stopped while we looked
+                log.warning("engine_lost", reason=problem, pid=launcher.pid,
+                            last_log=launcher.last_log_lines(5))
+                await self.stop_engine(EngineState.BACKOFF, timeout_s=5.0)
+            misses = 0
+            reason = problem
+            await self._record_failure(problem)
+
+    async def reboot(self, reason: str, map_path: Path | None = None, *, use_map: bool = False) -> BootRecord:
+        """Stop the engine and boot it again (with ``map_path`` when ``use_map``). Call with :attr:`lock` held.
+        An operator-driven reboot clears the crash count and the ``failed`` state."""
+        await self.stop_engine(EngineState.DRAINING)
+        self.failures_in_row = 0
+        return await self.boot(reason, map_path, use_map=use_map)
+
+    async def close(self) -> None:
+        """Stop supervising and stop the engine."""
+        self._closing = True
+        self.wake()
+        launcher = self.launcher
+        if launcher is not None and self.lock.locked():
+            # A boot is waiting in a thread: stopping the engine makes wait_ready return at once.
+            await asyncio.to_thread(launcher.stop, self.stop_timeout_s)
+        async with self.lock:
+            await self.stop_engine(EngineState.STOPPED)
+
+    # ------------------------------------------------------------------------------------------------ status
+
+    def snapshot(self) -> dict[str, Any]:
+        launcher = self.launcher
+        last_ok = next((b for b in reversed(self.boots) if b.ok), None)
+        return {
+            "state": self.state,
+            "detail": self.detail,
+            "pid": launcher.pid if launcher is not None else None,
+            "url": launcher.base_url if launcher is not None else None,
+            "ready_for_s": round(time.monotonic() - self.ready_since, 1) if self.ready_since else None,
+            "failures_in_row": self.failures_in_row,
+            "restarts_total": self.restarts_total,
+            "map": None if self.map is None else {
+                "path": str(self.map_path), "hash": self.map.content_hash, "label": self.map.label,
+                "geometry": self.map.geometry()},
+            "last_boot": asdict(self.boots[-1]) if self.boots else None,
+            "last_ok_boot_seconds": last_ok.seconds if last_ok else None,
+            "boots": len(self.boots),
+        }
+

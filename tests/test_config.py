@@ -1,0 +1,161 @@
+"""Config validation: the shipped examples load, and every kind of bad input is refused naming its key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pinsidecar.config import ConfigError, load_config
+from pinsidecar.testing.artifacts import write_map
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    p = tmp_path / "token"
+    p.write_text("x" * 32)
+    os.chmod(p, 0o600)
+    return p
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pinsidecar.toml"
+    p.write_text(text)
+    return p
+
+
+def _minimal(model_dir: Path, token_file: Path, extra: str = "", engine_extra: str = "") -> str:
+    port = "" if engine_extra.startswith("port") else "port = 8251\n"
+    return (f'[engine]\nmodel = "{model_dir}"\n{port}{engine_extra}\n'
+            f'[control]\ntoken_file = "{token_file}"\nport = 8252\n[gate]\nport = 8250\n[metrics]\nport = 8253\n'
+            f"{extra}")
+
+
+def test_cpu_example_loads_with_model_override(model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(EXAMPLES / "cpu-demo.toml", {"engine.model": str(model_dir)})
+    assert cfg.engine.model == model_dir
+    assert cfg.engine.launcher == "process"
+    assert cfg.control.create_token
+    spec = cfg.engine_spec()
+    argv = spec.argv()
+    assert "--kv-cache-memory-bytes" in argv and "--enforce-eager" in argv
+    assert spec.log_path == cfg.daemon.state_dir / "engine.log"
+    assert "PINSIDECAR_HOOK_MODE" not in spec.env  # hook off: nothing set
+
+
+def test_cpu_example_without_model_names_the_key() -> None:
+    if Path("/tmp/pinsidecar-demo/model").exists():
+        pytest.skip("the demo model exists at the example's path")
+    with pytest.raises(ConfigError, match=r"engine\.model: /tmp/pinsidecar-demo/model does not exist"):
+        load_config(EXAMPLES / "cpu-demo.toml")
+
+
+def test_gpu_example_loads_with_local_paths(model_dir: Path, token_file: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / "maps").mkdir(parents=True)
+    mp = write_map(state / "maps" / "agent.json", label="agent")
+    cfg = load_config(EXAMPLES / "gpu-container.toml", {
+        "engine.model": str(model_dir), "engine.map": str(mp), "control.token_file": str(token_file),
+        "daemon.state_dir": str(state)})
+    assert cfg.engine.launcher == "container"
+    assert cfg.container.image.startswith("vllm/")
+    spec = cfg.engine_spec()
+    assert spec.env["PINSIDECAR_HOOK_MODE"] == "pin"
+    assert spec.env["PINSIDECAR_MAP_PATH"] == str(mp)
+    assert spec.env["PINSIDECAR_STATS_PATH"] == str(state / "stats.json")
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path: Path, token_file: Path) -> None:
+    (tmp_path / "m").mkdir()
+    p = _write(tmp_path, f'[engine]\nmodel = "m"\n[control]\ntoken_file = "{token_file}"\n')
+    assert load_config(p).engine.model == tmp_path / "m"
+
+
+@pytest.mark.parametrize(("engine_extra", "pattern"), [
+    ('port = "abc"', r"engine\.port: expected an integer 1-65535, got 'abc'"),
+    ("port = 70000", r"engine\.port: expected an integer 1-65535, got 70000"),
+    ("port = 0", r"engine\.port: expected an integer 1-65535, got 0"),
+    ("kv_cache_bytes = -1", r"engine\.kv_cache_bytes: must be >= 0"),
+    ('enforce_eager = "yes"', r"engine\.enforce_eager: expected true or false, got 'yes'"),
+    ("extra_args = [1, 2]", r"engine\.extra_args: expected a list of strings"),
+    ('launcher = "k8s"', r"engine\.launcher: expected one of process, container, got 'k8s'"),
+    ("colour = 1", r"engine\.colour: unknown key"),
+    ('map = "/nonexistent/map.json"', r"engine\.map: /nonexistent/map\.json does not exist"),
+    ('hook_mode = "pin"', r"engine\.map: required when engine\.hook_mode = \"pin\""),
+    ("ready_timeout_s = 0", r"engine\.ready_timeout_s: must be > 0"),
+    ('launcher = "container"', r"container\.image: required"),
+])
+def test_bad_engine_values_name_the_key(tmp_path: Path, model_dir: Path, token_file: Path, engine_extra: str,
+                                        pattern: str) -> None:
+    p = _write(tmp_path, _minimal(model_dir, token_file, engine_extra=engine_extra))
+    with pytest.raises(ConfigError, match=pattern) as exc:
+        load_config(p)
+    assert str(p) in str(exc.value)
+
+
+@pytest.mark.parametrize(("extra", "pattern"), [
+    ("[bogus]\nx = 1\n", r"bogus: unknown section"),
+    ('[supervisor]\nbackoff_initial_s = "fast"\n', r"supervisor\.backoff_initial_s: expected a number"),
+    ("[supervisor]\nbackoff_initial_s = 10\nbackoff_max_s = 1\n", r"supervisor\.backoff_max_s: must be >= "),
+    ("[daemon]\nlog_level = \"loud\"\n", r"daemon\.log_level: expected one of"),
+    ("[gate]\ncapture_sample_rate = 2.0\n", r"gate\.capture_sample_rate: must be between 0 and 1"),
+])
+def test_bad_other_sections(tmp_path: Path, model_dir: Path, token_file: Path, extra: str, pattern: str) -> None:
+    # _minimal already has [gate]; append keys to it by writing a custom document for that case
+    text = _minimal(model_dir, token_file)
+    if extra.startswith("[gate]"):
+        text = text.replace("[gate]\nport = 8250\n", "[gate]\nport = 8250\n" + extra.split("\n", 1)[1])
+        extra = ""
+    p = _write(tmp_path, text + extra)
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(p)
+
+
+def test_duplicate_ports_are_refused(tmp_path: Path, model_dir: Path, token_file: Path) -> None:
+    text = _minimal(model_dir, token_file).replace("[gate]\nport = 8250", "[gate]\nport = 8251")
+    with pytest.raises(ConfigError, match=r"gate\.port: port 8251 is also used by engine\.port"):
+        load_config(_write(tmp_path, text))
+
+
+def test_missing_token_file_and_missing_model(tmp_path: Path, model_dir: Path) -> None:
+    p = _write(tmp_path, f'[engine]\nmodel = "{model_dir}"\n[control]\ntoken_file = "{tmp_path}/nope"\n')
+    with pytest.raises(ConfigError, match=r"control\.token_file: .*nope does not exist"):
+        load_config(p)
+    p = _write(tmp_path, '[engine]\nport = 8251\n')
+    with pytest.raises(ConfigError, match=r"engine\.model: required"):
+        load_config(p)
+
+
+def test_not_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[engine\nmodel = 1"))
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_override_is_validated_like_the_file(tmp_path: Path, model_dir: Path, token_file: Path) -> None:
+    p = _write(tmp_path, _minimal(model_dir, token_file))
+    with pytest.raises(ConfigError, match=r"engine\.model: /nowhere does not exist"):
+        load_config(p, {"engine.model": "/nowhere"})
+
+
+def test_cli_run_refuses_bad_config_naming_the_key(tmp_path: Path, model_dir: Path, token_file: Path) -> None:
+    from click.testing import CliRunner
+
+    from pinsidecar.cli import main
+
+    p = _write(tmp_path, _minimal(model_dir, token_file, engine_extra='port = "abc"'))
+    res = CliRunner().invoke(main, ["run", "--config", str(p)])
+    assert res.exit_code == 2
+    assert "engine.port: expected an integer 1-65535, got 'abc'" in res.output
