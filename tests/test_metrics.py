@@ -1,0 +1,449 @@
+"""The exporter's collectors against fixture trees: cgroup files, /proc/<pid>/cgroup, a stats file, an engine
+/metrics served over real HTTP, and a fake NVML. Plus: promtool accepts the whole output, and a broken source only
+drops its own metrics (and is logged once)."""
+
+from __future__ import annotations
+
+import http.server
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
+
+from pinsidecar.artifacts import StatsSnapshot
+from pinsidecar.metrics import (
+    ENGINE_STATES,
+    Exporter,
+    GpuMemoryCollector,
+    StatsTotals,
+    accumulate_stats,
+    cgroup_path_for_pid,
+)
+from pinsidecar.testing.prometheus import free_port
+
+# What vLLM 0.32's /metrics looks like (names, labels, _created lines), trimmed to the series we read plus neighbours.
+VLLM_METRICS = """\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 8123.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="demo"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="demo"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="demo"} 0.25
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="demo"} 5120.0
+# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="demo"} 1.7644e+09
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="demo"} {tokens}
+# HELP vllm:generation_tokens_created Number of generation tokens processed.
+# TYPE vllm:generation_tokens_created gauge
+vllm:generation_tokens_created{engine="0",model_name="demo"} 1.7644e+09
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="demo"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="demo"} 12.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="demo"} 12.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="demo"} 0.84
+"""
+
+
+class FakeEngine:
+    """A tiny HTTP server serving VLLM_METRICS with a settable token count (a real socket, a real GET)."""
+
+    def __init__(self) -> None:
+        self.tokens = 1000.0
+        self.status = 200
+        engine = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = VLLM_METRICS.replace("{tokens}", repr(engine.tokens)).encode()
+                self.send_response(engine.status if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeEngine]:
+    e = FakeEngine()
+    yield e
+    e.close()
+
+
+class FakeNvml:
+    """A fake of the few pynvml functions the GPU collector calls (no NVML can exist on CI): two H200s."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, fail_query: bool = False) -> None:
+        self.inits = 0
+        self.fail_query = fail_query
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        if self.fail_query:
+            raise self.NVMLError("GPU is lost")
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return f"GPU-fake-{handle}"
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(total=150_000_000_000, used=(handle + 1) * 10_000_000_000, free=0)
+
+
+def make_cgroup(root: Path, rel: str = "system.slice/engine.scope", maxv: str = "68719476736") -> Path:
+    cg = root / "cgroup" / rel
+    cg.mkdir(parents=True)
+    (cg / "memory.current").write_text("4294967296\n")
+    (cg / "memory.max").write_text(maxv + "\n")
+    (cg / "memory.stat").write_text("anon 1073741824\nfile 3221225472\nkernel 12345\nshmem 2147483648\n"
+                                    "file_mapped 100\n")
+    return cg
+
+
+def make_proc(root: Path, pid: int, rel: str = "/system.slice/engine.scope") -> Path:
+    d = root / "proc" / str(pid)
+    d.mkdir(parents=True)
+    # a hybrid host lists v1 hierarchies first; only the 0:: line is cgroup v2
+    (d / "cgroup").write_text(f"4:memory:/something/else\n1:name=systemd:/x\n0::{rel}\n")
+    return root / "proc"
+
+
+def stats(boot: str = "b1", seq: int = 1, sel: tuple[int, ...] = (100, 200), cold: tuple[int, ...] = (2, 10),
+          errors: dict[str, int] | None = None) -> StatsSnapshot:
+    return StatsSnapshot(boot_id=boot, seq=seq, layer_ids=[0, 3], num_experts=8, top_k=2, selections=list(sel),
+                         cold_selections=list(cold), tokens=sum(sel) // 2, map_hash="sha256:feed", map_label="code",
+                         pid=4242, written_at=1000.0, tier_bytes={"hbm": 6 * 2**20, "host": 2 * 2**20},
+                         errors=errors if errors is not None else {"stats_write": 1})
+
+
+def samples(exp: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(exp.render().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(exp_samples: dict, name: str, **labels: str) -> float:
+    return exp_samples[(name, tuple(sorted(labels.items())))]
+
+
+def names(exp_samples: dict) -> set[str]:
+    return {n for n, _ in exp_samples}
+
+
+def full_exporter(tmp_path: Path, engine: FakeEngine, **kw: Any) -> Exporter:
+    make_cgroup(tmp_path)
+    proc = make_proc(tmp_path, 4242)
+    stats().save(tmp_path / "stats.json")
+    exp = Exporter(stats_path=tmp_path / "stats.json", engine_metrics_url=engine.url, cgroup_root=tmp_path / "cgroup",
+                   proc_root=proc, nvml=FakeNvml(), wall_clock=lambda: 1030.0, **kw)
+    exp.set_engine_pid(4242)
+    return exp
+
+
+# ------------------------------------------------------------------------------------------------ collectors
+
+
+def test_cgroup_memory_from_the_engine_pid(tmp_path: Path, engine: FakeEngine) -> None:
+    exp = full_exporter(tmp_path, engine)
+    s = samples(exp)
+    assert value(s, "pinsidecar_engine_cgroup_memory_current_bytes") == 4294967296
+    assert value(s, "pinsidecar_engine_cgroup_memory_max_bytes") == 68719476736
+    assert value(s, "pinsidecar_engine_cgroup_memory_stat_bytes", type="anon") == 1073741824
+    assert value(s, "pinsidecar_engine_cgroup_memory_stat_bytes", type="file") == 3221225472
+    assert value(s, "pinsidecar_engine_cgroup_memory_stat_bytes", type="shmem") == 2147483648
+    assert ("pinsidecar_engine_cgroup_memory_stat_bytes", (("type", "kernel"),)) not in s
+    assert value(s, "pinsidecar_exporter_source_up", source="cgroup") == 1
+
+
+def test_cgroup_unlimited_max_is_left_out_and_no_pid_turns_the_source_off(tmp_path: Path) -> None:
+    make_cgroup(tmp_path, maxv="max")
+    exp = Exporter(stats_path=None, engine_metrics_url=None, cgroup_root=tmp_path / "cgroup",
+                   proc_root=make_proc(tmp_path, 7), nvml=None)
+    s = samples(exp)
+    assert "pinsidecar_engine_cgroup_memory_current_bytes" not in names(s)
+    assert ("pinsidecar_exporter_source_up", (("source", "cgroup"),)) not in s  # not configured is not down
+    exp.set_engine_pid(7)
+    s = samples(exp)
+    assert "pinsidecar_engine_cgroup_memory_current_bytes" in names(s)
+    assert "pinsidecar_engine_cgroup_memory_max_bytes" not in names(s)
+
+
+def test_cgroup_from_a_container_id(tmp_path: Path) -> None:
+    cid = "3f5a9c0e1b2d" + "0" * 52
+    make_cgroup(tmp_path, rel=f"system.slice/docker-{cid}.scope")
+    exp = Exporter(stats_path=None, engine_metrics_url=None, cgroup_root=tmp_path / "cgroup",
+                   proc_root=tmp_path / "proc", nvml=None)
+    exp.set_container(cid[:12])
+    assert value(samples(exp), "pinsidecar_engine_cgroup_memory_current_bytes") == 4294967296
+
+
+def test_cgroup_path_for_pid_rejects_a_v1_only_host(tmp_path: Path) -> None:
+    d = tmp_path / "proc" / "9"
+    d.mkdir(parents=True)
+    (d / "cgroup").write_text("4:memory:/a\n")
+    with pytest.raises(ValueError, match="cgroup v1"):
+        cgroup_path_for_pid(9, proc_root=tmp_path / "proc", cgroup_root=tmp_path)
+    assert cgroup_path_for_pid(1, proc_root=Path("/proc")).is_dir()  # the real thing parses too
+
+
+def test_engine_pid_gone_drops_cgroup_metrics_logged_once(tmp_path: Path, engine: FakeEngine) -> None:
+    exp = full_exporter(tmp_path, engine)
+    exp.set_engine_pid(999999)
+    with capture_logs() as logs:
+        for _ in range(3):
+            s = samples(exp)
+    assert "pinsidecar_engine_cgroup_memory_current_bytes" not in names(s)
+    assert value(s, "pinsidecar_exporter_source_up", source="cgroup") == 0
+    assert "pinsidecar_expert_selections_total" in names(s)  # the others still export
+    cg_logs = [e for e in logs if e.get("source") == "cgroup"]
+    assert len(cg_logs) == 1 and "999999" in cg_logs[0]["reason"]
+
+
+def test_stats_ratios_counters_tiers_and_errors(tmp_path: Path, engine: FakeEngine) -> None:
+    s = samples(full_exporter(tmp_path, engine))
+    assert value(s, "pinsidecar_expert_selections_total") == 300
+    assert value(s, "pinsidecar_expert_cold_selections_total") == 12
+    assert value(s, "pinsidecar_cold_selection_ratio") == pytest.approx(12 / 300)
+    assert value(s, "pinsidecar_layer_cold_selection_ratio", layer="0") == pytest.approx(0.02)
+    assert value(s, "pinsidecar_layer_cold_selection_ratio", layer="3") == pytest.approx(0.05)
+    assert value(s, "pinsidecar_layer_expert_selections_total", layer="3") == 200
+    assert value(s, "pinsidecar_layer_expert_cold_selections_total", layer="3") == 10
+    assert value(s, "pinsidecar_expert_bytes", tier="hbm") == 6 * 2**20
+    assert value(s, "pinsidecar_expert_bytes", tier="host") == 2 * 2**20
+    assert value(s, "pinsidecar_hook_errors_total", kind="stats_write") == 1
+    assert value(s, "pinsidecar_stats_age_seconds") == 30.0
+    assert value(s, "pinsidecar_engine_map_info", map_hash="sha256:feed", map_label="code") == 1
+
+
+def test_stats_totals_stay_monotonic_over_engine_restarts_and_resets() -> None:
+    t = StatsTotals()
+    t = accumulate_stats(t, stats("b1", 1, (10, 20), (1, 2)))
+    t = accumulate_stats(t, stats("b1", 2, (100, 200), (2, 10)))
+    assert sum(t.selections().values()) == 300 and t.restarts == 0
+    t = accumulate_stats(t, stats("b2", 1, (5, 5), (1, 1)))  # engine rebooted: counters restarted
+    assert t.selections() == {0: 105, 3: 205}
+    assert t.cold_selections() == {0: 3, 3: 11}
+    t = accumulate_stats(t, stats("b2", 2, (1, 1), (0, 0), errors={}))  # hook reset within one boot
+    assert t.selections() == {0: 106, 3: 206}
+    assert t.errors() == {"stats_write": 2}
+    assert t.restarts == 2
+
+
+def test_stats_file_rewritten_by_a_new_boot_keeps_counters_monotonic(tmp_path: Path, engine: FakeEngine) -> None:
+    exp = full_exporter(tmp_path, engine)
+    assert value(samples(exp), "pinsidecar_expert_selections_total") == 300
+    stats("b2", 1, (7, 3), (0, 1)).save(tmp_path / "stats.json")
+    s = samples(exp)
+    assert value(s, "pinsidecar_expert_selections_total") == 310
+    assert value(s, "pinsidecar_cold_selection_ratio") == pytest.approx(1 / 10)  # since this boot
+
+
+def test_corrupt_stats_file_is_local_and_logged_once(tmp_path: Path, engine: FakeEngine) -> None:
+    exp = full_exporter(tmp_path, engine)
+    (tmp_path / "stats.json").write_text('{"format": "pinsidecar.stats", "version": 1, "boot_id": "x"')
+    with capture_logs() as logs:
+        for _ in range(3):
+            s = samples(exp)
+    assert "pinsidecar_expert_selections_total" not in names(s)
+    assert value(s, "pinsidecar_exporter_source_up", source="stats") == 0
+    assert "pinsidecar_engine_cgroup_memory_current_bytes" in names(s)
+    assert "pinsidecar_engine_generation_tokens_total" in names(s)
+    stat_logs = [e for e in logs if e.get("source") == "stats"]
+    assert len(stat_logs) == 1 and "stats.json" in stat_logs[0]["reason"]
+    stats("b1", 2, (200, 200), (4, 4)).save(tmp_path / "stats.json")
+    with capture_logs() as logs:
+        s = samples(exp)
+    assert value(s, "pinsidecar_exporter_source_up", source="stats") == 1
+    assert [e["event"] for e in logs] == ["metrics source recovered"]
+
+
+def test_engine_tokens_raw_and_rate_between_scrapes(tmp_path: Path, engine: FakeEngine) -> None:
+    now = [100.0]
+    exp = full_exporter(tmp_path, engine, clock=lambda: now[0])
+    s = samples(exp)
+    assert value(s, "pinsidecar_engine_generation_tokens_total") == 1000
+    assert "pinsidecar_engine_generation_tokens_per_second" not in names(s)  # one scrape has no rate
+    assert value(s, "pinsidecar_engine_requests_running") == 3
+    assert value(s, "pinsidecar_engine_requests_waiting") == 1
+    assert value(s, "pinsidecar_engine_kv_cache_usage_ratio") == 0.25
+    engine.tokens, now[0] = 1500.0, 110.0
+    assert value(samples(exp), "pinsidecar_engine_generation_tokens_per_second") == pytest.approx(50.0)
+    engine.tokens, now[0] = 1510.0, 110.2  # too soon: keep the last rate
+    assert value(samples(exp), "pinsidecar_engine_generation_tokens_per_second") == pytest.approx(50.0)
+    engine.tokens, now[0] = 40.0, 120.0  # engine restarted: the counter went down
+    assert value(samples(exp), "pinsidecar_engine_generation_tokens_per_second") == pytest.approx(4.0)
+
+
+def test_engine_unreachable_or_erroring_drops_engine_metrics(tmp_path: Path, engine: FakeEngine) -> None:
+    exp = full_exporter(tmp_path, engine)
+    engine.status = 500
+    with capture_logs() as logs:
+        s = samples(exp)
+        samples(exp)
+    assert "pinsidecar_engine_generation_tokens_total" not in names(s)
+    assert value(s, "pinsidecar_exporter_source_up", source="engine") == 0
+    assert len([e for e in logs if e.get("source") == "engine"]) == 1
+    exp.set_engine_metrics_url(f"http://127.0.0.1:{free_port()}")
+    s = samples(exp)
+    assert value(s, "pinsidecar_exporter_source_up", source="engine") == 0
+    assert "pinsidecar_host_memory_total_bytes" in names(s)
+
+
+def test_gpu_memory_per_gpu_from_a_fake_nvml(tmp_path: Path, engine: FakeEngine) -> None:
+    s = samples(full_exporter(tmp_path, engine))
+    assert value(s, "pinsidecar_gpu_memory_used_bytes", gpu="1", uuid="GPU-fake-1") == 20_000_000_000
+    assert value(s, "pinsidecar_gpu_memory_total_bytes", gpu="0", uuid="GPU-fake-0") == 150_000_000_000
+    assert value(s, "pinsidecar_exporter_source_up", source="gpu") == 1
+
+
+def test_nvml_missing_means_absent_metrics_and_one_log_line() -> None:
+    def no_nvml() -> Any:
+        raise OSError("NVML Shared Library Not Found")
+
+    gpu = GpuMemoryCollector(loader=no_nvml)
+    with capture_logs() as logs:
+        for _ in range(4):
+            assert list(gpu.collect()) == []
+    assert len(logs) == 1
+    assert "NVML Shared Library Not Found" in logs[0]["reason"]
+
+
+def test_nvml_on_this_machine_is_absent_without_failing_the_scrape() -> None:
+    exp = Exporter(stats_path=None, engine_metrics_url=None)  # the real pynvml loader
+    s = samples(exp)
+    assert "pinsidecar_gpu_memory_used_bytes" not in names(s)
+    assert "pinsidecar_host_memory_total_bytes" in names(s)
+
+
+def test_nvml_query_failure_is_local(tmp_path: Path, engine: FakeEngine) -> None:
+    exp = full_exporter(tmp_path, engine)
+    exp.gpu._nvml = FakeNvml(fail_query=True)
+    s = samples(exp)
+    assert "pinsidecar_gpu_memory_used_bytes" not in names(s)
+    assert value(s, "pinsidecar_exporter_source_up", source="gpu") == 0
+    assert "pinsidecar_expert_selections_total" in names(s)
+
+
+def test_host_memory_from_psutil(tmp_path: Path, engine: FakeEngine) -> None:
+    s = samples(full_exporter(tmp_path, engine))
+    assert value(s, "pinsidecar_host_memory_total_bytes") == psutil.virtual_memory().total
+    assert 0 < value(s, "pinsidecar_host_memory_available_bytes") <= psutil.virtual_memory().total
+
+
+# ------------------------------------------------------------------------------------------------ daemon state
+
+
+def test_engine_state_is_an_enum_gauge() -> None:
+    exp = Exporter(stats_path=None, engine_metrics_url=None, nvml=None)
+    exp.set_engine_state("draining")
+    s = samples(exp)
+    assert [st for st in ENGINE_STATES if value(s, "pinsidecar_engine_state", state=st) == 1] == ["draining"]
+    with pytest.raises(ValueError, match="unknown engine state 'bogus'"):
+        exp.set_engine_state("bogus")
+
+
+def test_boots_map_and_remaps(tmp_path: Path) -> None:
+    exp = Exporter(stats_path=None, engine_metrics_url=None, nvml=None, wall_clock=lambda: 1_800_000_000.0)
+    exp.record_boot("start", 21.5, "sha256:aa", False)
+    exp.record_boot("drain-reboot", 95.0, "sha256:bb", True)
+    exp.set_map("sha256:bb", "code", "2027-01-15T07:00:00Z", predicted_cold_ratio=0.0155)
+    exp.record_remap("activated")
+    exp.record_remap("activated")
+    exp.record_remap("rejected_worse")
+    s = samples(exp)
+    assert value(s, "pinsidecar_engine_boots_total", reason="start") == 1
+    assert value(s, "pinsidecar_engine_boots_total", reason="drain-reboot") == 1
+    assert value(s, "pinsidecar_engine_boot_cache_misses_total") == 1
+    assert value(s, "pinsidecar_engine_boot_duration_seconds_bucket", le="30.0") == 1
+    assert value(s, "pinsidecar_engine_boot_duration_seconds_bucket", le="120.0") == 2
+    assert value(s, "pinsidecar_engine_boot_duration_seconds_sum") == 116.5
+    assert value(s, "pinsidecar_engine_last_boot_duration_seconds") == 95.0
+    assert value(s, "pinsidecar_engine_last_boot_info", reason="drain-reboot", map_hash="sha256:bb",
+                 cache_miss="true") == 1
+    assert value(s, "pinsidecar_map_info", hash="sha256:bb", label="code") == 1
+    assert value(s, "pinsidecar_map_created_timestamp_seconds") == 1_800_000_000.0 - 3600
+    assert value(s, "pinsidecar_map_age_seconds") == 3600
+    assert value(s, "pinsidecar_map_predicted_cold_selection_ratio") == 0.0155
+    assert value(s, "pinsidecar_remaps_total", outcome="activated") == 2
+    assert value(s, "pinsidecar_remaps_total", outcome="rejected_worse") == 1
+    with pytest.raises(ValueError, match="boot seconds"):
+        exp.record_boot("start", -1.0, "", False)
+
+
+# ------------------------------------------------------------------------------------------------ exposition
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+def test_promtool_check_metrics_is_clean(tmp_path: Path, engine: FakeEngine) -> None:
+    from pinsidecar.gate import Gate
+
+    exp = full_exporter(tmp_path, engine)
+    exp.attach_gate(Gate("127.0.0.1", 0, "http://127.0.0.1:1"))
+    exp.set_engine_state("ready")
+    exp.record_boot("start", 12.0, "sha256:aa", False)
+    exp.set_map("sha256:aa", "code", "2026-11-29T10:00:00Z", 0.02)
+    exp.record_remap("activated")
+    samples(exp)
+    engine.tokens = 2000.0
+    text = exp.render()
+    assert b"pinsidecar_gpu_memory_used_bytes" in text and b"pinsidecar_gate_requests_total" in text
+    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+    assert proc.stdout.strip() == b"" and proc.stderr.strip() == b"", "promtool lint warnings"
+
+
+def test_http_endpoint_serves_the_registry(tmp_path: Path, engine: FakeEngine) -> None:
+    exp = full_exporter(tmp_path, engine)
+    port = free_port()
+    exp.start_http("127.0.0.1", port)
+    try:
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert r.status_code == 200
+        assert "pinsidecar_cold_selection_ratio" in r.text
+        assert "pinsidecar_process_resident_memory_bytes" in r.text
+    finally:
+        exp.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
