@@ -243,8 +243,13 @@ def hot_rows_for_budget(hbm_bytes: int, num_layers: int, expert_bytes: int, num_
 # ---------------------------------------------------------------------------------------------------- counts
 
 
-def sum_counts(counts: Sequence[CountsArtifact], names: Sequence[str] | None = None) -> CountsArtifact:
-    """One counts artifact holding the sum of several of the same geometry (a longer count boot, in effect)."""
+def sum_counts(counts: Sequence[CountsArtifact], names: Sequence[str] | None = None, *,
+               record_sources: bool = False) -> CountsArtifact:
+    """One counts artifact holding the sum of several of the same geometry (a longer count boot, in effect).
+
+    ``record_sources`` stores the inputs' digests in ``meta["merged_from"]`` (for a merged file on disk; it costs
+    a digest per input, so the in-memory sum inside :func:`build_usage_map` skips it).
+    """
     _check_same_counts_geometry(counts, names)
     if len(counts) == 1:
         return counts[0]
@@ -260,7 +265,7 @@ def sum_counts(counts: Sequence[CountsArtifact], names: Sequence[str] | None = N
         layer_ids=list(first.layer_ids), num_experts=first.num_experts, top_k=first.top_k, counts=total,
         tokens=sum(c.tokens for c in counts), model=first.model,
         workload="+".join(dict.fromkeys(workloads)), started_at=min(starts, default=""), ended_at=max(ends, default=""),
-        meta={**_shared_meta(counts), "merged_from": [c.digest() for c in counts]},
+        meta={**_shared_meta(counts), **({"merged_from": [c.digest() for c in counts]} if record_sources else {})},
     )
 
 

@@ -274,6 +274,7 @@ def test_counts_merge(tmp_path: Path, counts3: list[str]) -> None:
     merged = load_counts(out)
     assert merged.tokens == 1200 and r["selections"] == merged.selections == 3 * 9600
     assert merged.meta["expert_bytes"] == 1000
+    assert merged.meta["merged_from"] == [load_counts(c).digest() for c in counts3]
     other = write_counts(tmp_path / "o.json", num_layers=5, num_experts=32, top_k=4, tokens=10)
     out2 = tmp_path / "m2.json"
     assert_user_error(run("counts", "merge", counts3[0], str(other), "--out", str(out2)), str(other))

@@ -60,7 +60,7 @@ def register(main: click.Group) -> None:
         if len(counts) < 2:
             raise UserError("merge needs at least two counts files")
         target = check_out_path(out, counts, "counts")
-        merged = maps.sum_counts(maps.load_counts_files(list(counts)), list(counts))
+        merged = maps.sum_counts(maps.load_counts_files(list(counts)), list(counts), record_sources=True)
         try:
             merged.save(target)
         except OSError as exc:
