@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 
@@ -36,7 +36,7 @@ from pinsidecar.artifacts import ArtifactError, ExpertMap, load_map, utc_now
 from pinsidecar.config import SupervisorConfig
 from pinsidecar.engine import EngineError, EngineSpec, Launcher
 
-__all__ = ["BootRecord", "EngineState", "Supervisor", "geometry_key"]
+__all__ = ["BootRecord", "EngineState", "Supervisor", "geometry_key", "is_cache_miss"]
 
 log = structlog.get_logger(__name__)
 
@@ -48,12 +48,15 @@ class EngineState:
     STARTING = "starting"
     READY = "ready"
     UNHEALTHY = "unhealthy"  # live but failing /health; restarted after health_failures checks
-    BACKOFF = "backoff"  # waiting before the next boot after a crash or failed boot
+    BACKOFF = "restarting"  # waiting (backoff) before the next boot after a crash or failed boot
     DRAINING = "draining"  # drain-reboot in progress (the gate holds new requests)
     STOPPING = "stopping"
     FAILED = "failed"  # crash-loop limit reached: no more restarts until an operator asks
 
     ALL = (STOPPED, STARTING, READY, UNHEALTHY, BACKOFF, DRAINING, STOPPING, FAILED)
+    # The exporter's state set (pinsidecar.metrics.ENGINE_STATES) has no separate unhealthy/stopping: an
+    # unhealthy engine is about to be restarted, a stopping one is about to be stopped.
+    EXPORTED: ClassVar[dict[str, str]] = {UNHEALTHY: BACKOFF, STOPPING: STOPPED}
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,15 @@ class BootRecord:
     geometry: str
     cache_miss: bool = False
     error: str = ""
+    log_tail: tuple[str, ...] = ()  # the engine's last log lines when the boot failed
+
+
+def is_cache_miss(seconds: float, previous: BootRecord | None, cfg: SupervisorConfig) -> bool:
+    """A boot much slower than the last successful one with the same geometry: ``cache_miss_factor`` times as
+    long and at least ``cache_miss_min_s`` longer (a 3 s boot becoming 7 s is noise, not a recompile)."""
+    if previous is None or not previous.ok:
+        return False
+    return seconds > previous.seconds * cfg.cache_miss_factor and seconds - previous.seconds >= cfg.cache_miss_min_s
 
 
 def geometry_key(emap: ExpertMap | None) -> str:
@@ -75,6 +87,15 @@ def geometry_key(emap: ExpertMap | None) -> str:
         return "none"
     g = emap.geometry()
     return ",".join(f"{k}={g[k]}" for k in sorted(g)) + f",layers={'-'.join(map(str, emap.layer_ids))}"
+
+
+def _rotate_log(path: Path | None) -> None:
+    """Keep the previous boot's engine log as ``<log>.1``, so a boot's error shows only its own last lines."""
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        if path.stat().st_size > 0:
+            path.replace(path.with_name(path.name + ".1"))
 
 
 class Supervisor:
@@ -124,7 +145,7 @@ class Supervisor:
         if state != self.state or detail != self.detail:
             log.info("engine_state", state=state, detail=detail or None)
         self.state, self.detail = state, detail
-        self._export("set_engine_state", state)
+        self._export("set_engine_state", EngineState.EXPORTED.get(state, state))
         if self.on_state is not None:
             self.on_state(state, detail)
 
@@ -149,6 +170,7 @@ class Supervisor:
         emap = (load_map(mp) if mp is not None else None) if use_map else self.map
         geometry = geometry_key(emap)
         spec = self.spec_for(mp)
+        _rotate_log(spec.log_path)
         launcher = self.make_launcher(spec)
         self._set_state(EngineState.STARTING, reason)
         t0 = time.monotonic()
@@ -166,7 +188,8 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(launcher.stop, 5.0)
             rec = BootRecord(reason, utc_now(), False, round(seconds, 3), str(mp) if mp else None,
-                             emap.content_hash if emap else None, geometry, False, str(exc).splitlines()[0])
+                             emap.content_hash if emap else None, geometry, False, str(exc).splitlines()[0],
+                             tuple(getattr(exc, "log_tail", ())[-10:]))
             self.boots.append(rec)
             log.error("engine_boot_failed", reason=reason, seconds=rec.seconds, error=str(exc))
             if isinstance(exc, EngineError):
@@ -174,8 +197,7 @@ class Supervisor:
             raise EngineError(str(exc)) from exc
         seconds = time.monotonic() - t0
         prev = self._previous_ok(geometry)
-        cache_miss = bool(prev and seconds > prev.seconds * self.cfg.cache_miss_factor
-                          and seconds - prev.seconds >= self.cfg.cache_miss_min_s)
+        cache_miss = is_cache_miss(seconds, prev, self.cfg)
         rec = BootRecord(reason, utc_now(), True, round(seconds, 3), str(mp) if mp else None,
                          emap.content_hash if emap else None, geometry, cache_miss)
         self.boots.append(rec)
@@ -196,7 +218,8 @@ class Supervisor:
         self.ready_since = None
         if launcher is None:
             return None
-        self._set_state(EngineState.STOPPING)
+        if state == EngineState.STOPPED:
+            self._set_state(EngineState.STOPPING)
         code = await asyncio.to_thread(launcher.stop, self.stop_timeout_s if timeout_s is None else timeout_s)
         self._export("set_engine_pid", None)
         self._set_state(state)
