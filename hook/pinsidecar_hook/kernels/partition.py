@@ -33,14 +33,17 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 
 __all__ = ["partition", "partition_torch", "partition_triton", "triton_available"]
 
+
 # Ids handled by one Triton program. 1024 int32 ids is 4 KiB: a decode step (T*k of a few hundred) is one
 # program, a 4096-token prefill at top-8 is 32 programs.
 _PARTITION_BLOCK = 1024
 
 
 def triton_available(device: torch.device | None = None) -> bool:
-    """True when the Triton kernels can run on ``device``: Triton is importable and the tensor is on CUDA, or
-    ``TRITON_INTERPRET=1`` is set (the interpreter runs them on CPU tensors, which is how CI checks them)."""
+    """True when the Triton kernels can run on ``device``: Triton is importable and the device is CUDA, or
+    ``TRITON_INTERPRET=1`` is set (then the interpreter runs them on CPU tensors). The variable must be set before
+    Triton is first imported in the process (Triton builds its own library functions, ``tl.sum`` among them, in
+    one mode at import), which is why the tests run the interpreter checks in a fresh process."""
     if triton is None:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
