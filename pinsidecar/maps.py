@@ -340,6 +340,14 @@ def build_usage_map(
         raise ArtifactError(None, "no counts given", "pass at least one counts file")
     total = sum_counts(counts, names)
     check_hot_rows(hot_rows, total.num_experts)
+    if total.selections == 0:
+        where = ", ".join(names) if names else "the counts"
+        raise ArtifactError(None, f"{where}: no selections counted, so there is nothing to rank experts by",
+                            "run the count boot with real traffic (pinsidecar profile) before building a map")
+    empty = np.flatnonzero(total.counts.sum(axis=1) == 0)
+    if empty.size:
+        log.warning("layers_without_selections", layer_ids=[total.layer_ids[i] for i in empty],
+                    hint="their hot set falls back to the lowest expert ids")
     order = _hot_order(total.counts)
     hot_sorted = np.sort(order[:, :hot_rows], axis=1).tolist()
     cold_sorted = np.sort(order[:, hot_rows:], axis=1).tolist()

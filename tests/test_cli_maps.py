@@ -292,3 +292,15 @@ def test_console_script_runs_map_build(tmp_path: Path, counts3: list[str]) -> No
     bad = subprocess.run([str(exe), "map", "build", counts3[0], "--hot-rows", "0", "--out",
                           str(tmp_path / "z.json")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and not (tmp_path / "z.json").exists()
+
+
+def test_build_warns_about_inconsistent_counts(tmp_path: Path) -> None:
+    from pinsidecar.testing import make_counts
+
+    c = make_counts(**GEOM)
+    c.tokens += 5  # as if a flush landed between two layers of one forward
+    c.save(tmp_path / "c.json")
+    r = run_json("map", "build", str(tmp_path / "c.json"), "--hot-rows", "8", "--out", str(tmp_path / "m.json"))
+    assert r["inconsistent_counts"] == [str(tmp_path / "c.json")]
+    human = run("map", "build", str(tmp_path / "c.json"), "--hot-rows", "8", "--out", str(tmp_path / "m2.json"))
+    assert "warning:" in human.stdout and "counts show" in human.stdout

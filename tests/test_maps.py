@@ -81,6 +81,12 @@ def test_budget_out_of_range(hot_rows: int, expect: str) -> None:
         maps.build_usage_map([make_counts()], hot_rows)
 
 
+def test_counts_without_selections_are_refused() -> None:
+    empty = _counts([[0, 0, 0, 0]])
+    with pytest.raises(ArtifactError, match=r"e\.json: no selections counted"):
+        maps.build_usage_map([empty], 2, names=["e.json"])
+
+
 def test_budget_edges_are_allowed() -> None:
     c = make_counts()
     assert maps.build_usage_map([c], 1).hot_rows == 1

@@ -164,6 +164,8 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         "positional": {"description": _positional_description(mask), **mask.meta,
                        "per_layer": positional_eval["per_layer"]},
         "leave_one_out": maps.leave_one_out(counts, rows, names),
+        # a periodic flush can land mid-forward; a few tokens off is harmless, a large gap means a broken count boot
+        "inconsistent_counts": [n for n, c in zip(names, counts, strict=True) if not c.consistent],
     }
     if positional:
         result["mode"] = "positional"
@@ -183,6 +185,9 @@ def _build_human(r: dict[str, Any]) -> str:
                  + (f" (from --hbm-bytes {r['hbm_bytes']} at {r['expert_bytes']} bytes/expert)"
                     if r["budget_from"] == "hbm-bytes" else ""))
     lines.append(f"counts: {len(r['counts'])} file(s), {r['tokens']} tokens, {r['selections']} selections")
+    for name in r["inconsistent_counts"]:
+        lines.append(f"warning: {name}: per-layer selections do not all equal tokens x top_k (a flush mid-step, or "
+                     "an incomplete count boot); check it with `pinsidecar counts show`")
     lines.append(f"usage map cold-selection rate (in-sample):      {_pct(r['predicted_cold_rate'])}")
     lines.append(f"positional (--cpu-offload-gb, same budget):     {_pct(r['positional_cold_rate'])}"
                  f"   [{r['positional']['description']}]")
