@@ -64,6 +64,10 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
+# Count-boot meta that describes the engine rather than the traffic; copied into the map when every input agrees,
+# so pin mode can check the map against the model it is loaded into.
+_MODEL_META_KEYS = ("dtype", "tp_size", "expert_tensors", "moe_layers")
+
 # The skew figure of issue 2: the share of a layer's selections taken by its hottest 25 % of experts.
 SKEW_TOP_FRACTION = 0.25
 
@@ -367,6 +371,7 @@ def build_usage_map(
             "tokens": total.tokens,
             "selections": total.selections,
             "workloads": [c.workload for c in counts],
+            **{k: v for k, v in _shared_meta(counts).items() if k in _MODEL_META_KEYS},
             **(meta or {}),
         },
     )

@@ -34,6 +34,13 @@ def test_build_takes_most_selected_with_ties_to_lower_id_and_sorted_lists() -> N
     assert m.source_counts == (c.digest(),)
 
 
+def test_engine_meta_is_carried_when_all_counts_agree() -> None:
+    a = _counts([[1, 2]], dtype="bfloat16", tp_size=1, workload_note="x")
+    b = _counts([[2, 1]], dtype="bfloat16", tp_size=2)
+    m = maps.build_usage_map([a, b], 1)
+    assert m.meta["dtype"] == "bfloat16" and "tp_size" not in m.meta and "workload_note" not in m.meta
+
+
 def test_built_map_is_a_valid_artifact(tmp_path: Path) -> None:
     c = make_counts(num_layers=5, num_experts=32, top_k=4, tokens=300, layer_ids=[3, 7, 11, 15, 19])
     m = maps.build_usage_map([c], 10, expert_bytes=4096)
