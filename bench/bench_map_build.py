@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(res.stderr)
 
         stages["map_build_command"] = _time(in_process, args.repeats)
+        cmd1 = ["map", "build", paths[0], "--hot-rows", str(args.hot_rows), "--out", str(d / "cmd1.json"), "--json"]
+        stages["map_build_command_1_file"] = _time(lambda: runner.invoke(cli, cmd1, catch_exceptions=False),
+                                                   args.repeats)
         exe = Path(sys.executable).with_name("pinsidecar")
         stages["map_build_process"] = _time(
             lambda: subprocess.run([str(exe), *cmd], check=True, capture_output=True), args.process_repeats)
