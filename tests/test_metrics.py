@@ -4,13 +4,10 @@ drops its own metrics (and is logged once)."""
 
 from __future__ import annotations
 
-import http.server
 import shutil
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -19,7 +16,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from pinsidecar.artifacts import StatsSnapshot
 from pinsidecar.metrics import (
     ENGINE_STATES,
     Exporter,
@@ -28,132 +24,25 @@ from pinsidecar.metrics import (
     accumulate_stats,
     cgroup_path_for_pid,
 )
+from pinsidecar.testing.metrics import FakeEngineMetrics, FakeNvml, make_stats, write_cgroup_tree, write_proc_cgroup
 from pinsidecar.testing.prometheus import free_port
-
-# What vLLM 0.32's /metrics looks like (names, labels, _created lines), trimmed to the series we read plus neighbours.
-VLLM_METRICS = """\
-# HELP python_gc_objects_collected_total Objects collected during gc
-# TYPE python_gc_objects_collected_total counter
-python_gc_objects_collected_total{generation="0"} 8123.0
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="demo"} 3.0
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="demo"} 1.0
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="demo"} 0.25
-# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
-# TYPE vllm:prompt_tokens_total counter
-vllm:prompt_tokens_total{engine="0",model_name="demo"} 5120.0
-# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
-# TYPE vllm:prompt_tokens_created gauge
-vllm:prompt_tokens_created{engine="0",model_name="demo"} 1.7644e+09
-# HELP vllm:generation_tokens_total Number of generation tokens processed.
-# TYPE vllm:generation_tokens_total counter
-vllm:generation_tokens_total{engine="0",model_name="demo"} {tokens}
-# HELP vllm:generation_tokens_created Number of generation tokens processed.
-# TYPE vllm:generation_tokens_created gauge
-vllm:generation_tokens_created{engine="0",model_name="demo"} 1.7644e+09
-# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="demo"} 0.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="demo"} 12.0
-vllm:time_to_first_token_seconds_count{engine="0",model_name="demo"} 12.0
-vllm:time_to_first_token_seconds_sum{engine="0",model_name="demo"} 0.84
-"""
-
-
-class FakeEngine:
-    """A tiny HTTP server serving VLLM_METRICS with a settable token count (a real socket, a real GET)."""
-
-    def __init__(self) -> None:
-        self.tokens = 1000.0
-        self.status = 200
-        engine = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = VLLM_METRICS.replace("{tokens}", repr(engine.tokens)).encode()
-                self.send_response(engine.status if self.path == "/metrics" else 404)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    e = FakeEngine()
-    yield e
-    e.close()
-
-
-class FakeNvml:
-    """A fake of the few pynvml functions the GPU collector calls (no NVML can exist on CI): two H200s."""
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, fail_query: bool = False) -> None:
-        self.inits = 0
-        self.fail_query = fail_query
-
-    def nvmlInit(self) -> None:
-        self.inits += 1
-
-    def nvmlDeviceGetCount(self) -> int:
-        if self.fail_query:
-            raise self.NVMLError("GPU is lost")
-        return 2
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetUUID(self, handle: int) -> str:
-        return f"GPU-fake-{handle}"
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
-        return SimpleNamespace(total=150_000_000_000, used=(handle + 1) * 10_000_000_000, free=0)
+def engine() -> Iterator[FakeEngineMetrics]:
+    with FakeEngineMetrics() as e:
+        yield e
 
 
 def make_cgroup(root: Path, rel: str = "system.slice/engine.scope", maxv: str = "68719476736") -> Path:
-    cg = root / "cgroup" / rel
-    cg.mkdir(parents=True)
-    (cg / "memory.current").write_text("4294967296\n")
-    (cg / "memory.max").write_text(maxv + "\n")
-    (cg / "memory.stat").write_text("anon 1073741824\nfile 3221225472\nkernel 12345\nshmem 2147483648\n"
-                                    "file_mapped 100\n")
-    return cg
+    return write_cgroup_tree(root / "cgroup", rel, max_value=maxv)
 
 
 def make_proc(root: Path, pid: int, rel: str = "/system.slice/engine.scope") -> Path:
-    d = root / "proc" / str(pid)
-    d.mkdir(parents=True)
-    # a hybrid host lists v1 hierarchies first; only the 0:: line is cgroup v2
-    (d / "cgroup").write_text(f"4:memory:/something/else\n1:name=systemd:/x\n0::{rel}\n")
-    return root / "proc"
+    return write_proc_cgroup(root / "proc", pid, rel)
 
 
-def stats(boot: str = "b1", seq: int = 1, sel: tuple[int, ...] = (100, 200), cold: tuple[int, ...] = (2, 10),
-          errors: dict[str, int] | None = None) -> StatsSnapshot:
-    return StatsSnapshot(boot_id=boot, seq=seq, layer_ids=[0, 3], num_experts=8, top_k=2, selections=list(sel),
-                         cold_selections=list(cold), tokens=sum(sel) // 2, map_hash="sha256:feed", map_label="code",
-                         pid=4242, written_at=1000.0, tier_bytes={"hbm": 6 * 2**20, "host": 2 * 2**20},
-                         errors=errors if errors is not None else {"stats_write": 1})
+stats = make_stats
 
 
 def samples(exp: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -172,7 +61,7 @@ def names(exp_samples: dict) -> set[str]:
     return {n for n, _ in exp_samples}
 
 
-def full_exporter(tmp_path: Path, engine: FakeEngine, **kw: Any) -> Exporter:
+def full_exporter(tmp_path: Path, engine: FakeEngineMetrics, **kw: Any) -> Exporter:
     make_cgroup(tmp_path)
     proc = make_proc(tmp_path, 4242)
     stats().save(tmp_path / "stats.json")
@@ -185,7 +74,7 @@ def full_exporter(tmp_path: Path, engine: FakeEngine, **kw: Any) -> Exporter:
 # ------------------------------------------------------------------------------------------------ collectors
 
 
-def test_cgroup_memory_from_the_engine_pid(tmp_path: Path, engine: FakeEngine) -> None:
+def test_cgroup_memory_from_the_engine_pid(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     exp = full_exporter(tmp_path, engine)
     s = samples(exp)
     assert value(s, "pinsidecar_engine_cgroup_memory_current_bytes") == 4294967296
@@ -228,7 +117,7 @@ def test_cgroup_path_for_pid_rejects_a_v1_only_host(tmp_path: Path) -> None:
     assert cgroup_path_for_pid(1, proc_root=Path("/proc")).is_dir()  # the real thing parses too
 
 
-def test_engine_pid_gone_drops_cgroup_metrics_logged_once(tmp_path: Path, engine: FakeEngine) -> None:
+def test_engine_pid_gone_drops_cgroup_metrics_logged_once(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     exp = full_exporter(tmp_path, engine)
     exp.set_engine_pid(999999)
     with capture_logs() as logs:
@@ -241,7 +130,7 @@ def test_engine_pid_gone_drops_cgroup_metrics_logged_once(tmp_path: Path, engine
     assert len(cg_logs) == 1 and "999999" in cg_logs[0]["reason"]
 
 
-def test_stats_ratios_counters_tiers_and_errors(tmp_path: Path, engine: FakeEngine) -> None:
+def test_stats_ratios_counters_tiers_and_errors(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     s = samples(full_exporter(tmp_path, engine))
     assert value(s, "pinsidecar_expert_selections_total") == 300
     assert value(s, "pinsidecar_expert_cold_selections_total") == 12
@@ -271,7 +160,7 @@ def test_stats_totals_stay_monotonic_over_engine_restarts_and_resets() -> None:
     assert t.restarts == 2
 
 
-def test_stats_file_rewritten_by_a_new_boot_keeps_counters_monotonic(tmp_path: Path, engine: FakeEngine) -> None:
+def test_stats_file_rewritten_by_a_new_boot_keeps_counters_monotonic(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     exp = full_exporter(tmp_path, engine)
     assert value(samples(exp), "pinsidecar_expert_selections_total") == 300
     stats("b2", 1, (7, 3), (0, 1)).save(tmp_path / "stats.json")
@@ -280,7 +169,7 @@ def test_stats_file_rewritten_by_a_new_boot_keeps_counters_monotonic(tmp_path: P
     assert value(s, "pinsidecar_cold_selection_ratio") == pytest.approx(1 / 10)  # since this boot
 
 
-def test_corrupt_stats_file_is_local_and_logged_once(tmp_path: Path, engine: FakeEngine) -> None:
+def test_corrupt_stats_file_is_local_and_logged_once(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     exp = full_exporter(tmp_path, engine)
     (tmp_path / "stats.json").write_text('{"format": "pinsidecar.stats", "version": 1, "boot_id": "x"')
     with capture_logs() as logs:
@@ -299,7 +188,7 @@ def test_corrupt_stats_file_is_local_and_logged_once(tmp_path: Path, engine: Fak
     assert [e["event"] for e in logs] == ["metrics source recovered"]
 
 
-def test_engine_tokens_raw_and_rate_between_scrapes(tmp_path: Path, engine: FakeEngine) -> None:
+def test_engine_tokens_raw_and_rate_between_scrapes(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     now = [100.0]
     exp = full_exporter(tmp_path, engine, clock=lambda: now[0])
     s = samples(exp)
@@ -316,7 +205,7 @@ def test_engine_tokens_raw_and_rate_between_scrapes(tmp_path: Path, engine: Fake
     assert value(samples(exp), "pinsidecar_engine_generation_tokens_per_second") == pytest.approx(4.0)
 
 
-def test_engine_unreachable_or_erroring_drops_engine_metrics(tmp_path: Path, engine: FakeEngine) -> None:
+def test_engine_unreachable_or_erroring_drops_engine_metrics(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     exp = full_exporter(tmp_path, engine)
     engine.status = 500
     with capture_logs() as logs:
@@ -331,7 +220,7 @@ def test_engine_unreachable_or_erroring_drops_engine_metrics(tmp_path: Path, eng
     assert "pinsidecar_host_memory_total_bytes" in names(s)
 
 
-def test_gpu_memory_per_gpu_from_a_fake_nvml(tmp_path: Path, engine: FakeEngine) -> None:
+def test_gpu_memory_per_gpu_from_a_fake_nvml(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     s = samples(full_exporter(tmp_path, engine))
     assert value(s, "pinsidecar_gpu_memory_used_bytes", gpu="1", uuid="GPU-fake-1") == 20_000_000_000
     assert value(s, "pinsidecar_gpu_memory_total_bytes", gpu="0", uuid="GPU-fake-0") == 150_000_000_000
@@ -357,7 +246,7 @@ def test_nvml_on_this_machine_is_absent_without_failing_the_scrape() -> None:
     assert "pinsidecar_host_memory_total_bytes" in names(s)
 
 
-def test_nvml_query_failure_is_local(tmp_path: Path, engine: FakeEngine) -> None:
+def test_nvml_query_failure_is_local(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     exp = full_exporter(tmp_path, engine)
     exp.gpu._nvml = FakeNvml(fail_query=True)
     s = samples(exp)
@@ -366,7 +255,7 @@ def test_nvml_query_failure_is_local(tmp_path: Path, engine: FakeEngine) -> None
     assert "pinsidecar_expert_selections_total" in names(s)
 
 
-def test_host_memory_from_psutil(tmp_path: Path, engine: FakeEngine) -> None:
+def test_host_memory_from_psutil(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     s = samples(full_exporter(tmp_path, engine))
     assert value(s, "pinsidecar_host_memory_total_bytes") == psutil.virtual_memory().total
     assert 0 < value(s, "pinsidecar_host_memory_available_bytes") <= psutil.virtual_memory().total
@@ -416,7 +305,7 @@ def test_boots_map_and_remaps(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
-def test_promtool_check_metrics_is_clean(tmp_path: Path, engine: FakeEngine) -> None:
+def test_promtool_check_metrics_is_clean(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     from pinsidecar.gate import Gate
 
     exp = full_exporter(tmp_path, engine)
@@ -434,7 +323,7 @@ def test_promtool_check_metrics_is_clean(tmp_path: Path, engine: FakeEngine) -> 
     assert proc.stdout.strip() == b"" and proc.stderr.strip() == b"", "promtool lint warnings"
 
 
-def test_http_endpoint_serves_the_registry(tmp_path: Path, engine: FakeEngine) -> None:
+def test_http_endpoint_serves_the_registry(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     exp = full_exporter(tmp_path, engine)
     port = free_port()
     exp.start_http("127.0.0.1", port)
