@@ -83,7 +83,7 @@ class Placement(Protocol):
     def hot_mask(self) -> np.ndarray: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlacementMask:
     """A per-layer hot/cold mask with no fixed geometry: the positional baseline, used for evaluation only.
 
@@ -102,6 +102,14 @@ class PlacementMask:
     policy: str = "positional"
     expert_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        hot = np.array(self.hot, dtype=bool)  # a private, read-only copy: the mask is a value
+        if hot.shape != (len(self.layer_ids), self.num_experts):
+            raise ValueError(f"hot mask shape {hot.shape} != ({len(self.layer_ids)}, {self.num_experts})")
+        hot.flags.writeable = False
+        object.__setattr__(self, "hot", hot)
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
 
     @property
     def num_layers(self) -> int:
