@@ -27,7 +27,7 @@ from typing import Any
 
 from pinsidecar_hook.config import HookConfig
 
-__all__ = ["MoELayerRef", "install", "moe_layers"]
+__all__ = ["MoEGeometry", "MoELayerRef", "install", "moe_geometry", "moe_layers", "swap_experts_apply", "worker_rank"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -136,3 +136,52 @@ def _worker_model(worker: Any) -> Any:
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     # torch.compile / CUDA-graph wrappers keep the real module underneath.
     return getattr(model, "unwrapped_model", model)
+
+
+# ---------------------------------------------------------------------------------------------------- pin mode
+# Pin mode (pinsidecar_hook.pin) reads a MoE layer's geometry and swaps its experts call through these two
+# functions only; nothing else in pin mode touches vLLM attributes.
+
+
+@dataclass
+class MoEGeometry:
+    """What pin mode needs to know about one routed-experts layer, read from vLLM's objects."""
+
+    global_num_experts: int
+    local_num_experts: int
+    top_k: int
+    expert_map: Any  # torch int32 [global] global id -> local id or -1 (expert parallel), or None
+    param_owner: Any  # the module that owns w13_weight / w2_weight / ... (RoutedExperts, or FusedMoE)
+    experts: Any  # vLLM's FusedMoEExpertsModular instance whose ``apply`` pin mode replaces
+    experts_class: str
+
+
+def moe_geometry(module: Any) -> MoEGeometry:
+    """Read one MoE layer's geometry (``module`` is a :class:`MoELayerRef`'s ``module``)."""
+    owner = getattr(module, "routed_experts", module)
+    kernel = getattr(getattr(owner, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    top_k = getattr(getattr(module, "router", None), "top_k", None)
+    if not isinstance(top_k, int):
+        top_k = int(module.moe_config.experts_per_token)
+    return MoEGeometry(
+        global_num_experts=int(owner.global_num_experts), local_num_experts=int(owner.local_num_experts),
+        top_k=top_k, expert_map=owner.expert_map, param_owner=owner, experts=experts,
+        experts_class=type(experts).__name__ if experts is not None else "<monolithic or none>",
+    )
+
+
+def swap_experts_apply(geometry: MoEGeometry, split_apply: Callable[..., Any]) -> None:
+    """Replace this layer's experts ``apply`` (an instance attribute, so other layers keep theirs)."""
+    experts = geometry.experts
+    if experts is None:
+        raise RuntimeError("this MoE layer has no modular experts object (monolithic kernel); pin mode cannot split it")
+    experts.apply = split_apply
+
+
+def worker_rank(worker: Any) -> tuple[int, int]:
+    """(rank, tensor-parallel size) of a vLLM worker; (0, 1) when the worker does not say."""
+    rank = int(getattr(worker, "rank", 0) or 0)
+    parallel = getattr(worker, "parallel_config", None) or getattr(getattr(worker, "vllm_config", None),
+                                                                   "parallel_config", None)
+    return rank, int(getattr(parallel, "tensor_parallel_size", 1) or 1)

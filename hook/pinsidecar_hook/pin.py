@@ -1,0 +1,283 @@
+"""Pin mode: apply a row map to the loaded model, split every experts call by residency, count live.
+
+Runs inside the vLLM worker, called from :mod:`pinsidecar_hook.patches` after ``Worker.load_model`` (weights
+loaded and repacked, KV cache not sized yet) and after warm-up. In order:
+
+1. **Load and validate the map** against the model actually loaded: layer ids, number of experts, top-k, the
+   per-expert tensors the backend must split, and the per-expert byte size when the map records one. Every
+   difference is listed in one :class:`PinMapMismatch`; raising it from ``load_model`` makes the engine refuse
+   to start, with the message in its log. There is no fallback placement: an engine serving another placement
+   than the one asked for is worse than one that does not boot.
+2. **Re-home** every MoE layer (:mod:`pinsidecar_hook.rehome`), one layer at a time, and log one summary line.
+3. **Swap the experts call** of each layer for the backend's split invoke (:mod:`pinsidecar_hook.backends`),
+   which partitions each token's top-k ids by residency and counts them into this layer's live counters.
+4. At engine-ready, zero the counters (warm-up forwards are not traffic) and start the stats writer
+   (:mod:`pinsidecar_hook.stats_writer`) on rank 0.
+
+Tensor parallel: every rank applies the same map to its shard of each expert. Expert parallel: each rank maps
+only its local experts (vLLM's ``expert_map``), so its row map sends non-local experts to -1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pinsidecar_hook import patches
+from pinsidecar_hook.artifacts import ExpertMap, load_map
+from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, rehome_layer, tensor_bytes
+
+__all__ = ["LayerPin", "PinMapMismatch", "PinState", "attach", "layer_row_map", "on_engine_ready", "state"]
+
+log = logging.getLogger("pinsidecar_hook")
+
+
+def _ensure_visible_log() -> None:
+    """vLLM configures only its own ``vllm`` loggers; without a handler our INFO summary line would be dropped."""
+    if log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s pinsidecar_hook %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+class PinMapMismatch(RuntimeError):
+    """The map does not fit the loaded model. The message lists every difference; the engine must not start."""
+
+
+@dataclass
+class LayerPin:
+    """One layer's pin-mode state: what the split invoke reads on every call, and what the stats writer copies."""
+
+    layer_id: int
+    name: str
+    row_map: torch.Tensor  # int32 [global experts]: global id -> row (hot 0..H-1, cold H..), -1 not on this rank
+    hot_rows: int  # H on this rank
+    cold_rows: int
+    hot: dict[str, torch.Tensor]
+    cold: dict[str, torch.Tensor]
+    expert_counts: torch.Tensor  # int64 [global experts], on the layer's device
+    cold_counts: torch.Tensor  # int64 [1]
+    token_counts: torch.Tensor  # int64 [1]
+    hot_bytes: int = 0
+    cold_bytes: int = 0
+    keepalive: list[Any] = field(default_factory=list)  # host storage behind the cold device views
+
+    def reset(self) -> None:
+        self.expert_counts.zero_()
+        self.cold_counts.zero_()
+        self.token_counts.zero_()
+
+
+@dataclass
+class PinState:
+    emap: ExpertMap
+    layers: list[LayerPin]
+    backend: str
+    rank: int
+    tp_size: int
+    summary: dict[str, Any]
+    cfg: HookConfig
+    writer: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_state: PinState | None = None
+
+
+def state() -> PinState | None:
+    """The running pin state (tests and the stats writer use it); None until :func:`attach` has run."""
+    return _state
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+
+
+def layer_row_map(hot: list[int] | tuple[int, ...], cold: list[int] | tuple[int, ...], num_experts: int,
+                  expert_map: list[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+    """(row map over global ids, hot local ids, cold local ids) for one layer on one rank.
+
+    Without expert parallel (``expert_map`` None) local id == global id. With it, ``expert_map[g]`` is the local
+    id of global expert ``g`` on this rank or -1; only local experts get rows, in the map's hot then cold order,
+    so the rank's hot tensor holds its local hot experts and its cold tensor its local cold ones.
+    """
+    rows = [-1] * num_experts
+    hot_local: list[int] = []
+    cold_local: list[int] = []
+    for tier_ids, out in ((hot, hot_local), (cold, cold_local)):
+        for g in tier_ids:
+            local = g if expert_map is None else expert_map[g]
+            if local < 0:
+                continue
+            out.append(local)
+    for r, g in enumerate([g for g in (*hot, *cold) if expert_map is None or expert_map[g] >= 0]):
+        rows[g] = r
+    return rows, hot_local, cold_local
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+
+def _backend_name(cfg: HookConfig, experts_class: str, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    if device.type == "cpu":
+        return "cpu"
+    if "TrtLlm" in experts_class:
+        return "flashinfer_trtllm"
+    if "Triton" in experts_class:
+        return "triton_experts"
+    return "torch_ref"
+
+
+def _load_backend(name: str) -> Any:
+    try:
+        module = importlib.import_module(f"pinsidecar_hook.backends.{name}")
+    except ImportError as exc:
+        raise PinMapMismatch(f"pin backend {name!r} is not available ({exc}); set PINSIDECAR_PIN_BACKEND to one of "
+                             "auto, cpu, triton_experts, flashinfer_trtllm, torch_ref") from exc
+    if not hasattr(module, "make_split_apply"):
+        raise PinMapMismatch(f"pin backend {name!r} has no make_split_apply(experts, layer); it cannot split calls")
+    return module
+
+
+def validate(emap: ExpertMap, layers: list[tuple[patches.MoELayerRef, patches.MoEGeometry]], backend: Any,
+             backend_name: str, tp_size: int, source: str) -> dict[str, list[str]]:
+    """Compare the map with the loaded model; raise :class:`PinMapMismatch` listing every difference.
+
+    Returns the per-expert tensor names per layer name (what re-homing splits).
+    """
+    problems: list[str] = []
+    model_ids = [ref.layer_id for ref, _ in layers]
+    if not layers:
+        raise PinMapMismatch(f"map {source}: the loaded model has no MoE layers; pin mode needs a MoE model")
+    if tuple(model_ids) != tuple(emap.layer_ids):
+        problems.append(f"MoE layer ids: map has {list(emap.layer_ids)}, model has {model_ids}")
+    geo0 = layers[0][1]
+    if emap.num_experts != geo0.global_num_experts:
+        problems.append(f"num_experts: map has {emap.num_experts}, model has {geo0.global_num_experts}")
+    if emap.top_k != geo0.top_k:
+        problems.append(f"top_k: map has {emap.top_k}, model has {geo0.top_k}")
+    supported = set(getattr(backend, "SPLIT_TENSORS", ()))
+    required = set(getattr(backend, "REQUIRED_TENSORS", ("w13_weight", "w2_weight")))
+    names_by_layer: dict[str, list[str]] = {}
+    expert_bytes_seen: set[int] = set()
+    for ref, geo in layers:
+        if geo.global_num_experts != geo0.global_num_experts or geo.top_k != geo0.top_k:
+            problems.append(f"layer {ref.layer_id}: {geo.global_num_experts} experts / top-{geo.top_k} differs from "
+                            f"layer {layers[0][0].layer_id}")
+        names = expert_tensor_names(geo.param_owner, geo.local_num_experts)
+        names_by_layer[ref.name] = names
+        if supported and set(names) - supported:
+            problems.append(f"layer {ref.layer_id}: per-expert tensors {sorted(set(names) - supported)} cannot be "
+                            f"split by the {backend_name!r} backend (it splits {sorted(supported)})")
+        if required - set(names):
+            problems.append(f"layer {ref.layer_id}: per-expert tensors {sorted(required - set(names))} are missing "
+                            f"(found {names})")
+        if geo.local_num_experts:
+            expert_bytes_seen.add(sum(tensor_bytes(getattr(geo.param_owner, n)) for n in names)
+                                  // geo.local_num_experts)
+    want_tensors = emap.meta.get("expert_tensors")
+    if isinstance(want_tensors, list):
+        found = names_by_layer[layers[0][0].name]
+        if sorted(map(str, want_tensors)) != found:
+            problems.append(f"per-expert tensors: map was built for {sorted(map(str, want_tensors))}, model has "
+                            f"{found}")
+    if emap.expert_bytes and expert_bytes_seen:
+        per_rank = max(expert_bytes_seen)
+        if emap.expert_bytes not in (per_rank, per_rank * tp_size):
+            problems.append(f"bytes per expert: map says {emap.expert_bytes}, model has {per_rank} per rank "
+                            f"(x{tp_size} ranks = {per_rank * tp_size})")
+    if problems:
+        raise PinMapMismatch(
+            f"pin mode refuses map {source} (label {emap.label!r}, hash {emap.short_hash}) for this model: "
+            + "; ".join(problems)
+            + ". Build a map from counts of this model (`pinsidecar map build`), or run in count mode."
+        )
+    return names_by_layer
+
+
+# ---------------------------------------------------------------------------------------------------- attach
+
+
+def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
+    """Load, validate and apply the map to ``model``; raise (so the engine refuses to start) on any mismatch."""
+    global _state
+    _ensure_visible_log()
+    if cfg.map_path is None:
+        raise PinMapMismatch("pin mode needs PINSIDECAR_MAP_PATH (the row map to apply)")
+    emap = load_map(cfg.map_path)  # ArtifactError: unreadable, corrupt or inconsistent map file
+    rank, tp_size = patches.worker_rank(worker) if worker is not None else (0, 1)
+    refs = patches.moe_layers(model)
+    layers = [(ref, patches.moe_geometry(ref.module)) for ref in refs]
+    if not layers:
+        raise PinMapMismatch(f"map {cfg.map_path}: the loaded model has no MoE layers")
+    device = layers[0][1].param_owner.w13_weight.device
+    backend_name = _backend_name(cfg, layers[0][1].experts_class, device)
+    backend = _load_backend(backend_name)
+    names_by_layer = validate(emap, layers, backend, backend_name, tp_size, str(cfg.map_path))
+
+    ledger = MemoryLedger()
+    pins: list[LayerPin] = []
+    for ref, geo in layers:  # one layer at a time: each layer's original is freed before the next is copied
+        placement = emap.layer(ref.layer_id)
+        expert_map = None if geo.expert_map is None else [int(v) for v in geo.expert_map.tolist()]
+        rows, hot_local, cold_local = layer_row_map(placement.hot, placement.cold, emap.num_experts, expert_map)
+        rehomed = rehome_layer(geo.param_owner, names_by_layer[ref.name], hot_local, cold_local, ledger)
+        counters_device = device
+        pin = LayerPin(
+            layer_id=ref.layer_id, name=ref.name,
+            row_map=torch.tensor(rows, dtype=torch.int32, device=counters_device),
+            hot_rows=len(hot_local), cold_rows=len(cold_local), hot=rehomed.hot, cold=rehomed.cold,
+            expert_counts=torch.zeros(emap.num_experts, dtype=torch.int64, device=counters_device),
+            cold_counts=torch.zeros(1, dtype=torch.int64, device=counters_device),
+            token_counts=torch.zeros(1, dtype=torch.int64, device=counters_device),
+            hot_bytes=rehomed.hot_bytes, cold_bytes=rehomed.cold_bytes, keepalive=list(rehomed.cold_host.values()),
+        )
+        patches.swap_experts_apply(geo, backend.make_split_apply(geo.experts, pin))
+        pins.append(pin)
+
+    hbm = sum(p.hot_bytes for p in pins)
+    host = sum(p.cold_bytes for p in pins)
+    summary = {
+        "map": str(cfg.map_path), "map_hash": emap.content_hash, "label": emap.label, "backend": backend_name,
+        "rank": rank, "tp_size": tp_size, "layers": len(pins), "hot_rows": emap.hot_rows, "cold_rows": emap.cold_rows,
+        "rank_hot_rows": sorted({p.hot_rows for p in pins}), "rank_cold_rows": sorted({p.cold_rows for p in pins}),
+        # "hbm" is the hot tier and "host" the cold one; on the CPU engine both are host memory.
+        "tier_bytes": {"hbm": hbm, "host": host},
+        "predicted_cold_rate": emap.predicted_cold_rate,
+        "peak_extra_bytes": dict(ledger.peak), "peak_extra_total_bytes": ledger.peak_total,
+    }
+    log.info(
+        "pinsidecar pin: map %s (%s, hash %s) on rank %d/%d via %s backend: %d layers, %d hot + %d cold rows/layer, "
+        "hot %.1f MiB, cold %.1f MiB, predicted cold rate %s, peak extra while re-homing %.1f MiB",
+        cfg.map_path, emap.label or "-", emap.short_hash, rank, tp_size, backend_name, len(pins), emap.hot_rows,
+        emap.cold_rows, hbm / 2**20, host / 2**20,
+        "n/a" if emap.predicted_cold_rate is None else f"{emap.predicted_cold_rate:.4f}", ledger.peak_total / 2**20,
+    )
+    _state = PinState(emap=emap, layers=pins, backend=backend_name, rank=rank, tp_size=tp_size, summary=summary,
+                      cfg=cfg)
+    return _state
+
+
+def on_engine_ready() -> None:
+    """Warm-up is over: zero the counters so they count real traffic only, and start the stats writer (rank 0)."""
+    st = _state
+    if st is None:
+        return
+    for layer in st.layers:
+        layer.reset()
+    if st.rank != 0 or st.cfg.stats_path is None or st.writer is not None:
+        return
+    from pinsidecar_hook.stats_writer import StatsWriter
+
+    st.writer = StatsWriter(st, st.cfg)
+    st.writer.start()

@@ -1,0 +1,160 @@
+"""Re-home one MoE layer's per-expert tensors by a row map: hot rows into one tensor, cold rows into another.
+
+After vLLM has loaded and processed (repacked) the weights, every per-expert tensor of a layer (weights, biases,
+block scales: whatever has the local expert count as its first dimension) is split in mirror:
+
+- the **hot** rows, in the map's hot order, into one tensor on the layer's device (HBM on a GPU);
+- the **cold** rows, in the map's cold order, into a separate host tensor. On CUDA that tensor is pinned and the
+  layer reads it through a device view (vLLM's ``get_accelerator_view_from_cpu_tensor``, the path
+  ``--cpu-offload-gb`` uses, or :func:`_uva_view` without vLLM), marked ``_vllm_is_uva_offloaded`` so vLLM's
+  kernels treat it as host-resident. On the CPU engine it is simply a second host tensor.
+
+The layer's own ``Parameter`` objects are kept and re-pointed at the hot rows (``param.data = hot``), so anything
+that holds a reference to them (vLLM's quant config holds the bias parameters) sees the hot tensor, and the
+original storage is freed as soon as the last reference to it goes. Slicing one expert out of a repacked tensor
+is valid: vLLM's CPU and GPU repacks are per expert (they never interleave experts).
+
+Layers are re-homed one at a time, each finished (original freed) before the next starts, so the transient extra
+memory is bounded by one layer, not by the model. A :class:`MemoryLedger` tracks every byte this module allocates
+and frees per tier, which gives the peak without trusting allocator statistics that the CPU build lacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["TIERS", "MemoryLedger", "RehomedLayer", "expert_tensor_names", "rehome_layer", "tensor_bytes"]
+
+# The two residency tiers, by the names the stats file uses for their byte counts.
+TIERS = ("hbm", "host")
+# Module attributes that have the expert count as first dimension but are routing tables, not expert data.
+_ROUTING_TABLE_HINTS = ("expert_map", "expert_mask", "routing", "global_to", "to_global", "_map")
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def expert_tensor_names(owner: torch.nn.Module, local_num_experts: int) -> list[str]:
+    """Names of ``owner``'s own parameters and buffers that hold one slice per local expert (dim 0 == count)."""
+    names: list[str] = []
+    for name, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+        if tensor is None or tensor.dim() == 0 or tensor.shape[0] != local_num_experts:
+            continue
+        if any(hint in name for hint in _ROUTING_TABLE_HINTS):
+            continue
+        names.append(name)
+    return sorted(names)
+
+
+@dataclass
+class MemoryLedger:
+    """Bytes allocated and freed while re-homing, per tier; ``peak`` is the largest net extra seen at any point."""
+
+    current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    peak_total: int = 0
+
+    def alloc(self, tier: str, nbytes: int) -> None:
+        self.current[tier] += nbytes
+        self.peak[tier] = max(self.peak[tier], self.current[tier])
+        self.peak_total = max(self.peak_total, sum(self.current.values()))
+
+    def free(self, tier: str, nbytes: int) -> None:
+        self.current[tier] -= nbytes
+
+
+@dataclass
+class RehomedLayer:
+    """One layer's tensors after re-homing: ``hot[name]`` (device), ``cold[name]`` (what kernels read: the host
+    tensor on CPU, its device view on CUDA) and ``cold_host[name]`` (the host storage itself, kept alive here)."""
+
+    hot: dict[str, torch.Tensor]
+    cold: dict[str, torch.Tensor]
+    cold_host: dict[str, torch.Tensor]
+    hot_bytes: int
+    cold_bytes: int
+
+
+def _uva_view(host: torch.Tensor) -> torch.Tensor:
+    """A device view of a pinned host tensor (zero-copy): vLLM's helper when present, else torch's own."""
+    try:
+        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+    except ImportError:  # standalone (GPU tests without vLLM)
+        get_accelerator_view_from_cpu_tensor = None
+    if get_accelerator_view_from_cpu_tensor is not None:
+        return get_accelerator_view_from_cpu_tensor(host)
+    if host.numel() == 0:
+        return torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    # Pinned (cudaHostAlloc'ed) memory is mapped into the device address space under UVA, so its host pointer is a
+    # valid device pointer: wrap it, zero-copy, through the CUDA array interface (bytes, since bf16 has no typestr).
+    # The caller keeps ``host`` alive for as long as the view is used.
+    flat = host.reshape(-1).view(torch.uint8)
+
+    iface = type("_PinnedHostView", (), {"__cuda_array_interface__": {
+        "shape": (flat.numel(),), "typestr": "|u1", "data": (flat.data_ptr(), False), "version": 3, "strides": None}})
+    return torch.as_tensor(iface(), device="cuda").view(host.dtype).view(host.shape)
+
+
+def rehome_layer(
+    owner: torch.nn.Module,
+    names: Sequence[str],
+    hot_local: Sequence[int],
+    cold_local: Sequence[int],
+    ledger: MemoryLedger,
+) -> RehomedLayer:
+    """Split each of ``owner``'s per-expert tensors ``names`` into hot rows ``hot_local`` and cold rows
+    ``cold_local`` (local expert indices, in row order), re-point the parameters at the hot rows, free the rest.
+
+    Order inside the layer, chosen for the smallest transient: cold copy first (host grows by the cold bytes, which
+    stay), then the hot copy (device grows by the hot bytes), then the original goes (device shrinks by all).
+    """
+    device = next(iter(getattr(owner, n) for n in names)).device
+    on_cuda = device.type == "cuda"
+    hot_tier = "hbm" if on_cuda else "host"
+    hot_idx = torch.tensor(list(hot_local), dtype=torch.long, device=device)
+    cold_idx = torch.tensor(list(cold_local), dtype=torch.long, device=device)
+    hot: dict[str, torch.Tensor] = {}
+    cold: dict[str, torch.Tensor] = {}
+    cold_host: dict[str, torch.Tensor] = {}
+    hot_bytes = cold_bytes = 0
+    for name in names:
+        original = getattr(owner, name)
+        data = original.data if isinstance(original, torch.nn.Parameter) else original
+        original_bytes = tensor_bytes(data)
+        # cold rows -> host (pinned on CUDA, so the device can read them in place)
+        host = torch.empty((len(cold_local), *data.shape[1:]), dtype=data.dtype, device="cpu", pin_memory=on_cuda)
+        host.copy_(data.index_select(0, cold_idx))
+        ledger.alloc("host", tensor_bytes(host))
+        if on_cuda:
+            view = _uva_view(host)
+            view._vllm_is_uva_offloaded = True  # type: ignore[attr-defined]
+        else:
+            view = host
+        # hot rows -> a fresh tensor on the layer's device
+        hot_t = data.index_select(0, hot_idx).contiguous()
+        ledger.alloc(hot_tier, tensor_bytes(hot_t))
+        # the original goes: re-point the parameter (same object, so outside references follow) and drop ours
+        if isinstance(original, torch.nn.Parameter):
+            original.data = hot_t
+            hot[name] = original
+        else:
+            setattr(owner, name, hot_t)
+            hot[name] = hot_t
+        del data, original
+        ledger.free(hot_tier, original_bytes)
+        cold[name] = view
+        cold_host[name] = host
+        hot_bytes += tensor_bytes(hot_t)
+        cold_bytes += tensor_bytes(host)
+    if on_cuda:
+        torch.cuda.empty_cache()  # so vLLM's KV sizing, which measures free memory, sees the freed HBM
+    return RehomedLayer(hot=hot, cold=cold, cold_host=cold_host, hot_bytes=hot_bytes, cold_bytes=cold_bytes)
+
+
+def describe_ledger(ledger: MemoryLedger) -> dict[str, Any]:
+    return {"peak_extra_bytes": dict(ledger.peak), "peak_extra_total_bytes": ledger.peak_total}
