@@ -34,7 +34,7 @@ from yarl import URL
 
 from pinsidecar.capture import CaptureStore
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "GATE_OUTCOMES", "HOP_BY_HOP_HEADERS", "Gate"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "GATE_OUTCOMES", "HOP_BY_HOP_HEADERS", "SMALL_RESPONSE_BYTES", "Gate"]
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +50,10 @@ HOP_BY_HOP_HEADERS = frozenset({
 GATE_OUTCOMES = ("proxied", "rejected_queue_full", "rejected_hold_timeout", "rejected_stopping", "too_large",
                  "bad_gateway", "upstream_broken", "client_disconnected")
 _STRIP_REQUEST = frozenset({"host", "content-length"})  # the client session sets both for the upstream
+_STRIP_SMALL_RESPONSE = frozenset({"content-length"})  # web.Response sets it from the body
+# Responses with a Content-Length up to this size (and not an event stream) are read whole and sent in one write;
+# anything larger, or without a length (streams), is relayed chunk by chunk as it arrives.
+SMALL_RESPONSE_BYTES = 256 * 1024
 
 
 def _filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str], extra: frozenset[str] = frozenset()
@@ -274,6 +278,18 @@ class Gate:
             return _error(502, f"pinsidecar gate: the engine at {upstream} is not reachable "
                           f"({type(exc).__name__}: {exc}); it may be starting or restarting", "bad_gateway")
         async with up:
+            length = up.content_length
+            if length is not None and length <= SMALL_RESPONSE_BYTES and "event-stream" not in up.content_type:
+                # a small complete body (non-streaming completion, /v1/models, /health): one read, one write
+                try:
+                    data = await up.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    self._count("bad_gateway")
+                    return _error(502, f"pinsidecar gate: the engine at {upstream} broke off its response "
+                                  f"({type(exc).__name__}: {exc})", "bad_gateway")
+                self._count("proxied")
+                return web.Response(status=up.status, reason=up.reason, body=data,
+                                    headers=_filter_headers(up.headers, _STRIP_SMALL_RESPONSE))
             resp = web.StreamResponse(status=up.status, reason=up.reason, headers=_filter_headers(up.headers))
             try:
                 await resp.prepare(request)

@@ -296,3 +296,19 @@ def test_capture_samples_completion_bodies_as_workload_lines(tmp_path: Path) -> 
     assert [x.get("prompt") for x in lines[:3]] == ["p0", "p1", "p2"]
     assert lines[3]["messages"][0]["content"] == "hé"
     assert len(lines) == 4
+
+
+def test_large_non_streaming_response_is_relayed_whole() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(url(gate, "/v1/completions"), json={"prompt": "p", "max_tokens": 400_000})
+                assert r.status == 200
+                assert int(r.headers["Content-Length"]) > 400_000  # relayed with its length, not re-chunked
+                doc = await r.json()
+        finally:
+            await gate.stop()
+        assert doc["choices"][0]["text"] == "x" * 400_000
+
+    run(body)
