@@ -8,6 +8,7 @@ token (``control.token_file``, which the operator must be able to read).
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,8 @@ def register(main: click.Group) -> None:
         json_logs = True if as_json or cfg.daemon.json_logs == "yes" else (
             False if cfg.daemon.json_logs == "no" else None)
         pslog.configure(cfg.daemon.log_level, json_logs=json_logs)
+        # httpx logs every request at INFO; the liveness loop would fill the journal with them.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         try:
             code = run_daemon(cfg)
         except TokenFileError as exc:

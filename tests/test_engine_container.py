@@ -1,0 +1,120 @@
+"""The container launcher: the docker/podman argv built from config, the hook overlay's entry point, and clear errors
+from the real CLI when the runtime is missing or its daemon is down. (No container runs on CI: no GPU, no dockerd.)"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pinsidecar.config import ContainerConfig
+from pinsidecar.engine import EngineError, EngineSpec, Launcher
+from pinsidecar.engine_container import ContainerEngine, build_run_argv, hook_overlay
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    s = tmp_path / "state"
+    (s / "maps").mkdir(parents=True)
+    return s
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    m = tmp_path / "models" / "flash"
+    m.mkdir(parents=True)
+    return m
+
+
+def _spec(model: Path, state: Path, **env: str) -> EngineSpec:
+    return EngineSpec(model=model, port=8000, served_model_name="flash", kv_cache_bytes=0, enforce_eager=False,
+                      extra_args=["--gpu-memory-utilization", "0.9"], shutdown_timeout_s=30,
+                      env={"PINSIDECAR_HOOK_MODE": "pin", "PINSIDECAR_MAP_PATH": str(state / "maps" / "a.json"),
+                           "PINSIDECAR_STATS_PATH": str(state / "stats.json"), **env})
+
+
+def test_docker_argv(model: Path, state: Path) -> None:
+    cfg = ContainerConfig(image="vllm/vllm-openai:v0.33.0", gpus="all", extra_args=["--ulimit", "memlock=-1"],
+                          mounts=["/data:/data:ro"])
+    argv, env = build_run_argv(_spec(model, state, SECRET="hunter2"), cfg, state, state / "hook", state / "cache")
+    assert argv[:2] == ["docker", "run"]
+    assert all(isinstance(a, str) for a in argv)
+    joined = " ".join(argv)
+    assert "--gpus all" in joined and "--network host" in joined and "--ipc host" in joined
+    assert f"{model}:/model:ro" in argv
+    assert f"{state / 'hook'}:/opt/pinsidecar/hook:ro" in argv
+    assert f"{state}:/var/lib/pinsidecar" in argv
+    assert f"{state / 'maps'}:/var/lib/pinsidecar/maps:ro" in argv
+    assert f"{state / 'cache'}:/root/.cache" in argv
+    assert "/data:/data:ro" in argv
+    # environment by name only: values never on the command line
+    env_args = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
+    assert "SECRET" in env_args and all("=" not in a for a in env_args)
+    assert "hunter2" not in joined
+    assert env["SECRET"] == "hunter2"
+    assert env["PINSIDECAR_MAP_PATH"] == "/var/lib/pinsidecar/maps/a.json"  # host path -> container path
+    assert env["PINSIDECAR_STATS_PATH"] == "/var/lib/pinsidecar/stats.json"
+    assert env["PYTHONPATH"] == "/opt/pinsidecar/hook"
+    assert env["VLLM_CACHE_ROOT"] == "/root/.cache/vllm"
+    # extra args before the image; the engine command after it
+    image_at = argv.index(cfg.image)
+    assert argv.index("--ulimit") < image_at
+    assert argv[image_at - 2:image_at] == ["--entrypoint", "python3"]
+    inner = argv[image_at + 1:]
+    assert inner[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert inner[inner.index("--model") + 1] == "/model"
+    assert inner[inner.index("--served-model-name") + 1] == "flash"
+    assert "--kv-cache-memory-bytes" not in inner and "--enforce-eager" not in inner
+    assert inner[-2:] == ["--gpu-memory-utilization", "0.9"]
+
+
+def test_podman_cdi_gpus_and_bridge_network(model: Path, state: Path) -> None:
+    cfg = ContainerConfig(runtime="podman", image="img", gpus="0,1", network="bridge", ipc_host=False)
+    argv, _ = build_run_argv(_spec(model, state), cfg, state, state / "hook", state / "cache")
+    assert argv[0] == "podman"
+    devices = [argv[i + 1] for i, a in enumerate(argv) if a == "--device"]
+    assert devices == ["nvidia.com/gpu=0", "nvidia.com/gpu=1"]
+    assert "--gpus" not in argv
+    assert "127.0.0.1:8000:8000" in argv  # published on loopback only
+    inner = argv[argv.index("img") + 1:]
+    assert inner[inner.index("--host") + 1] == "0.0.0.0"  # inside the bridge
+    assert "--shm-size" in argv
+
+
+def test_hook_file_outside_state_dir_is_refused(model: Path, state: Path, tmp_path: Path) -> None:
+    spec = _spec(model, state)
+    spec.env["PINSIDECAR_MAP_PATH"] = str(tmp_path / "elsewhere.json")
+    with pytest.raises(EngineError, match=r"outside the state folder"):
+        build_run_argv(spec, ContainerConfig(image="img"), state, state / "hook", state / "cache")
+
+
+def test_hook_overlay_registers_the_vllm_plugin(tmp_path: Path) -> None:
+    overlay = hook_overlay(tmp_path / "hook")
+    assert (overlay / "pinsidecar_hook" / "plugin.py").is_file()
+    assert not list(overlay.rglob("__pycache__"))
+    dists = list(importlib.metadata.distributions(path=[str(overlay)]))
+    assert len(dists) == 1
+    eps = [ep for ep in dists[0].entry_points if ep.group == "vllm.general_plugins"]
+    assert [(ep.name, ep.value) for ep in eps] == [("pinsidecar_hook", "pinsidecar_hook.plugin:register")]
+    hook_overlay(overlay)  # idempotent: rewriting over an existing overlay works
+
+
+def test_container_engine_is_a_launcher_and_reports_runtime_problems(model: Path, state: Path) -> None:
+    eng = ContainerEngine(_spec(model, state), ContainerConfig(runtime="podman", image="img"), state)
+    assert isinstance(eng, Launcher)
+    if shutil.which("podman") is None:
+        with pytest.raises(EngineError, match=r"container runtime 'podman' not found on PATH"):
+            eng.start()
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.skip("docker CLI not installed")
+    eng = ContainerEngine(_spec(model, state), ContainerConfig(runtime="docker", image="img"), state)
+    try:
+        eng.start()
+    except EngineError as exc:  # the usual case on CI: a CLI but no daemon
+        assert "docker run" in str(exc) or "docker" in str(exc)
+    else:  # a real docker daemon: the bogus image cannot have started an engine
+        eng.stop(5)
+        pytest.fail("a container started from image 'img'")
