@@ -240,14 +240,19 @@ def finalize(
     rows_cold: torch.Tensor | None = None,
     weighted_rows: bool = False,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Finalize with the Triton kernel on CUDA, torch elsewhere; the two agree bit for bit."""
+    """Finalize with the Triton kernel on CUDA, torch elsewhere; the two agree bit for bit. With ``out`` the
+    result is written there (the Triton kernel writes it directly) and ``out`` is returned."""
     if rows.is_cuda and triton_available(rows.device):
         return finalize_triton(
             rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold,
-            weighted_rows=weighted_rows, out_dtype=out_dtype,
+            weighted_rows=weighted_rows, out_dtype=out.dtype if out is not None else out_dtype, out=out,
         )
-    return finalize_torch(
+    result = finalize_torch(
         rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold,
-        weighted_rows=weighted_rows, out_dtype=out_dtype,
+        weighted_rows=weighted_rows, out_dtype=out.dtype if out is not None else out_dtype,
     )
+    if out is None:
+        return result
+    return out.copy_(result)
