@@ -29,7 +29,7 @@ def test_compiled_kernels_match_torch() -> None:
     from test_kernels import run_checks
 
     results = run_checks("cuda")
-    assert len(results) == 69
+    assert len(results) == 87
     assert results["fma_is_fused"]
     assert all(results.values()), [k for k, v in results.items() if not v]
 

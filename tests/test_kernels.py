@@ -75,14 +75,25 @@ def check_finalize(device: str) -> dict[str, bool]:
             rows_nan = rows.masked_fill(skipped, float("nan"))
             cold_nan = rows_cold.masked_fill(skipped | (tier == 0).unsqueeze(-1), float("nan"))
             hot_nan = rows_nan.masked_fill((tier == 1).unsqueeze(-1), float("nan"))
+            # permuted layouts (FlashInfer do_finalize=False): slot -> row index, padded with NaN rows
+            slots = num_tokens * top_k
+            perm = torch.randperm(slots + 3, generator=g)[:slots].reshape(num_tokens, top_k).to(torch.int32)
+            permuted = torch.full((slots + 3, hidden), float("nan")).to(dtype)
+            permuted_cold = torch.full((slots + 5, hidden), float("nan")).to(dtype)
+            permuted[perm[tier == 0].long()] = rows[tier == 0]
+            permuted_cold[perm[tier == 1].long()] = rows_cold[tier == 1]
+            hot_perm = torch.where(tier == 0, perm, -1)
+            cold_perm = torch.where(tier == 1, perm, -1)
             modes = {
                 "all": (rows, {}),
                 "ids": (rows_nan, {"hot_ids": hot_ids, "cold_ids": cold_ids}),
                 "ids+cold": (hot_nan, {"hot_ids": hot_ids, "cold_ids": cold_ids, "rows_cold": cold_nan}),
+                "gather": (permuted, {"hot_ids": hot_perm, "cold_ids": cold_perm, "rows_cold": permuted_cold,
+                                      "gather": True}),
             }
             for weighted in (False, True):
                 for name, (r, kw) in modes.items():
-                    kw = {k: v.to(device) for k, v in kw.items()}
+                    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
                     x = finalize_torch(r.to(device), weights.to(device), weighted_rows=weighted, **kw)
                     y = finalize_triton(r.to(device), weights.to(device), weighted_rows=weighted, **kw)
                     ok = x.dtype == y.dtype == dtype and torch.equal(x, y) and not bool(torch.isnan(y).any())
@@ -124,7 +135,7 @@ def test_triton_partition_matches_torch_under_interpreter(interpreter_results: d
 
 def test_triton_finalize_matches_torch_under_interpreter(interpreter_results: dict[str, bool]) -> None:
     fin = {k: v for k, v in interpreter_results.items() if k.startswith("finalize")}
-    assert len(fin) == 54
+    assert len(fin) == 72
     summing = {k: v for k, v in fin.items() if "w=True" in k}  # moe_sum arithmetic: no multiply
     assert all(summing.values()), [k for k, v in summing.items() if not v]
     if not interpreter_results["fma_is_fused"]:

@@ -14,7 +14,9 @@ Two arithmetics, chosen by ``weighted_rows``:
 
 Slots are taken from ``rows`` where ``hot_ids >= 0``, from ``rows_cold`` (or ``rows`` when there is no separate
 cold buffer) where ``cold_ids >= 0``, and skipped where both are ``-1`` (an expert on another rank); without ids,
-every slot is taken from ``rows``. Skipped rows are never read, so they may hold garbage.
+every slot is taken from ``rows``. Skipped rows are never read, so they may hold garbage. With ``gather=True`` the
+rows are permuted layouts (``rows [P, H]``, ``rows_cold [P_cold, H]``, e.g. FlashInfer's GEMM2 output) and the ids
+are row indices into them (its ``expanded_idx_to_permuted_idx``, ``-1`` outside the call's expert window).
 
 :func:`finalize_torch` is bit-identical to the Triton kernel: torch has no fused multiply-add, so it computes the
 exact fp32 FMA through float64 (the product of an fp32 weight and a row of at most 24 significant bits is exact in
@@ -55,21 +57,30 @@ def fma_fp32_exact(w: torch.Tensor, r: torch.Tensor, acc: torch.Tensor) -> torch
     return s.to(torch.float32)
 
 
-def _check(rows: torch.Tensor, topk_weights: torch.Tensor, hot_ids, cold_ids, rows_cold, weighted_rows: bool):
-    if rows.dim() != 3:
-        raise ValueError(f"rows must be [T, k, H], got shape {tuple(rows.shape)}")
-    t, k, _ = rows.shape
-    if not weighted_rows and tuple(topk_weights.shape) != (t, k):
-        raise ValueError(f"topk_weights must be [T, k] = {(t, k)}, got {tuple(topk_weights.shape)}")
+def _check(rows, topk_weights, hot_ids, cold_ids, rows_cold, weighted_rows: bool, gather: bool = False):
     if (hot_ids is None) != (cold_ids is None):
         raise ValueError("pass hot_ids and cold_ids together (both from partition) or neither")
+    if gather:
+        if rows.dim() != 2 or hot_ids is None:
+            raise ValueError("gather=True needs rows [P, H] and hot_ids/cold_ids [T, k] indexing its rows")
+        if rows_cold is not None and (rows_cold.dim() != 2 or rows_cold.shape[1] != rows.shape[1]):
+            raise ValueError("gather=True: rows_cold must be [P_cold, H] with the same H as rows")
+        t, k = hot_ids.shape
+    else:
+        if rows.dim() != 3:
+            raise ValueError(f"rows must be [T, k, H], got shape {tuple(rows.shape)}")
+        t, k, _ = rows.shape
+    if not weighted_rows and (topk_weights is None or tuple(topk_weights.shape) != (t, k)):
+        shape = None if topk_weights is None else tuple(topk_weights.shape)
+        raise ValueError(f"topk_weights must be [T, k] = {(t, k)}, got {shape}")
     if hot_ids is not None and (tuple(hot_ids.shape) != (t, k) or tuple(cold_ids.shape) != (t, k)):
         raise ValueError(f"hot_ids/cold_ids must be [T, k] = {(t, k)}")
     if rows_cold is not None:
         if hot_ids is None:
             raise ValueError("rows_cold needs hot_ids/cold_ids to say which slots it serves")
-        if rows_cold.shape != rows.shape or rows_cold.dtype != rows.dtype:
-            raise ValueError("rows_cold must match rows in shape and dtype")
+        if rows_cold.dtype != rows.dtype or (not gather and rows_cold.shape != rows.shape):
+            raise ValueError("rows_cold must match rows in dtype (and in shape unless gather=True)")
+    return t, k
 
 
 def finalize_torch(
@@ -81,21 +92,34 @@ def finalize_torch(
     rows_cold: torch.Tensor | None = None,
     weighted_rows: bool = False,
     out_dtype: torch.dtype | None = None,
+    gather: bool = False,
 ) -> torch.Tensor:
     """Torch version of the finalize (module docstring); bit-identical to :func:`finalize_triton`."""
-    _check(rows, topk_weights, hot_ids, cold_ids, rows_cold, weighted_rows)
-    t, k, h = rows.shape
+    t, k = _check(rows, topk_weights, hot_ids, cold_ids, rows_cold, weighted_rows, gather)
+    h = rows.shape[-1]
     acc = torch.zeros((t, h), dtype=torch.float32, device=rows.device)
     zero_row = torch.zeros((), dtype=torch.float32, device=rows.device)
+
+    def pick(source: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if source.shape[0] == 0:
+            return torch.zeros((t, h), dtype=torch.float32, device=rows.device)
+        return source.index_select(0, idx.to(torch.int64).clamp(min=0)).to(torch.float32)
+
     for j in range(k):  # slot order defines the result
-        r = rows[:, j].to(torch.float32)
         if hot_ids is not None:
             use_hot = (hot_ids[:, j] >= 0).unsqueeze(1)
             use_cold = (cold_ids[:, j] >= 0).unsqueeze(1)
-            if rows_cold is not None:
-                r = torch.where(use_cold, rows_cold[:, j].to(torch.float32), r)
             valid = use_hot | use_cold
+            if gather:
+                r = torch.where(use_hot, pick(rows, hot_ids[:, j]), zero_row)
+                r = torch.where(use_cold, pick(rows if rows_cold is None else rows_cold, cold_ids[:, j]), r)
+            else:
+                r = rows[:, j].to(torch.float32)
+                if rows_cold is not None:
+                    r = torch.where(use_cold, rows_cold[:, j].to(torch.float32), r)
             r = torch.where(valid, r, zero_row)
+        else:
+            r = rows[:, j].to(torch.float32)
         if weighted_rows:
             acc = acc + r
         else:
@@ -119,6 +143,7 @@ if triton is not None:
         hidden,
         stride_rt,
         stride_rk,
+        stride_ct,
         stride_wt,
         stride_wk,
         stride_it,
@@ -128,6 +153,7 @@ if triton is not None:
         HAS_IDS: tl.constexpr,
         HAS_COLD_ROWS: tl.constexpr,
         WEIGHTED_ROWS: tl.constexpr,
+        GATHER: tl.constexpr,
         OUT_BF16: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
@@ -138,7 +164,18 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(TOPK):  # slot order 0..k-1 defines the result
             row_off = t * stride_rt + j * stride_rk + offs
-            if HAS_IDS:
+            if GATHER:  # ids are row indices into rows / rows_cold (permuted layouts)
+                hot_idx = tl.load(hot_ptr + t * stride_it + j * stride_ik + same)
+                cold_idx = tl.load(cold_ptr + t * stride_it + j * stride_ik + same)
+                use_hot = hot_idx >= 0
+                use_cold = cold_idx >= 0
+                valid = use_hot | use_cold
+                hot_off = hot_idx.to(tl.int64) * stride_rt + offs
+                cold_off = cold_idx.to(tl.int64) * stride_ct + offs
+                r_hot = tl.load(rows_ptr + hot_off, mask=in_h & use_hot, other=0.0).to(tl.float32)
+                r_cold = tl.load(rows_cold_ptr + cold_off, mask=in_h & use_cold, other=0.0).to(tl.float32)
+                r = tl.where(use_hot, r_hot, r_cold)
+            elif HAS_IDS:
                 use_hot = tl.load(hot_ptr + t * stride_it + j * stride_ik + same) >= 0
                 use_cold = tl.load(cold_ptr + t * stride_it + j * stride_ik + same) >= 0
                 valid = use_hot | use_cold
@@ -154,7 +191,7 @@ if triton is not None:
                 acc = acc + r
             else:
                 w = tl.load(w_ptr + t * stride_wt + j * stride_wk + same).to(tl.float32)
-                if HAS_IDS:
+                if HAS_IDS or GATHER:
                     w = tl.where(valid, w, 0.0)
                 acc = tl.fma(w, r, acc)
         if OUT_BF16:
@@ -178,15 +215,18 @@ def finalize_triton(
     weighted_rows: bool = False,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    gather: bool = False,
 ) -> torch.Tensor:
     """Triton version of the finalize: one launch, grid (tokens, hidden blocks)."""
     if triton is None:
         raise RuntimeError("finalize_triton needs Triton; use finalize() to fall back to torch")
-    _check(rows, topk_weights, hot_ids, cold_ids, rows_cold, weighted_rows)
-    t, k, h = rows.shape
-    if rows.stride(2) != 1:
+    t, k = _check(rows, topk_weights, hot_ids, cold_ids, rows_cold, weighted_rows, gather)
+    h = rows.shape[-1]
+    if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if rows_cold is not None and rows_cold.stride() != rows.stride():
+    if rows_cold is not None and rows_cold.stride(-1) != 1:
+        rows_cold = rows_cold.contiguous()
+    if not gather and rows_cold is not None and rows_cold.stride() != rows.stride():
         rows_cold = rows_cold.contiguous()
         rows = rows.contiguous()
     if out is None:
@@ -199,32 +239,35 @@ def finalize_triton(
     else:
         stride_w = (topk_weights.stride(0), topk_weights.stride(1))
     has_ids = hot_ids is not None
-    ids_stride = (hot_ids.stride(0), hot_ids.stride(1)) if has_ids else (0, 0)
     if has_ids and cold_ids.stride() != hot_ids.stride():
         cold_ids = cold_ids.contiguous()
         hot_ids = hot_ids.contiguous()
-        ids_stride = (hot_ids.stride(0), hot_ids.stride(1))
+    ids_stride = (hot_ids.stride(0), hot_ids.stride(1)) if has_ids else (0, 0)
+    cold_source = rows_cold if rows_cold is not None else rows
+    strides = (rows.stride(0), 0, cold_source.stride(0)) if gather else (rows.stride(0), rows.stride(1), 0)
     block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block_h))
     _finalize_kernel[grid](
         rows,
-        rows_cold if rows_cold is not None else rows,
+        cold_source,
         topk_weights,
         hot_ids if has_ids else rows,
         cold_ids if has_ids else rows,
         out,
         h,
-        rows.stride(0),
-        rows.stride(1),
+        strides[0],
+        strides[1],
+        strides[2],
         stride_w[0],
         stride_w[1],
         ids_stride[0],
         ids_stride[1],
         out.stride(0),
         TOPK=k,
-        HAS_IDS=has_ids,
-        HAS_COLD_ROWS=rows_cold is not None,
+        HAS_IDS=has_ids and not gather,
+        HAS_COLD_ROWS=rows_cold is not None and not gather,
         WEIGHTED_ROWS=weighted_rows,
+        GATHER=gather,
         OUT_BF16=out.dtype == torch.bfloat16,
         BLOCK_H=block_h,
     )
@@ -241,17 +284,18 @@ def finalize(
     weighted_rows: bool = False,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    gather: bool = False,
 ) -> torch.Tensor:
     """Finalize with the Triton kernel on CUDA, torch elsewhere; the two agree bit for bit. With ``out`` the
     result is written there (the Triton kernel writes it directly) and ``out`` is returned."""
     if rows.is_cuda and triton_available(rows.device):
         return finalize_triton(
             rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold,
-            weighted_rows=weighted_rows, out_dtype=out.dtype if out is not None else out_dtype, out=out,
+            weighted_rows=weighted_rows, out_dtype=out.dtype if out is not None else out_dtype, out=out, gather=gather,
         )
     result = finalize_torch(
         rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold,
-        weighted_rows=weighted_rows, out_dtype=out.dtype if out is not None else out_dtype,
+        weighted_rows=weighted_rows, out_dtype=out.dtype if out is not None else out_dtype, gather=gather,
     )
     if out is None:
         return result
