@@ -98,7 +98,9 @@ __all__ = [
     "StatsCollector",
     "StatsTotals",
     "accumulate_stats",
+    "cgroup_path_for_container",
     "cgroup_path_for_pid",
+    "cgroup_v1_memory_path_for_pid",
     "load_nvml",
 ]
 
@@ -433,12 +435,33 @@ def cgroup_path_for_container(container_id: str, *, cgroup_root: Path = Path("/s
                             "(the container's init pid) instead")
 
 
+# cgroup v1 has no "max": an unlimited memory.limit_in_bytes is PAGE_COUNTER_MAX rounded to pages (~2**63).
+_V1_UNLIMITED = 2**62
+# cgroup v1 file names for the same quantities (hierarchical totals, like v2's memory.current).
+_V1_FILES = {"current": "memory.usage_in_bytes", "max": "memory.limit_in_bytes"}
+_V1_STAT_KEYS = {"anon": "total_rss", "file": "total_cache", "shmem": "total_shmem"}
+
+
+def cgroup_v1_memory_path_for_pid(pid: int, *, proc_root: Path = Path("/proc"),
+                                  cgroup_root: Path = Path("/sys/fs/cgroup")) -> Path | None:
+    """The cgroup v1 *memory* controller directory of ``pid`` (``<root>/memory/<path>``), or None without one."""
+    for line in (proc_root / str(pid) / "cgroup").read_text().splitlines():
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "memory" in controllers.split(","):
+            return cgroup_root / "memory" / path.lstrip("/")
+    return None
+
+
 class CgroupMemoryCollector:
-    """Exports the engine's cgroup v2 memory: ``memory.current``, ``memory.max`` and ``anon``/``file``/``shmem``
-    from ``memory.stat``. Read the engine's cgroup, not ``/proc/meminfo``, which inside a container shows the
-    whole host. The cgroup is looked up from the engine pid on every scrape (a restarted engine is a new pid),
-    or from the container id when no pid is known. ``memory.max`` of ``max`` (no limit) is left out rather than
-    exported as +Inf, so ratios against it give no result instead of 0."""
+    """Exports the engine's cgroup memory: current, max and ``anon``/``file``/``shmem`` from ``memory.stat``.
+
+    Read the engine's cgroup, not ``/proc/meminfo``, which inside a container shows the whole host. The cgroup is
+    looked up from the engine pid on every scrape (a restarted engine is a new pid), or from the container id when
+    no pid is known. cgroup v2 is the target (``memory.current``, ``memory.max``, ``memory.stat``); on a hybrid or
+    v1 host whose memory controller is mounted v1 the same metrics come from ``memory.usage_in_bytes``,
+    ``memory.limit_in_bytes`` and ``total_rss``/``total_cache``/``total_shmem``. An unlimited max (``max`` in v2,
+    ~2**63 in v1) is left out rather than exported as +Inf, so ratios against it give no result instead of 0."""
 
     source = "cgroup"
 
@@ -450,47 +473,64 @@ class CgroupMemoryCollector:
         self.status = _FailureLog(self.source)
         self._file_status = _FailureLog("cgroup files")
 
-    def _cgroup(self) -> Path | None:
+    def _cgroup(self) -> tuple[int, Path] | None:
+        """(cgroup version, directory) of the engine, or None when no engine is set."""
         if self.pid is not None:
-            return cgroup_path_for_pid(self.pid, proc_root=self.proc_root, cgroup_root=self.cgroup_root)
+            try:
+                v2: Path | None = cgroup_path_for_pid(self.pid, proc_root=self.proc_root, cgroup_root=self.cgroup_root)
+            except ValueError:
+                v2 = None
+            if v2 is not None and (v2 / "memory.current").exists():
+                return 2, v2
+            v1 = cgroup_v1_memory_path_for_pid(self.pid, proc_root=self.proc_root, cgroup_root=self.cgroup_root)
+            if v1 is not None and (v1 / _V1_FILES["current"]).exists():
+                return 1, v1
+            if v2 is None:
+                raise ValueError(f"{self.proc_root / str(self.pid) / 'cgroup'}: no cgroup v2 entry and no v1 memory "
+                                 "controller")
+            return 2, v2  # reading memory.current fails below, with the path in the message
         if self.container_id:
-            return cgroup_path_for_container(self.container_id, cgroup_root=self.cgroup_root)
+            return 2, cgroup_path_for_container(self.container_id, cgroup_root=self.cgroup_root)
         return None
 
     def collect(self) -> Iterator[Metric]:
         try:
-            cg = self._cgroup()
+            found = self._cgroup()
         except (OSError, ValueError) as exc:
             self.status.fail(f"engine cgroup not found: {exc}")
             return
-        if cg is None:
+        if found is None:
             self.status.off()
             return
+        version, cg = found
+        current_file = "memory.current" if version == 2 else _V1_FILES["current"]
         try:
-            current = int((cg / "memory.current").read_text())
+            current = int((cg / current_file).read_text())
         except (OSError, ValueError) as exc:
-            self.status.fail(f"{cg / 'memory.current'}: {exc} (is the memory controller enabled for this cgroup?)")
+            self.status.fail(f"{cg / current_file}: {exc} (is the memory controller enabled for this cgroup?)")
             return
         self.status.ok()
         yield GaugeMetricFamily("pinsidecar_engine_cgroup_memory_current_bytes",
                                 "Memory charged to the engine's cgroup (memory.current).", value=current)
         missing: list[str] = []
+        max_file = "memory.max" if version == 2 else _V1_FILES["max"]
         try:
-            raw = (cg / "memory.max").read_text().strip()
-            if raw != "max":
+            raw = (cg / max_file).read_text().strip()
+            if raw != "max" and int(raw) < _V1_UNLIMITED:
                 yield GaugeMetricFamily("pinsidecar_engine_cgroup_memory_max_bytes",
                                         "The engine cgroup's memory limit (memory.max); absent when unlimited.",
                                         value=int(raw))
         except (OSError, ValueError) as exc:
-            missing.append(f"memory.max: {exc}")
+            missing.append(f"{max_file}: {exc}")
         try:
             stat = _parse_memory_stat((cg / "memory.stat").read_text())
             fam = GaugeMetricFamily("pinsidecar_engine_cgroup_memory_stat_bytes",
                                     "The engine cgroup's memory.stat by type (shmem, where pinned host memory is "
                                     "charged, is also counted in file).", labels=["type"])
             for key in MEMORY_STAT_KEYS:
-                if key in stat:
-                    fam.add_metric([key], stat[key])
+                src = key if version == 2 else _V1_STAT_KEYS[key]
+                if src in stat:
+                    fam.add_metric([key], stat[src])
             yield fam
         except (OSError, ValueError) as exc:
             missing.append(f"memory.stat: {exc}")

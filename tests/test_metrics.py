@@ -108,6 +108,40 @@ def test_cgroup_from_a_container_id(tmp_path: Path) -> None:
     assert value(samples(exp), "pinsidecar_engine_cgroup_memory_current_bytes") == 4294967296
 
 
+def test_cgroup_v1_memory_controller_on_a_hybrid_host(tmp_path: Path) -> None:
+    cg = tmp_path / "cgroup" / "memory" / "docker" / "abc"
+    cg.mkdir(parents=True)
+    (cg / "memory.usage_in_bytes").write_text("5000\n")
+    (cg / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "unlimited"
+    (cg / "memory.stat").write_text("cache 1\nrss 2\nshmem 3\ntotal_cache 300\ntotal_rss 200\ntotal_shmem 100\n")
+    proc = tmp_path / "proc" / "8"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    exp = Exporter(stats_path=None, engine_metrics_url=None, cgroup_root=tmp_path / "cgroup",
+                   proc_root=tmp_path / "proc", nvml=None)
+    exp.set_engine_pid(8)
+    s = samples(exp)
+    assert value(s, "pinsidecar_engine_cgroup_memory_current_bytes") == 5000
+    assert "pinsidecar_engine_cgroup_memory_max_bytes" not in names(s)
+    assert value(s, "pinsidecar_engine_cgroup_memory_stat_bytes", type="anon") == 200
+    assert value(s, "pinsidecar_engine_cgroup_memory_stat_bytes", type="file") == 300
+    assert value(s, "pinsidecar_engine_cgroup_memory_stat_bytes", type="shmem") == 100
+    (cg / "memory.limit_in_bytes").write_text("1073741824\n")
+    assert value(samples(exp), "pinsidecar_engine_cgroup_memory_max_bytes") == 1073741824
+
+
+def test_cgroup_memory_of_a_real_process_on_this_host() -> None:
+    import os
+
+    exp = Exporter(stats_path=None, engine_metrics_url=None, nvml=None)
+    exp.set_engine_pid(os.getpid())
+    s = samples(exp)
+    if value(s, "pinsidecar_exporter_source_up", source="cgroup") == 0:
+        pytest.skip("this host exposes no readable memory cgroup for our process")
+    assert value(s, "pinsidecar_engine_cgroup_memory_current_bytes") > 0
+    assert value(s, "pinsidecar_engine_cgroup_memory_stat_bytes", type="anon") > 0
+
+
 def test_cgroup_path_for_pid_rejects_a_v1_only_host(tmp_path: Path) -> None:
     d = tmp_path / "proc" / "9"
     d.mkdir(parents=True)
