@@ -1,0 +1,399 @@
+"""Pin mode on the vLLM CPU engine: placement invariance of the split invoke, live counts, refusals, stats.
+
+Two levels:
+
+- **backend** (no engine boot): vLLM's real ``cpu_fused_moe`` on prepacked random experts, split by many row
+  maps (all-hot, all-cold, random, adversarial: every token's k ids straddle the tiers), k = 1..8, various token
+  counts. Every map must give the same bits. Also: expert-parallel row maps, the registered custom op, Dynamo.
+- **engine** (``@pytest.mark.vllm``, shared boots): the demo model served with an all-hot map and a skewed map
+  must produce identical greedy tokens and logprobs; live counts are exactly layers x tokens x k; bad maps make
+  the engine refuse to start with a message naming the difference; an unwritable stats directory keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pinsidecar_hook.artifacts import ExpertMap, LayerPlacement
+from pinsidecar_hook.backends.cpu import finalize_rows, split_rows
+from pinsidecar_hook.kernels.partition import partition_torch
+
+from pinsidecar.testing.engine import demo_model_dir, engine_factory  # noqa: F401 (fixtures)
+
+E, HIDDEN, INTER = 64, 128, 64
+
+
+def _isa() -> str:
+    """The ISA vLLM picks here: AMX where the CPU has it (the process must ask the kernel for AMX state first)."""
+    if torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx():
+        return "amx"
+    return "vec"
+
+
+@pytest.fixture(scope="module")
+def experts() -> dict[str, Any]:
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    isa = _isa()
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * INTER, HIDDEN, generator=gen) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, HIDDEN, INTER, generator=gen) * 0.05).to(torch.bfloat16)
+    b13 = (torch.randn(E, 2 * INTER, generator=gen) * 0.01).to(torch.bfloat16)
+    b2 = (torch.randn(E, HIDDEN, generator=gen) * 0.01).to(torch.bfloat16)
+    return {"isa": isa, "w13_weight": cpu_prepack_moe_weight(w13, isa), "w2_weight": cpu_prepack_moe_weight(w2, isa),
+            "w13_bias": b13, "w2_bias": b2}
+
+
+def _routing(tokens: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.randn(tokens, E, generator=gen).softmax(-1), k)
+    return x, weights.to(torch.float32), ids.to(torch.int32)
+
+
+def _split(ex: dict[str, Any], x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, order: list[int],
+           hot_rows: int, bias: bool = False, row_map: torch.Tensor | None = None,
+           counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Run the CPU split with experts placed by ``order`` (rows: hot = order[:hot_rows], cold = the rest)."""
+    names = ["w13_weight", "w2_weight", *(["w13_bias", "w2_bias"] if bias else [])]
+    idx_hot = torch.tensor(order[:hot_rows], dtype=torch.long)
+    idx_cold = torch.tensor(order[hot_rows:], dtype=torch.long)
+    hot = {n: ex[n].index_select(0, idx_hot).contiguous() for n in names}
+    cold = {n: ex[n].index_select(0, idx_cold).contiguous() for n in names}
+    if row_map is None:
+        row_map = torch.full((E,), -1, dtype=torch.int32)
+        row_map[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
+    expert_counts, cold_counts = counters if counters is not None else (None, None)
+    hot_ids, cold_ids = partition_torch(ids, row_map, hot_rows, expert_counts, cold_counts)
+    rows = split_rows(x, weights, hot_ids, cold_ids, hot, cold, "silu", ex["isa"], False)
+    return finalize_rows(rows, ids.shape[1], torch.empty_like(x))
+
+
+def _maps(ids: torch.Tensor, seed: int) -> Iterator[tuple[str, list[int], int]]:
+    rng = random.Random(seed)
+    yield "all-hot", list(range(E)), E
+    yield "all-cold", list(range(E)), 0
+    yield "all-hot-reversed", list(reversed(range(E))), E
+    for i in range(3):
+        order = list(range(E))
+        rng.shuffle(order)
+        yield f"random-{i}", order, rng.randint(1, E - 1)
+    # adversarial: hot = the even experts (shuffled), so nearly every token's k ids straddle the tiers
+    hot = list(range(0, E, 2))
+    rng.shuffle(hot)
+    yield "adversarial", hot + list(range(1, E, 2)), len(hot)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("tokens", [1, 5, 64, 333])
+def test_every_map_gives_identical_bits(experts: dict[str, Any], k: int, tokens: int) -> None:
+    x, weights, ids = _routing(tokens, k, seed=tokens * 10 + k)
+    reference = None
+    for name, order, hot_rows in _maps(ids, seed=k):
+        out = _split(experts, x, weights, ids, order, hot_rows)
+        if reference is None:
+            reference = out
+        else:
+            assert torch.equal(_bits(out), _bits(reference)), f"map {name} (hot rows {hot_rows}) changed the output"
+
+
+def test_adversarial_map_really_splits_tokens(experts: dict[str, Any]) -> None:
+    _x, _weights, ids = _routing(64, 8, seed=1)
+    _name, order, hot_rows = list(_maps(ids, 0))[-1]
+    row_map = torch.empty(E, dtype=torch.int32)
+    row_map[torch.tensor(order)] = torch.arange(E, dtype=torch.int32)
+    hot_ids, cold_ids = partition_torch(ids, row_map, hot_rows)
+    straddling = ((hot_ids >= 0).any(1) & (cold_ids >= 0).any(1)).sum().item()
+    assert straddling >= 60  # nearly all tokens have ids in both tiers, so the test above exercises the mixed case
+
+
+def test_biases_are_split_in_mirror(experts: dict[str, Any]) -> None:
+    x, weights, ids = _routing(40, 8, seed=3)
+    outs = [_split(experts, x, weights, ids, order, hot, bias=True) for _n, order, hot in _maps(ids, 5)]
+    assert all(torch.equal(_bits(o), _bits(outs[0])) for o in outs)
+    no_bias = _split(experts, x, weights, ids, list(range(E)), E, bias=False)
+    assert not torch.equal(outs[0], no_bias)  # the biases were actually used
+
+
+def test_top1_equals_unsplit_kernel_and_topk_is_close(experts: dict[str, Any]) -> None:
+    """What the split costs against the unsplit kernel: nothing for k=1; rounding of each row for k>1."""
+    from vllm._custom_ops import cpu_fused_moe
+
+    for k in (1, 8):
+        x, weights, ids = _routing(50, k, seed=k)
+        full = torch.empty_like(x)
+        cpu_fused_moe(full, x, experts["w13_weight"], experts["w2_weight"], None, None, weights, ids, "silu",
+                      experts["isa"], False)
+        split = _split(experts, x, weights, ids, list(range(E)), E)
+        if k == 1:
+            assert torch.equal(_bits(split), _bits(full))
+        else:
+            torch.testing.assert_close(split.float(), full.float(), atol=2e-3, rtol=2e-2)
+
+
+def test_live_counts_are_exact(experts: dict[str, Any]) -> None:
+    x, weights, ids = _routing(77, 8, seed=9)
+    order = list(range(E))
+    random.Random(2).shuffle(order)
+    counts, cold = torch.zeros(E, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    _split(experts, x, weights, ids, order, 40, counters=(counts, cold))
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1).long(), minlength=E))
+    assert int(counts.sum()) == 77 * 8
+    cold_set = torch.tensor(order[40:])
+    assert int(cold) == int(torch.isin(ids.long(), cold_set).sum())
+
+
+def test_expert_parallel_rank_computes_only_its_experts(experts: dict[str, Any]) -> None:
+    """A rank's output equals the full computation with the other ranks' slots weighted zero, for any of its maps."""
+    x, weights, ids = _routing(48, 8, seed=4)
+    local = list(range(0, E, 2))  # this rank holds the even experts
+    outs = []
+    for hot_rows, order in ((len(local), local), (5, local[5:] + local[:5]), (0, local)):
+        row_map = torch.full((E,), -1, dtype=torch.int32)
+        row_map[torch.tensor(order)] = torch.arange(len(order), dtype=torch.int32)
+        outs.append(_split(experts, x, weights, ids, order, hot_rows, row_map=row_map))
+    assert all(torch.equal(_bits(o), _bits(outs[0])) for o in outs)
+    masked = torch.where(torch.isin(ids.long(), torch.tensor(local)), weights, torch.zeros_like(weights))
+    assert torch.equal(_bits(outs[0]), _bits(_split(experts, x, masked, ids, list(range(E)), E)))
+
+
+def _op_args(ex: dict[str, Any], x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, order: list[int],
+             hot_rows: int) -> tuple[Any, ...]:
+    idx = torch.tensor(order, dtype=torch.long)
+    row_map = torch.empty(E, dtype=torch.int32)
+    row_map[idx] = torch.arange(E, dtype=torch.int32)
+    hot = [ex[n].index_select(0, idx[:hot_rows]).contiguous() for n in ("w13_weight", "w2_weight")]
+    cold = [ex[n].index_select(0, idx[hot_rows:]).contiguous() for n in ("w13_weight", "w2_weight")]
+    counters = (torch.zeros(E, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    return (x, weights, ids, row_map, *counters, hot[0], hot[1], None, None, cold[0], cold[1], None, None, hot_rows,
+            "silu", ex["isa"], False)
+
+
+def test_custom_op_matches_eager_and_counts(experts: dict[str, Any]) -> None:
+    x, weights, ids = _routing(30, 8, seed=6)
+    args = _op_args(experts, x, weights, ids, list(range(E)), 20)
+    out = torch.ops.pinsidecar.cpu_split_moe(*args)
+    assert torch.equal(_bits(out), _bits(_split(experts, x, weights, ids, list(range(E)), E)))
+    assert int(args[4].sum()) == 30 * 8 and int(args[6]) == 30
+
+
+def test_custom_op_is_opaque_to_dynamo(experts: dict[str, Any]) -> None:
+    """Under torch.compile the split is one opaque op (data-dependent shapes inside), mutations included."""
+    x, weights, ids = _routing(16, 8, seed=7)
+    args = _op_args(experts, x, weights, ids, list(range(E)), 32)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pinsidecar.cpu_split_moe(x, *args[1:]) * 2
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    expected = _split(experts, x, weights, ids, list(range(E)), E) * 2
+    assert torch.equal(_bits(compiled(x)), _bits(expected))
+    assert torch.equal(_bits(compiled(x)), _bits(expected))
+    assert int(args[4].sum()) == 2 * 16 * 8  # counted on every compiled call
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+
+PROMPTS = [
+    "def parse_rows(items, node):\n    total = 0\n    for x in items:\n",
+    "The old lighthouse keeper walked along the shore and",
+    "for node in range(391):\n    if node % 9 == 0:\n",
+    "In the morning the market was already full of",
+]
+MAX_TOKENS = 12
+
+
+def _write_map(path: Path, emap_like: ExpertMap, *, hot_rows: int, seed: int, label: str,
+               layer_ids: tuple[int, ...] | None = None, num_experts: int | None = None) -> Path:
+    rng = random.Random(seed)
+    n = num_experts or emap_like.num_experts
+    layers = []
+    for lid in layer_ids or emap_like.layer_ids:
+        order = list(range(n))
+        if seed:
+            rng.shuffle(order)
+        layers.append(LayerPlacement(lid, tuple(order[:hot_rows]), tuple(order[hot_rows:])))
+    emap = ExpertMap(layer_ids=tuple(layer_ids or emap_like.layer_ids), num_experts=n, top_k=emap_like.top_k,
+                     hot_rows=hot_rows, layers=tuple(layers), label=label, predicted_cold_rate=0.3)
+    emap.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_geometry(demo_model_dir: Path) -> ExpertMap:  # noqa: F811
+    cfg = json.loads((demo_model_dir / "config.json").read_text())
+    n, k, layers = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]
+    return ExpertMap(layer_ids=tuple(range(layers)), num_experts=n, top_k=k, hot_rows=n,
+                     layers=tuple(LayerPlacement(i, tuple(range(n)), ()) for i in range(layers)))
+
+
+def _generate(engine: Any) -> list[dict[str, Any]]:
+    out = []
+    for prompt in PROMPTS:
+        choice = engine.complete(prompt, max_tokens=MAX_TOKENS, logprobs=1, return_tokens_as_token_ids=True,
+                                 ignore_eos=True)["choices"][0]
+        lp = choice["logprobs"]
+        out.append({"tokens": lp["tokens"], "logprobs": lp["token_logprobs"]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: ExpertMap,  # noqa: F811
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Boot the demo model twice in pin mode (all-hot map with an unwritable stats dir; skewed map), one at a
+    time to spare the 2-core box, and keep their outputs."""
+    tmp = tmp_path_factory.mktemp("pin-maps")
+    results: dict[str, Any] = {}
+    blocker = tmp / "not-a-dir"
+    blocker.write_text("a file where the stats directory should be")
+    for name, hot_rows, seed, stats in (("all-hot", demo_geometry.num_experts, 0, blocker / "stats.json"),
+                                        ("skew", demo_geometry.num_experts * 5 // 8, 11, None)):
+        map_path = _write_map(tmp / f"{name}.json", demo_geometry, hot_rows=hot_rows, seed=seed, label=name)
+        engine = engine_factory(demo_model_dir, "pin", map_path=map_path, stats_path=stats,
+                                hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1"})
+        prompt_tokens = 0
+        gen = _generate(engine)
+        for prompt in PROMPTS:
+            prompt_tokens += engine.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
+        results[name] = {"engine": engine, "outputs": gen, "map": map_path, "log": engine.spec.log_path,
+                         "prompt_tokens": prompt_tokens}
+        if name == "skew":
+            results[name]["stats"] = engine.hook.stats_path
+        engine_stats = engine.hook.stats_path
+        results[name]["stats_path"] = engine_stats
+        if name == "all-hot":
+            engine.stop()
+    yield results
+
+
+@pytest.mark.vllm
+def test_engine_all_hot_and_skewed_maps_give_identical_tokens_and_logprobs(pin_engines: dict[str, Any]) -> None:
+    hot, skew = pin_engines["all-hot"]["outputs"], pin_engines["skew"]["outputs"]
+    assert len(hot) == len(PROMPTS) and all(len(o["tokens"]) == MAX_TOKENS for o in hot)
+    assert hot == skew  # token ids and logprobs, bit for bit as serialized
+
+
+@pytest.mark.vllm
+def test_engine_logs_one_summary_line(pin_engines: dict[str, Any]) -> None:
+    log = Path(pin_engines["skew"]["log"]).read_text()
+    lines = [line for line in log.splitlines() if "pinsidecar pin: map" in line]
+    assert len(lines) == 1, lines
+    assert "40 hot + 24 cold rows/layer" in lines[0] and "peak extra while re-homing" in lines[0]
+
+
+@pytest.mark.vllm
+def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any], demo_geometry: ExpertMap) -> None:
+    from pinsidecar_hook.artifacts import load_stats, write_hook_request
+
+    from pinsidecar.stats import StatsReader
+
+    entry = pin_engines["skew"]
+    engine, stats = entry["engine"], Path(entry["stats_path"])
+    token = write_hook_request(stats, "reset")
+    _wait_token(stats, token)
+    usage = engine.complete(PROMPTS[0], max_tokens=7, ignore_eos=True)["usage"]
+    token = write_hook_request(stats, "flush")
+    snap = _wait_token(stats, token)
+    expected_tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # the last token is never fed back
+    assert snap.tokens == expected_tokens
+    assert snap.selections == [expected_tokens * demo_geometry.top_k] * demo_geometry.num_layers
+    assert snap.histogram is not None and [sum(r) for r in snap.histogram] == snap.selections
+    assert 0 < snap.total_cold_selections < snap.total_selections
+    assert snap.tier_bytes["hbm"] > 0 and snap.tier_bytes["host"] > 0
+    reading = StatsReader(stats).read()
+    assert reading is not None and reading.cold_ratio == snap.total_cold_selections / snap.total_selections
+    assert load_stats(stats).map_label == "skew"
+
+
+def _wait_token(stats: Path, token: str, timeout_s: float = 60.0) -> Any:
+    import time
+
+    from pinsidecar_hook.artifacts import load_stats
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            snap = load_stats(stats)
+            if snap.meta.get("flush_token") == token:
+                return snap
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the hook never answered request {token}")
+
+
+@pytest.mark.vllm
+def test_engine_unwritable_stats_dir_keeps_serving(pin_engines: dict[str, Any]) -> None:
+    from pinsidecar.stats import StatsReader
+
+    entry = pin_engines["all-hot"]
+    assert all(len(o["tokens"]) == MAX_TOKENS for o in entry["outputs"])  # it served
+    log = Path(entry["log"]).read_text()
+    assert log.count("cannot write stats to") == 1  # logged once, however many flushes failed
+    reading = StatsReader(entry["stats_path"]).read()  # the daemon still sees the counters, via the fallback
+    assert reading is not None and reading.from_fallback and reading.errors.get("stats_write", 0) >= 1
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["other-model", "duplicate"])
+def test_engine_refuses_a_bad_map(case: str, engine_factory: Any, demo_model_dir: Path,  # noqa: F811
+                                  demo_geometry: ExpertMap,
+                                  tmp_path: Path) -> None:
+    from pinsidecar.engine import EngineBootError
+
+    path = tmp_path / f"{case}.json"
+    if case == "other-model":  # a map for a model with 6 layers of 32 experts
+        _write_map(path, demo_geometry, hot_rows=20, seed=1, label=case, layer_ids=tuple(range(6)), num_experts=32)
+        expect = ["num_experts: map has 32, model has 64", "MoE layer ids"]
+    else:
+        _write_map(path, demo_geometry, hot_rows=40, seed=1, label=case)
+        doc = json.loads(path.read_text())
+        doc["layers"][2]["cold"][0] = doc["layers"][2]["hot"][0]
+        del doc["hash"]
+        path.write_text(json.dumps(doc))
+        expect = ["layer 2 lists experts", "more than once"]
+    with pytest.raises(EngineBootError) as info:
+        engine_factory(demo_model_dir, "pin", map_path=path)
+    message = str(info.value) + Path(info.value.log_path or "/dev/null").read_text()
+    assert "exited with code" in str(info.value)
+    for fragment in expect:
+        assert fragment in message
+
+
+@pytest.mark.parametrize(("case", "fragment"), [
+    ("missing", "does not place experts"),
+    ("out-of-range", "out-of-range expert ids [64]"),
+    ("duplicate", "more than once"),
+])
+def test_pin_attach_refuses_a_corrupt_map_before_touching_the_model(case: str, fragment: str, tmp_path: Path) -> None:
+    """The same load path the engine runs at boot (the engine-level test above shows it stops the server)."""
+    from pinsidecar_hook import pin
+    from pinsidecar_hook.artifacts import ArtifactError
+    from pinsidecar_hook.config import HookConfig
+
+    geometry = ExpertMap(layer_ids=(0, 1), num_experts=E, top_k=8, hot_rows=E,
+                         layers=tuple(LayerPlacement(i, tuple(range(E)), ()) for i in (0, 1)))
+    path = _write_map(tmp_path / "m.json", geometry, hot_rows=40, seed=3, label=case)
+    doc = json.loads(path.read_text())
+    cold = doc["layers"][1]["cold"]
+    if case == "missing":
+        cold.pop()  # geometry still says 64 experts; one of them is simply not placed
+    elif case == "out-of-range":
+        cold[0] = E
+    else:
+        cold[0] = doc["layers"][1]["hot"][0]
+    del doc["hash"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError) as info:
+        pin.attach(None, HookConfig(mode="pin", map_path=path))
+    assert str(path) in str(info.value) and fragment in str(info.value)
