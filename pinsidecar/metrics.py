@@ -86,6 +86,7 @@ from pinsidecar.artifacts import ArtifactError, StatsSnapshot, load_stats
 __all__ = [
     "BOOT_DURATION_BUCKETS_S",
     "ENGINE_SCRAPE_TIMEOUT_S",
+    "ENGINE_SERIES",
     "ENGINE_STATES",
     "MEMORY_STAT_KEYS",
     "CgroupMemoryCollector",
@@ -102,6 +103,7 @@ __all__ = [
     "cgroup_path_for_pid",
     "cgroup_v1_memory_path_for_pid",
     "load_nvml",
+    "parse_engine_metrics",
 ]
 
 log = structlog.get_logger(__name__)
@@ -184,12 +186,19 @@ class EngineMetricsCollector:
             self.url = url
 
     def _fetch(self, url: str) -> str:
-        if self._client is not None:
-            resp = self._client.get(url, timeout=self._timeout_s)
-        else:
-            resp = httpx.get(url, timeout=self._timeout_s)
+        if self._client is None:
+            # one client for the exporter's life: a fresh one per scrape would build an SSL context each time
+            # (~10 ms of CPU) and a new connection; trust_env=False so a proxy setting never captures loopback
+            self._client = httpx.Client(timeout=self._timeout_s, trust_env=False)
+        resp = self._client.get(url, timeout=self._timeout_s)
         resp.raise_for_status()
         return resp.text
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -236,14 +245,21 @@ class EngineMetricsCollector:
                 yield GaugeMetricFamily(name, doc, value=values[src])
 
 
-def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Sum every sample of each series name over its labels (one engine may export per-engine-index series)."""
+# The engine series the exporter reads; everything else in the engine's (large) /metrics is skipped unparsed.
+ENGINE_SERIES = ("vllm:generation_tokens_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc")
+
+
+def parse_engine_metrics(text: str, names: tuple[str, ...] = ENGINE_SERIES) -> dict[str, float]:
+    """Sum every sample of each series in ``names`` over its labels (an engine may export one series per engine
+    index). Only lines starting with one of the names are parsed: vLLM's /metrics runs to hundreds of histogram
+    lines, and this runs inside every scrape."""
+    wanted = [line for line in text.splitlines() if line.startswith(names)]
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families("\n".join(wanted) + "\n"):
         for sample in family.samples:
-            if math.isnan(sample.value):
-                continue
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+            if sample.name in names and not math.isnan(sample.value):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
 
 
@@ -887,6 +903,7 @@ class Exporter:
         return None if self._server is None else int(self._server.server_address[1])
 
     def stop(self) -> None:
+        self.engine.close()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
