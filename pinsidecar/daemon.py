@@ -274,6 +274,7 @@ class Daemon:
             log.info("drain_reboot_begin", map=str(new_map) if new_map else None, timeout_s=timeout)
             async with sup.lock:
                 sup._set_state(EngineState.DRAINING, "holding new requests, draining in-flight ones")
+                hold_t0 = time.monotonic()
                 if self.gate is not None:
                     self.gate.hold()
                 try:
@@ -295,8 +296,9 @@ class Daemon:
                     if self.gate is not None:
                         if sup.launcher is not None:
                             self.gate.set_upstream(sup.launcher.base_url)
+                        result["held_at_release"] = self.gate.held  # requests that waited out the reboot
                         self.gate.release()
-                        result["longest_hold_s"] = round(self.gate.longest_hold_s, 3)
+                        result["hold_s"] = round(time.monotonic() - hold_t0, 3)
         finally:
             self._drain_busy = False
             result["seconds"] = round(time.monotonic() - t0, 3)

@@ -117,7 +117,9 @@ def _fmt_status(st: dict[str, Any]) -> str:
 
 def _fmt_drain(res: dict[str, Any]) -> str:
     if res.get("ok"):
-        head = f"drain-reboot done in {res.get('seconds')} s (drain {res.get('drain_s')} s, boot {res.get('boot_s')} s)"
+        held = f"{res.get('held_at_release', 0)} request(s) held for {res.get('hold_s')} s"
+        head = (f"drain-reboot done in {res.get('seconds')} s "
+                f"(drain {res.get('drain_s')} s, boot {res.get('boot_s')} s, {held})")
     else:
         head = f"drain-reboot FAILED after {res.get('seconds')} s: {res.get('error')}"
     lines = [head]
