@@ -80,14 +80,16 @@ BIAS_DIM = 1  # hidden coordinate that is constant for every token (a router bia
 # Magnitudes, tuned by measurement (bench/demo_skew.py): see the module docstring for what each one does.
 EMBED_DOMAIN_SCALE = 6.0  # domain coordinate of an embedding = scale * score in [-1, 1]
 EMBED_BIAS = 3.0  # constant bias coordinate of every embedding
-ATTN_DOMAIN_GAIN = 1.5  # how much of the prefix's mean domain attention adds to each token
+# How much of the prefix's mean (normalised) domain coordinate attention adds to each token, per layer: only the
+# first layer mixes context in, so the domain coordinate does not grow layer after layer and drown the rest.
+ATTN_DOMAIN_GAIN = (0.8, 0.0, 0.0, 0.0)
 ATTN_QK_NORM = 0.3  # q/k RMSNorm weight: small means near-uniform attention over the prefix
-ROUTER_DOMAIN_GAIN = 1.2  # router weight on the domain coordinate, times the Zipf profile
-ROUTER_SHARED_GAIN = 1.0  # router weight on the bias coordinate for shared experts, times the Zipf profile
+ROUTER_DOMAIN_GAIN = 0.8  # router weight on the domain coordinate, times the Zipf profile
+ROUTER_SHARED_GAIN = 0.7  # router weight on the bias coordinate for shared experts, times the Zipf profile
 ROUTER_COLD_BIAS = -0.4  # router weight on the bias coordinate for experts outside the designed hot sets
-ROUTER_NOISE = 0.08  # std of the router weights' random part
+ROUTER_NOISE = 0.12  # std of the router weights' random part
 ZIPF_EXPONENT = 0.8
-LM_HEAD_DOMAIN_GAIN = 2.0  # LM head weight on the domain coordinate, times the token's domain score
+LM_HEAD_DOMAIN_GAIN = 1.0  # LM head weight on the domain coordinate, times the token's domain score
 EXPERT_IN_STD = 1.0 / math.sqrt(HIDDEN)
 EXPERT_OUT_STD = 0.05
 
@@ -235,7 +237,7 @@ def _weights(seed: int, scores: np.ndarray) -> tuple[dict[str, np.ndarray], list
         o = normal((HIDDEN, NUM_HEADS * HEAD_DIM), EXPERT_OUT_STD)
         o[[DOMAIN_DIM, BIAS_DIM], :] = 0.0
         o[:, [h * HEAD_DIM for h in range(NUM_HEADS)]] = 0.0
-        o[DOMAIN_DIM, [h * HEAD_DIM for h in range(NUM_HEADS)]] = ATTN_DOMAIN_GAIN / NUM_HEADS
+        o[DOMAIN_DIM, [h * HEAD_DIM for h in range(NUM_HEADS)]] = ATTN_DOMAIN_GAIN[layer] / NUM_HEADS
         t[p + "self_attn.o_proj.weight"] = o
         # Router: domain coordinate -> the layer's preferred experts, Zipf-shaped; bias coordinate -> shared ones.
         plan = _plan_layer(rng)
@@ -390,38 +392,48 @@ def weights_digest(model_dir: Path) -> str:
 
 # ------------------------------------------------------------------------------------------------- measurement
 def routing_counts(model_dir: Path, prompts: Sequence[dict[str, Any]] | Iterable[str],
-                   gen_tokens: int = 16) -> np.ndarray:
-    """Per-layer x per-expert top-k selection counts under transformers (no vLLM): prompt plus greedy tokens.
+                   gen_tokens: int = 16, batch_size: int = 64) -> np.ndarray:
+    """Per-layer x per-expert top-k selection counts under transformers (no vLLM), for prompts plus greedy decoding.
 
-    Each position is routed once, as in vLLM's prefill + decode (the last sampled token is not fed back).
+    Routes what vLLM would route for ``max_tokens=gen_tokens`` with EOS ignored: every prompt position and the
+    first ``gen_tokens - 1`` generated tokens (the last sampled token is never fed back). Prompts are batched with
+    left padding; padded positions are not counted. Computes in float32 on the bf16 weights (vLLM computes in bf16;
+    a near-tie between two experts can flip).
     """
     import torch
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = Qwen3MoeForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    tok.padding_side = "left"
+    model = Qwen3MoeForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                experts_implementation="grouped_mm").eval()
     layers = model.model.layers
     counts = np.zeros((len(layers), model.config.num_experts), dtype=np.int64)
-    captured: dict[int, torch.Tensor] = {}
+    calls: list[list[torch.Tensor]] = [[] for _ in layers]
 
     def hook(layer: int) -> Any:
         def fn(_mod: Any, _inp: Any, out: tuple[torch.Tensor, ...]) -> None:
-            captured[layer] = out[2]
+            calls[layer].append(out[2])
         return fn
 
+    texts = [p["prompt"] if isinstance(p, dict) else p for p in prompts]
     handles = [layer.mlp.gate.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     try:
-        with torch.no_grad():
-            for p in prompts:
-                text = p["prompt"] if isinstance(p, dict) else p
-                ids = tok(text, return_tensors="pt").input_ids
-                if gen_tokens > 1:
-                    ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_tokens - 1,
-                                         do_sample=False, pad_token_id=tok.eos_token_id)
-                captured.clear()
-                model(ids)
-                for layer, idx in captured.items():
-                    counts[layer] += np.bincount(idx.reshape(-1).numpy(), minlength=counts.shape[1])
+        with torch.inference_mode():
+            for start in range(0, len(texts), batch_size):
+                enc = tok(texts[start:start + batch_size], return_tensors="pt", padding=True)
+                for c in calls:
+                    c.clear()
+                if gen_tokens > 0:
+                    model.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=gen_tokens,
+                                   min_new_tokens=gen_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+                else:
+                    model(enc.input_ids, attention_mask=enc.attention_mask)
+                keep = enc.attention_mask.reshape(-1).bool()
+                for layer, c in enumerate(calls):
+                    sel = [c[0][keep], *c[1:]]  # the first call is the prefill, the rest are decode steps
+                    flat = torch.cat([s.reshape(-1) for s in sel]).numpy()
+                    counts[layer] += np.bincount(flat, minlength=counts.shape[1])
     finally:
         for h in handles:
             h.remove()
