@@ -191,13 +191,14 @@ async def _run(direct: str, gated: str, model: str | None, requests: int, warmup
     }
 
 
-def _real_engine() -> tuple[Any, str, str]:
+def _real_engine(extra_args: list[str]) -> tuple[Any, str, str]:
     from pinsidecar.demo_model import build_demo_model
     from pinsidecar.testing.engine import start_engine
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gate-"))
     model_dir = build_demo_model(tmp / "model")
-    engine = start_engine(model_dir, mode="off", tmp_path=tmp, port=_free_port(), enforce_eager=True)
+    engine = start_engine(model_dir, mode="off", tmp_path=tmp, port=_free_port(), enforce_eager=True,
+                          extra_args=extra_args)
     import httpx
 
     model = httpx.get(engine.spec.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=20, help="chunks (tokens) per stream")
     ap.add_argument("--chunk-interval-ms", type=float, default=20.0, help="stub only: time between chunks")
     ap.add_argument("--real-engine", action="store_true", help="boot vLLM CPU on the demo model as the upstream")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                    help="extra vLLM argument for --real-engine (repeat), e.g. --engine-arg=--dtype=float32")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here (also printed)")
     args = ap.parse_args(argv)
 
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = None
         if args.real_engine:
-            engine, upstream, model = _real_engine()
+            engine, upstream, model = _real_engine(args.engine_arg)
         else:
             stub_port = _free_port()
             procs.append(_start(_serve_stub, stub_port))

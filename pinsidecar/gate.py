@@ -88,7 +88,7 @@ class Gate:
         self.connect_timeout_s = connect_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.counters: dict[str, int] = dict.fromkeys(GATE_OUTCOMES, 0)
-        self.longest_hold_s = 0.0  # the longest any request waited at a hold (the drain-reboot stall)
+        self.longest_hold_s = 0.0  # the longest any request waited during the latest hold (the reboot stall)
         self._upstream = upstream_url.rstrip("/")
         self._in_flight = 0
         self._held = 0
@@ -170,6 +170,8 @@ class Gate:
 
     def hold(self) -> None:
         """From now on, new requests wait at the gate (bounded) instead of reaching the engine."""
+        if not self._holding:
+            self.longest_hold_s = 0.0
         self._holding = True
         if self._open is not None:
             self._open.clear()
