@@ -312,3 +312,27 @@ def test_large_non_streaming_response_is_relayed_whole() -> None:
         assert doc["choices"][0]["text"] == "x" * 400_000
 
     run(body)
+
+
+def test_stop_answers_held_requests_503_and_each_hold_measures_its_own_stall() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url))
+        async with aiohttp.ClientSession() as s:
+            gate.hold()
+            task = asyncio.create_task(s.get(url(gate, "/v1/models")))
+            await wait_until(lambda: gate.held == 1)
+            await asyncio.sleep(0.05)
+            gate.release()
+            assert (await task).status == 200
+            assert gate.longest_hold_s >= 0.05
+            gate.release()
+            gate.hold()  # a new hold starts a new stall measurement
+            assert gate.longest_hold_s == 0.0
+            held = asyncio.create_task(s.get(url(gate, "/v1/models")))
+            await wait_until(lambda: gate.held == 1)
+            await gate.stop()
+            r = await held
+            assert r.status == 503 and "shutting down" in (await r.json())["error"]["message"]
+        assert gate.counters["rejected_stopping"] == 1
+
+    run(body)
