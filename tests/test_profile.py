@@ -1,0 +1,112 @@
+"""``pinsidecar profile`` end to end against the real vLLM CPU server, and its bad-input paths: nothing is ever
+written to --out unless the whole count boot succeeded."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pinsidecar.artifacts import load_counts
+from pinsidecar.cli import main
+from pinsidecar.profile import load_engine_options
+from pinsidecar.testing.engine import demo_model_dir, free_port  # noqa: F401 (fixture)
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return res.exit_code, res.stdout, res.stderr
+
+
+def workload(tmp_path: Path, n: int = 6) -> Path:
+    from pinsidecar.demo_model import load_prompts
+
+    lines = [json.dumps({"prompt": p["prompt"], "max_tokens": 5 + i % 3})
+             for i, p in enumerate(load_prompts("code")[:n])]
+    path = tmp_path / "code.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.vllm
+def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, demo_model_dir: Path) -> None:  # noqa: F811
+    out_dir = tmp_path / "out"
+    out = out_dir / "code.counts.json"
+    wl = workload(tmp_path)
+    code, stdout, stderr = run_cli("profile", "--model", str(demo_model_dir), "--workload", str(wl), "--out", str(out),
+                                   "--concurrency", "3", "--port", str(free_port()), "--label", "code", "--json")
+    assert code == 0, stderr
+    summary = json.loads(stdout)
+    counts = load_counts(out)
+    meta = counts.meta
+    assert meta["requests"] == 6 and summary["requests"] == 6
+    # Every prompt token and every sampled token but the last of each request went through every MoE layer.
+    assert counts.tokens == meta["tokens_processed"] == summary["tokens_processed"]
+    assert meta["tokens_processed"] == meta["prompt_tokens"] + meta["completion_tokens"] - meta["requests"]
+    assert counts.selections == counts.num_layers * counts.tokens * counts.top_k
+    assert counts.consistent and summary["exact"] is True
+    assert counts.workload == "code" and counts.flush_token == ""
+    assert counts.model.path == str(demo_model_dir)
+    assert sorted(p.name for p in out_dir.iterdir()) == [out.name]  # no temp or request files left behind
+
+
+def test_port_in_use_fails_before_starting_anything(tmp_path: Path) -> None:
+    port = free_port()
+    (tmp_path / "model").mkdir()
+    out = tmp_path / "c.json"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        code, _, stderr = run_cli("profile", "--model", str(tmp_path / "model"), "--workload",
+                                  str(workload(tmp_path, 2)), "--out", str(out), "--port", str(port))
+    assert code == 2
+    assert f"port {port}" in stderr and "already in use" in stderr
+    assert not out.exists()
+
+
+def test_bad_workload_line_is_named_and_nothing_starts(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"prompt": "ok"}\n{"prompt": "ok"}\n\n{"prompt": "ok"}\n')
+    out = tmp_path / "c.json"
+    code, _, stderr = run_cli("profile", "--model", str(tmp_path / "model"), "--workload", str(wl), "--out", str(out),
+                              "--port", str(free_port()))
+    assert code == 2
+    assert f"{wl}:3: empty line" in stderr
+    assert not out.exists()
+
+
+@pytest.mark.vllm
+def test_engine_boot_failure_shows_its_last_log_lines(tmp_path: Path) -> None:
+    model = tmp_path / "bogus-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "no_such_architecture", "architectures": ["Nope"]}')
+    out = tmp_path / "c.json"
+    code, _, stderr = run_cli("profile", "--model", str(model), "--workload", str(workload(tmp_path, 2)),
+                              "--out", str(out), "--port", str(free_port()))
+    assert code == 1
+    assert "engine exited with code" in stderr and "last engine log lines:" in stderr
+    assert "no_such_architecture" in stderr or "Nope" in stderr  # vLLM's own complaint, from its log
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".c.json")] == []
+
+
+def test_engine_table_from_toml(tmp_path: Path) -> None:
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('[engine]\nextra_args = ["--seed", 7]\nenv = {OMP_NUM_THREADS = "1"}\nkv_cache_bytes = 1024\n'
+                   'enforce_eager = false\n[daemon]\nwhatever = 1\n')
+    opts = load_engine_options(cfg)
+    assert opts.extra_args == ["--seed", "7"] and opts.env == {"OMP_NUM_THREADS": "1"}
+    assert opts.kv_cache_bytes == 1024 and opts.enforce_eager is False
+    spec = opts.spec(tmp_path, 8199, {"PINSIDECAR_HOOK_MODE": "count"}, None)
+    assert spec.argv()[-2:] == ["--seed", "7"] and "--enforce-eager" not in spec.argv()
+    assert spec.full_env()["OMP_NUM_THREADS"] == "1"
+    cfg.write_text("[engine]\nkv_cache_byte = 1\n")
+    with pytest.raises(ValueError, match=r"p.toml: unknown key\(s\) engine.kv_cache_byte"):
+        load_engine_options(cfg)
+    cfg.write_text("[engine]\nenforce_eager = 'yes'\n")
+    with pytest.raises(ValueError, match=r"engine\.enforce_eager should be a bool"):
+        load_engine_options(cfg)
