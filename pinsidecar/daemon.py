@@ -78,6 +78,7 @@ class Daemon:
         self._ready_sent = False
         self._drain_busy = False
         self._tasks: list[asyncio.Task[Any]] = []
+        self._token = ""
 
     # ------------------------------------------------------------------------------------------------ helpers
 
@@ -120,7 +121,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
-        token = read_token(cfg.control.token_file, create=cfg.control.create_token)  # type: ignore[arg-type]
+        token = self._token or read_token(cfg.control.token_file, create=cfg.control.create_token)  # type: ignore[arg-type]
         self.state_dir.mkdir(parents=True, exist_ok=True)
         spec = self._spec_for(None)
         if cfg.metrics.enabled:
@@ -198,6 +199,9 @@ class Daemon:
 
     async def run(self) -> int:
         """Start, serve until SIGTERM/SIGINT (or :meth:`request_stop`), shut down. Returns the exit code."""
+        # The token first: a daemon that would refuse mutating calls anyway must not start anything.
+        self._token = read_token(self.cfg.control.token_file,  # type: ignore[arg-type]
+                                 create=self.cfg.control.create_token)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
