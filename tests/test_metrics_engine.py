@@ -1,0 +1,89 @@
+"""The exporter against the real thing: a vLLM CPU engine in pin mode, its real stats file, its real /metrics and
+its real cgroup. The fixture-tree tests (test_metrics.py) pin the arithmetic; this one shows the formats and names
+we read are the ones the engine and the hook actually write, and that promtool accepts the result."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pinsidecar.artifacts import ArtifactError, load_map, load_stats
+from pinsidecar.metrics import Exporter
+from pinsidecar.testing import write_map
+from pinsidecar.testing.engine import HookedEngine, demo_model_dir, engine_factory  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["def parse_args(items, node):", "The river was quiet in the early morning, and"]
+
+
+@pytest.fixture(scope="module")
+def pin_engine(engine_factory: Any, demo_model_dir: Path,  # noqa: F811
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HookedEngine, Path]]:
+    cfg = json.loads((demo_model_dir / "config.json").read_text())
+    tmp = tmp_path_factory.mktemp("exporter-pin")
+    n = cfg["num_experts"]
+    map_path = write_map(tmp / "map.json", num_layers=cfg["num_hidden_layers"], num_experts=n,
+                         hot_rows=n * 5 // 8, top_k=cfg["num_experts_per_tok"], label="exporter-test")
+    engine = engine_factory(demo_model_dir, "pin", map_path=map_path, tmp_path=tmp)
+    yield engine, map_path
+    engine.stop()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_exporter_reads_a_real_pin_mode_engine(pin_engine: tuple[HookedEngine, Path]) -> None:
+    engine, map_path = pin_engine
+    generated = 0
+    for prompt in PROMPTS:
+        generated += engine.complete(prompt, max_tokens=16, ignore_eos=True)["usage"]["completion_tokens"]
+    stats_path = engine.hook.stats_path
+    assert stats_path is not None
+    # wait until the hook's side thread has written stats covering the traffic, and they stopped moving
+    deadline, last, snap = time.monotonic() + 60, None, None
+    while time.monotonic() < deadline:
+        try:
+            snap = load_stats(stats_path)
+        except ArtifactError:
+            snap = None
+        if snap is not None and snap.total_selections > 0 and last is not None \
+                and snap.total_selections == last.total_selections:
+            break
+        last = snap
+        time.sleep(1.5)
+    assert snap is not None and snap.total_selections > 0, "the hook wrote no stats"
+
+    exp = Exporter(stats_path=stats_path, engine_metrics_url=engine.base_url, nvml=None)
+    exp.set_engine_pid(engine.pid)
+    exp.set_engine_state("ready")
+    text = exp.render().decode()
+    s = _samples(text)
+    assert s[("pinsidecar_exporter_source_up", (("source", "stats"),))] == 1
+    assert s[("pinsidecar_exporter_source_up", (("source", "engine"),))] == 1
+    assert s[("pinsidecar_expert_selections_total", ())] == snap.total_selections
+    assert s[("pinsidecar_expert_cold_selections_total", ())] == snap.total_cold_selections
+    ratio = s[("pinsidecar_cold_selection_ratio", ())]
+    assert 0 < ratio < 1  # 3/8 of the experts are cold under a random map
+    for lid in snap.layer_ids:
+        assert 0 <= s[("pinsidecar_layer_cold_selection_ratio", (("layer", str(lid)),))] <= 1
+    assert s[("pinsidecar_engine_generation_tokens_total", ())] >= generated
+    emap = load_map(map_path)
+    assert s[("pinsidecar_engine_map_info", (("map_hash", emap.content_hash), ("map_label", "exporter-test")))] == 1
+    if snap.tier_bytes:
+        assert s[("pinsidecar_expert_bytes", (("tier", "host"),))] == snap.tier_bytes["host"]
+    if s.get(("pinsidecar_exporter_source_up", (("source", "cgroup"),))) == 1:
+        assert s[("pinsidecar_engine_cgroup_memory_current_bytes", ())] > 0
+    if shutil.which("promtool"):
+        proc = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+        assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout.decode() + proc.stderr.decode()
