@@ -29,6 +29,11 @@ Tensor parallel: the router is replicated, so every TP rank sees the same ids; o
 are not supported by count mode yet: :func:`attach` refuses them at boot.
 
 ``on_engine_ready`` zeroes the counters after warm-up and profile forwards, so only real traffic counts.
+
+Padding: the callback counts every row the router sees. On the CPU (eager and compiled) that is exactly the
+scheduled tokens (tested: selections == layers x tokens x top_k). On a GPU with CUDA graphs, vLLM pads a batch up
+to a captured size and the padded rows are routed too, so they would be counted; the count boot therefore runs
+with ``enforce_eager`` by default (``pinsidecar profile``), where nothing is padded.
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ class CountState:
         counts_row = self.counts[index]
         tokens_cell = self.tokens[index]
 
+        if getattr(previous, "_pinsidecar_count", False):
+            previous = None  # a second attach (weights reloaded) replaces our old counter rather than chaining it
+
         def capture(topk_ids: torch.Tensor) -> None:
             if previous is not None:  # e.g. vLLM's own routed-experts capturer, when enabled
                 previous(topk_ids)
@@ -104,6 +112,7 @@ class CountState:
             counts_row.index_add_(0, ids, torch.ones_like(ids))
             tokens_cell.add_(topk_ids.shape[0])
 
+        capture._pinsidecar_count = True  # type: ignore[attr-defined]
         return capture
 
     # ---------------------------------------------------------------------------------------- host side

@@ -46,6 +46,8 @@ BOOT_TIMEOUT_S = 900.0
 TEST_FLUSH_INTERVAL_S = 1.0
 # PINSIDECAR_TEST_PORTS="8150-8199" restricts free_port() to a range (each helper on a shared box owns one).
 PORT_RANGE_ENV = "PINSIDECAR_TEST_PORTS"
+# A model folder built beforehand (e.g. once per CI job) instead of building the demo model per session.
+MODEL_DIR_ENV = "PINSIDECAR_TEST_MODEL_DIR"
 
 
 def free_port(lo: int | None = None, hi: int | None = None, host: str = "127.0.0.1") -> int:
@@ -143,7 +145,14 @@ def start_engine(model_dir: Path, mode: str = "count", tmp_path: Path | None = N
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model (``pinsidecar.demo_model``), built once per session."""
+    """The demo model (``pinsidecar.demo_model``), built once per session; ``$PINSIDECAR_TEST_MODEL_DIR`` points
+    the tests at a model folder built beforehand instead."""
+    prebuilt = os.environ.get(MODEL_DIR_ENV, "").strip()
+    if prebuilt:
+        if not (Path(prebuilt) / "config.json").is_file():
+            raise pytest.UsageError(f"{MODEL_DIR_ENV}={prebuilt} has no config.json (build it with `pinsidecar "
+                                    "demo-model DIR` or unset the variable)")
+        return Path(prebuilt)
     from pinsidecar.demo_model import build_demo_model
 
     return Path(build_demo_model(tmp_path_factory.mktemp("demo-model") / "model"))
