@@ -35,7 +35,7 @@ def _map(path: Path, model_dir: Path, hot_rows: int, seed: int, label: str, num_
     import random
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    n = num_experts or cfg["num_experts"]
+    n = num_experts or cfg.get("num_experts") or cfg["num_local_experts"]  # newer transformers: num_local_experts
     rng = random.Random(seed)
     layers = []
     for lid in range(cfg["num_hidden_layers"]):

@@ -51,6 +51,7 @@ def _where(cfg: Any) -> str:
 def _request(cfg: Any, method: str, path: str, *, timeout: float, token: str | None = None,
              body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines on the operator's terminal
     try:
         with _client(cfg, timeout) as client:
             resp = client.request(method, path, json=body, headers=headers)
