@@ -65,6 +65,7 @@ def vllm_routing_counts(model: Path, prompt_sets: dict[str, list[str]], gen_toke
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pinsidecar import log
     from pinsidecar.demo_model import DOMAINS, build_demo_model, load_prompts, routing_counts, skew_figures
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens generated per prompt (max_tokens)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)
+    log.configure("warning")  # logs to stderr; stdout carries only the JSON
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_demo_model(Path(tmp) / "demo", seed=args.seed)

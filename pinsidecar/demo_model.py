@@ -8,11 +8,16 @@ random but *shaped*:
 - every token embedding carries a **domain coordinate** (hidden dim :data:`DOMAIN_DIM`): positive for tokens that
   are frequent in code text, negative for tokens frequent in prose, measured on the shipped corpus;
 - a constant **bias coordinate** (:data:`BIAS_DIM`) lets routers prefer a few general-purpose experts everywhere;
-- attention is near-uniform over the prefix and copies the domain coordinate, so a token's route also follows the
-  domain of its context (``the`` inside code routes like code);
+- attention is near-uniform over the prefix, and the first layer's adds the prefix's mean domain coordinate, so a
+  token's route also follows the domain of its context (``the`` inside code leans towards code); expert and
+  attention outputs never write the domain and bias coordinates, so they survive every layer;
 - each layer's router maps the domain coordinate onto a layer-specific set of preferred experts with Zipf-like
   logits (:data:`SHARED_HOT` general experts + :data:`DOMAIN_HOT` per domain), plus small noise;
 - the LM head leans towards tokens of the current domain, so generated text stays in-domain and varied.
+
+Measured on seed 0 (``bench/demo_skew.py``; real vLLM CPU agrees): the hottest 25 % of experts take 80-86 % of a
+domain's selections on the training prompts and 70-83 % on held-out prompts; the two domains' hot sets overlap by
+25-38 % (designed: 25 %, the shared experts).
 
 Use :func:`build_demo_model` (or ``pinsidecar demo-model DIR``) to write it, :func:`load_prompts` for the shipped
 prompt fixtures, and :func:`routing_counts` / :func:`skew_figures` to measure routing without vLLM.
