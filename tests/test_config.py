@@ -50,6 +50,7 @@ def test_cpu_example_loads_with_model_override(model_dir: Path, tmp_path: Path) 
     spec = cfg.engine_spec()
     argv = spec.argv()
     assert "--kv-cache-memory-bytes" in argv and "--enforce-eager" in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"
     assert spec.log_path == cfg.daemon.state_dir / "engine.log"
     assert "PINSIDECAR_HOOK_MODE" not in spec.env  # hook off: nothing set
 
@@ -74,6 +75,7 @@ def test_gpu_example_loads_with_local_paths(model_dir: Path, token_file: Path, t
     assert spec.env["PINSIDECAR_HOOK_MODE"] == "pin"
     assert spec.env["PINSIDECAR_MAP_PATH"] == str(mp)
     assert spec.env["PINSIDECAR_STATS_PATH"] == str(state / "stats.json")
+    assert spec.dtype == "auto" and "--dtype" not in spec.argv()
 
 
 def test_relative_paths_are_relative_to_the_config_file(tmp_path: Path, token_file: Path) -> None:

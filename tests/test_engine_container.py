@@ -30,7 +30,7 @@ def model(tmp_path: Path) -> Path:
 
 def _spec(model: Path, state: Path, **env: str) -> EngineSpec:
     return EngineSpec(model=model, port=8000, served_model_name="flash", kv_cache_bytes=0, enforce_eager=False,
-                      extra_args=["--gpu-memory-utilization", "0.9"], shutdown_timeout_s=30,
+                      dtype="auto", extra_args=["--gpu-memory-utilization", "0.9"], shutdown_timeout_s=30,
                       env={"PINSIDECAR_HOOK_MODE": "pin", "PINSIDECAR_MAP_PATH": str(state / "maps" / "a.json"),
                            "PINSIDECAR_STATS_PATH": str(state / "stats.json"), **env})
 
@@ -66,7 +66,7 @@ def test_docker_argv(model: Path, state: Path) -> None:
     assert inner[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert inner[inner.index("--model") + 1] == "/model"
     assert inner[inner.index("--served-model-name") + 1] == "flash"
-    assert "--kv-cache-memory-bytes" not in inner and "--enforce-eager" not in inner
+    assert "--kv-cache-memory-bytes" not in inner and "--enforce-eager" not in inner and "--dtype" not in inner
     assert inner[-2:] == ["--gpu-memory-utilization", "0.9"]
 
 
