@@ -53,8 +53,9 @@ def test_counts_file_describes_the_model(eager_engine: HookedEngine, demo_model_
     assert counts.num_experts == cfg["num_experts"] and counts.top_k == cfg["num_experts_per_tok"]
     assert counts.model.path == str(demo_model_dir)
     assert counts.workload == "test"
-    # w13 [E, 2*I, H] + w2 [E, H, I] in bf16, per expert
-    assert counts.meta["expert_bytes"] == 3 * cfg["moe_intermediate_size"] * cfg["hidden_size"] * 2
+    # w13 [E, 2*I, H] + w2 [E, H, I], per expert, in the engine's dtype
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[counts.meta["dtype"]]
+    assert counts.meta["expert_bytes"] == 3 * cfg["moe_intermediate_size"] * cfg["hidden_size"] * elem
     assert counts.meta["engine_ready"] is True and counts.meta["tp_rank"] == 0
 
 
