@@ -68,6 +68,19 @@ def test_reset_then_traffic_counts_exactly(eager_engine: HookedEngine) -> None:
     assert (counts.counts > 0).sum() > counts.num_layers * counts.top_k  # spread over experts, not one row
 
 
+def test_requests_that_stop_early_count_exactly(eager_engine: HookedEngine) -> None:
+    """A request that ends on a stop token (as on EOS) still forwards all but its last sampled token."""
+    prompt = "def add(a, b):"
+    first = eager_engine.complete(prompt, max_tokens=6, return_token_ids=True)["choices"][0]["token_ids"]
+    stop_id = first[2]
+    eager_engine.hook_request("reset")
+    resp = eager_engine.complete(prompt, max_tokens=6, stop_token_ids=[stop_id])
+    usage = resp["usage"]
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    assert usage["completion_tokens"] == first.index(stop_id) + 1 < 6
+    assert_exact(eager_engine.hook_request("flush"), usage["prompt_tokens"] + usage["completion_tokens"] - 1)
+
+
 def test_periodic_flush_without_any_request(eager_engine: HookedEngine) -> None:
     seq = load_counts(eager_engine.counts_path).meta["seq"]
     later = eager_engine.wait_for_counts(lambda c: c.meta["seq"] >= seq + 2, timeout_s=30)

@@ -46,8 +46,11 @@ def profile_cmd(model: Path, workloads: tuple[Path, ...], out: Path, concurrency
 
     Nothing is written to OUT unless the whole boot succeeds.
     """
+    import logging
+
     from pinsidecar import profile
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per replayed request is noise
     try:
         opts = profile.load_engine_options(config_path)
         result = profile.run_profile(model, list(workloads), out, concurrency=concurrency, max_tokens=max_tokens,
