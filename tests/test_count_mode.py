@@ -119,3 +119,16 @@ def test_compiled_mode_counts_exactly(demo_model_dir: Path, engine_factory: Call
         assert "DYNAMO_TRACE_ONCE" in Path(eng.log_path).read_text(errors="replace")  # it really compiled
     finally:
         eng.stop()
+
+
+def test_exit_flush_when_vllm_lets_the_worker_exit(demo_model_dir: Path,  # noqa: F811
+                                                   engine_factory: Callable[..., HookedEngine]) -> None:  # noqa: F811
+    """No periodic flush in sight (1 h interval): the counts reach the file only through the exit flush. With
+    --shutdown-timeout > 0 vLLM shuts its worker down gracefully, so the atexit flush runs. (With the default 0 the
+    API server SIGKILLs the worker at once and only the periodic flush bounds the loss - why it exists.)"""
+    eng = engine_factory(demo_model_dir, "count", flush_interval_s=3600.0, shutdown_timeout_s=5)
+    eng.hook_request("reset")
+    processed = run_traffic(eng)
+    assert load_counts(eng.counts_path).tokens == 0  # nothing flushed yet
+    assert eng.stop() == 0
+    assert_exact(load_counts(eng.counts_path), processed)
