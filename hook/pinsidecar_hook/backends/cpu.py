@@ -127,7 +127,7 @@ def finalize_rows(rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Ten
     if top_k > 1:
         products = per_token[:, 1:].to(torch.float64) * weights[:, 1:, None].to(torch.float64)  # exact
         for slot in range(top_k - 1):
-            acc = (acc.to(torch.float64) + products[:, slot]).to(torch.float32)
+            acc.add_(products[:, slot])  # fp32 += fp64: computed in fp64, rounded to fp32 once (one op per slot)
     out.copy_(acc)
     return out
 
