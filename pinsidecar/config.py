@@ -294,7 +294,7 @@ def _convert(key: str, typ: Any, value: Any, base: Path) -> Any:
     raise AssertionError(f"unsupported config type {typ!r} for {key}")  # a bug in this module, not in the file
 
 
-def _check(key: str, f: dataclasses.Field[Any], value: Any) -> None:
+def _check(key: str, f: dataclasses.Field[Any], value: Any, check_paths: bool = True) -> None:
     md = f.metadata
     if value is None:
         return
@@ -307,7 +307,7 @@ def _check(key: str, f: dataclasses.Field[Any], value: Any) -> None:
     if _CHOICES in md and value not in md[_CHOICES]:
         raise ConfigError(f"{key}: expected one of {', '.join(md[_CHOICES])}, got {value!r}")
     kind = md.get(_EXISTS)
-    if kind and isinstance(value, Path):
+    if kind and check_paths and isinstance(value, Path):
         if not value.exists():
             raise ConfigError(f"{key}: {value} does not exist (fix the path or create it)")
         if kind == "file" and not value.is_file():
@@ -316,7 +316,7 @@ def _check(key: str, f: dataclasses.Field[Any], value: Any) -> None:
             raise ConfigError(f"{key}: {value} is not a folder")
 
 
-def _build_section(name: str, raw: Any, base: Path) -> Any:
+def _build_section(name: str, raw: Any, base: Path, check_paths: bool = True) -> Any:
     cls = _SECTION_TYPES[name]
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: expected a table ([{name}]), got {_describe(raw)}")
@@ -334,7 +334,7 @@ def _build_section(name: str, raw: Any, base: Path) -> Any:
             if fields[k].metadata.get(_PORT):
                 raise ConfigError(f"{key}: expected an integer 1-65535, got {v!r}") from None
             raise exc from None
-        _check(key, fields[k], value)
+        _check(key, fields[k], value, check_paths)
         kwargs[k] = value
     return cls(**kwargs)
 
@@ -349,18 +349,19 @@ def _apply_override(doc: dict[str, Any], dotted: str, value: Any) -> None:
     table[key] = value
 
 
-def parse_config(doc: dict[str, Any], base: Path, path: Path | None = None) -> Config:
-    """Validate an already-parsed TOML document (``base``: the folder relative paths are taken from)."""
+def parse_config(doc: dict[str, Any], base: Path, path: Path | None = None, check_paths: bool = True) -> Config:
+    """Validate an already-parsed TOML document (``base``: the folder relative paths are taken from).
+    ``check_paths=False`` skips "does this file exist" checks (for clients of a daemon that runs elsewhere)."""
     unknown = sorted(set(doc) - set(_SECTION_TYPES))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown section (allowed: {', '.join(_SECTION_TYPES)})")
-    sections = {name: _build_section(name, doc.get(name, {}), base) for name in _SECTION_TYPES}
+    sections = {name: _build_section(name, doc.get(name, {}), base, check_paths) for name in _SECTION_TYPES}
     cfg = Config(**sections, path=path)
-    _cross_check(cfg)
+    _cross_check(cfg, check_paths)
     return cfg
 
 
-def _cross_check(cfg: Config) -> None:
+def _cross_check(cfg: Config, check_paths: bool = True) -> None:
     e = cfg.engine
     if e.model is None:
         raise ConfigError("engine.model: required (the model folder the engine serves)")
@@ -369,7 +370,7 @@ def _cross_check(cfg: Config) -> None:
     if e.launcher == "container" and not cfg.container.image:
         raise ConfigError("container.image: required when engine.launcher = \"container\"")
     c = cfg.control
-    if c.token_file is not None and not c.create_token and not c.token_file.exists():
+    if check_paths and c.token_file is not None and not c.create_token and not c.token_file.exists():
         raise ConfigError(f"control.token_file: {c.token_file} does not exist (create it with mode 0600, "
                           f"e.g. `umask 077; openssl rand -hex 32 > {c.token_file}`, or set control.create_token)")
     if c.token_file is None:
@@ -393,8 +394,12 @@ def _cross_check(cfg: Config) -> None:
         ports[port] = key
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read and validate the config file (default :data:`DEFAULT_CONFIG_PATH`). Raises :class:`ConfigError`."""
+def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
+                check_paths: bool = True) -> Config:
+    """Read and validate the config file (default :data:`DEFAULT_CONFIG_PATH`). Raises :class:`ConfigError`.
+
+    ``check_paths=False``: everything but file existence (what ``status`` / ``drain-reboot`` use: they only need
+    the control section, and the engine's files belong to the daemon)."""
     p = Path(path) if path is not None else DEFAULT_CONFIG_PATH
     try:
         raw = p.read_bytes()
@@ -409,6 +414,6 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
     for dotted, value in (overrides or {}).items():
         _apply_override(doc, dotted, value)
     try:
-        return parse_config(doc, p.resolve().parent, p)
+        return parse_config(doc, p.resolve().parent, p, check_paths)
     except ConfigError as exc:
         raise ConfigError(f"{p}: {exc}") from None

@@ -161,3 +161,12 @@ def test_cli_run_refuses_bad_config_naming_the_key(tmp_path: Path, model_dir: Pa
     res = CliRunner().invoke(main, ["run", "--config", str(p)])
     assert res.exit_code == 2
     assert "engine.port: expected an integer 1-65535, got 'abc'" in res.output
+
+
+def test_clients_skip_file_checks_but_not_the_rest(tmp_path: Path) -> None:
+    # `pinsidecar status` on a host without the model folder still finds the control API
+    cfg = load_config(EXAMPLES / "cpu-demo.toml", check_paths=False)
+    assert cfg.control.port == 8090
+    p = _write(tmp_path, '[engine]\nmodel = "/nowhere"\nport = "abc"\n[control]\ntoken_file = "/nope"\n')
+    with pytest.raises(ConfigError, match=r"engine\.port: expected an integer 1-65535"):
+        load_config(p, check_paths=False)

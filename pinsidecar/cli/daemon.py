@@ -25,11 +25,11 @@ config_option = click.option(
     help="Config file [default: /etc/pinsidecar/pinsidecar.toml].")
 
 
-def _load(config_path: Path | None, overrides: dict[str, Any] | None = None) -> Any:
+def _load(config_path: Path | None, overrides: dict[str, Any] | None = None, check_paths: bool = True) -> Any:
     from pinsidecar.config import ConfigError, load_config
 
     try:
-        return load_config(config_path, overrides)
+        return load_config(config_path, overrides, check_paths=check_paths)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
 
@@ -174,7 +174,7 @@ def register(main: click.Group) -> None:
     @handle_errors
     def status_cmd(config_path: Path | None, as_json: bool) -> None:
         """Show the running daemon's engine state, map, last boot, gate and maps library."""
-        cfg = _load(config_path)
+        cfg = _load(config_path, check_paths=False)
         code, payload = _request(cfg, "GET", "/status", timeout=10.0)
         if code != 200:
             raise UserError(f"status failed (HTTP {code}): {payload.get('error', payload)}")
@@ -193,7 +193,7 @@ def register(main: click.Group) -> None:
         """Hold new requests, drain in-flight ones, reboot the engine (optionally with a new map), release."""
         from pinsidecar.control import TokenFileError, read_token
 
-        cfg = _load(config_path)
+        cfg = _load(config_path, check_paths=False)
         try:
             token = read_token(cfg.control.token_file)
         except TokenFileError as exc:
