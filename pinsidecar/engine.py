@@ -229,7 +229,7 @@ class EngineProcess:
         self.spec = spec
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_fh: object | None = None
-        self._own_log = spec.log_path is None
+        self.owns_log = spec.log_path is None  # a temp log we made: the caller may delete it after a clean run
         self.log_path: Path = spec.log_path or Path(
             tempfile.mkstemp(prefix=f"pinsidecar-engine-{spec.port}-", suffix=".log")[1])
         self.started_at: float | None = None

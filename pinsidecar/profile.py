@@ -45,6 +45,7 @@ from pinsidecar_hook.config import HookConfig
 
 from pinsidecar.artifacts import ArtifactError, CountsArtifact, load_counts, request_path, write_hook_request
 from pinsidecar.engine import (
+    DEFAULT_DTYPE,
     DEFAULT_KV_CACHE_BYTES,
     EngineBootError,
     EngineError,
@@ -89,6 +90,7 @@ class EngineOptions:
     host: str = "127.0.0.1"
     served_model_name: str = ""
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    dtype: str = DEFAULT_DTYPE
     enforce_eager: bool = True
     max_model_len: int = 2048
     enable_prefix_caching: bool = False
@@ -102,7 +104,7 @@ class EngineOptions:
         return EngineSpec(
             model=model, host=self.host, port=port, served_model_name=self.served_model_name or None,
             extra_args=list(self.extra_args), env={**self.env, **hook_env}, kv_cache_bytes=self.kv_cache_bytes,
-            enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
+            dtype=self.dtype, enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, shutdown_timeout_s=self.shutdown_timeout_s,
             log_path=log_path, **kwargs)
 
@@ -246,6 +248,9 @@ def run_profile(model: Path, workloads: Sequence[Path], out: Path, *, concurrenc
         exit_code = eng.stop()
         final = _finish(counts, result, label, workloads, concurrency, max_tokens, spec)
         final.save(out)
+        if eng.owns_log:  # a clean run needs no log; a failed one keeps it (its path is in the error)
+            with contextlib.suppress(OSError):
+                eng.log_path.unlink()
         log.info("profile_done", out=str(out), tokens=final.tokens, selections=final.selections)
         return ProfileResult(final, out, result, boot_s, exit_code)
     finally:
