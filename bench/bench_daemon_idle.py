@@ -119,6 +119,8 @@ def _phase(proc: psutil.Process, seconds: float, scrape_interval: float | None) 
     cpu_s = (c1.user - c0.user) + (c1.system - c0.system)
     out: dict[str, Any] = {
         "seconds": round(t1 - t0, 2),
+        # CPU time inflates on a contended box (shared caches, SMT): read the figure together with the load
+        "load_avg_1m_end": round(os.getloadavg()[0], 2),
         "cpu_pct_of_core": round(100.0 * cpu_s / (t1 - t0), 3),
         "rss_mib_max": round(max(rss) / 2**20, 1),
         "rss_mib_mean": round(statistics.fmean(rss) / 2**20, 1),
@@ -139,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--scrape-interval", type=float, default=1.0)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    from pinsidecar import log as pslog
+
+    pslog.configure("warning", json_logs=False)  # logs to stderr: stdout carries only the JSON document
 
     with tempfile.TemporaryDirectory(prefix="pinsidecar-idle-") as tmp_s:
         tmp = Path(tmp_s)
