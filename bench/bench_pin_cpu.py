@@ -67,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: build the demo model)")
     ap.add_argument("--prompts", type=Path, default=None, help="JSONL prompts (default: the code fixture)")
     ap.add_argument("--modes", default="off,count,pin-all-hot,pin-skew")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    from pinsidecar import log
+
+    log.configure("warning")  # stdout carries only the JSON result
 
     from pinsidecar.demo_model import build_demo_model, fixture_path
 

