@@ -300,6 +300,8 @@ class Daemon:
                     if self.gate is not None:
                         if sup.launcher is not None:
                             self.gate.set_upstream(sup.launcher.base_url)
+                            if self.exporter is not None:
+                                self.exporter.set_engine_metrics_url(sup.launcher.base_url)
                         result["held_at_release"] = self.gate.held  # requests that waited out the reboot
                         self.gate.release()
                         result["hold_s"] = round(time.monotonic() - hold_t0, 3)

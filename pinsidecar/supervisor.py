@@ -210,7 +210,8 @@ class Supervisor:
                         geometry=geometry, hint="a boot with the same geometry should hit the compile cache")
         self._export("record_boot", reason, seconds, rec.map_hash or "", cache_miss)
         if emap is not None:
-            self._export("set_map", emap.content_hash, emap.label, emap.created_at)
+            # The predicted ratio feeds the drift alert (observed cold ratio vs what the map promised).
+            self._export("set_map", emap.content_hash, emap.label, emap.created_at, emap.predicted_cold_rate)
         self._set_state(EngineState.READY)
         return rec
 
