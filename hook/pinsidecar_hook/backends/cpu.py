@@ -60,6 +60,7 @@ def tier_rows(
     isa: str,
     skip_weighted: bool,
     has_absent: bool = True,
+    cold_counts: torch.Tensor | None = None,
     kernel: Callable[..., None] | None = None,
 ) -> torch.Tensor:
     """The unweighted, unreduced per-(token, slot) rows ``[T * k, H]``: each tier's pairs as one top-1 call.
@@ -75,6 +76,8 @@ def tier_rows(
     flat_weights = torch.ones((pairs, 1), dtype=torch.float32)
     is_cold = rows >= hot_rows
     cold_count = int(is_cold.sum())
+    if cold_counts is not None:  # the partition's cold counter (see split_moe)
+        cold_counts.add_(cold_count)
     absent = rows < 0 if has_absent else None
     absent_count = int(absent.sum()) if absent is not None else 0
     hot_count = pairs - cold_count - absent_count
@@ -123,12 +126,16 @@ def finalize_rows(rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Ten
     num_tokens, top_k = topk_weights.shape
     per_token = rows.view(num_tokens, top_k, -1)
     weights = topk_weights.to(torch.float32)
-    acc = per_token[:, 0].to(torch.float32) * weights[:, 0:1]
+    # fp32 output: accumulate in place (each step rounds to fp32, as the kernel's accumulator does); otherwise in
+    # an fp32 scratch tensor, cast once at the end.
+    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+    torch.mul(per_token[:, 0].to(torch.float32), weights[:, 0:1], out=acc)
     if top_k > 1:
         products = per_token[:, 1:].to(torch.float64) * weights[:, 1:, None].to(torch.float64)  # exact
-        for slot in range(top_k - 1):
-            acc.add_(products[:, slot])  # fp32 += fp64: computed in fp64, rounded to fp32 once (one op per slot)
-    out.copy_(acc)
+        for product in products.unbind(1):
+            acc.add_(product)  # fp32 += fp64: computed in fp64, rounded to fp32 once (one op per slot)
+    if acc is not out:
+        out.copy_(acc)
     return out
 
 
@@ -149,11 +156,9 @@ def split_moe(
     rows = row_map.index_select(0, flat_ids)
     if expert_counts is not None:
         expert_counts.index_add_(0, flat_ids, _ones(flat_ids.shape[0], expert_counts))
-    if cold_counts is not None:
-        cold_counts.add_((rows >= hot_rows).sum())
     if token_counts is not None:
         token_counts.add_(topk_ids.shape[0])
-    per_pair = tier_rows(x, rows, hot_rows, hot, cold, activation, isa, skip_weighted, has_absent)
+    per_pair = tier_rows(x, rows, hot_rows, hot, cold, activation, isa, skip_weighted, has_absent, cold_counts)
     # skip_weighted (apply_router_weight_on_input, top-1 only): the weight is already in x; the kernel uses 1.0.
     weights = torch.ones_like(topk_weights, dtype=torch.float32) if skip_weighted else topk_weights
     return finalize_rows(per_pair, weights, out)
