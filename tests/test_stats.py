@@ -56,6 +56,27 @@ def _writer(tmp_path: Path, stats_path: Path, histogram: bool = True) -> tuple[S
     return StatsWriter(state, cfg), state, map_path
 
 
+class _Records(logging.Handler):
+    """Collects the hook logger's records directly (the hook may have set propagate=False on its logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _Records:
+        logging.getLogger("pinsidecar_hook").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("pinsidecar_hook").removeHandler(self)
+
+    def count(self, fragment: str) -> int:
+        return len([r for r in self.records if fragment in r.getMessage()])
+
+
 def _snap(boot: str, seq: int, sel: list[int], cold: list[int], tokens: int) -> StatsSnapshot:
     return StatsSnapshot(boot_id=boot, seq=seq, layer_ids=[0, 1], num_experts=E, top_k=K, selections=sel,
                          cold_selections=cold, tokens=tokens, written_at=time.time())
@@ -111,33 +132,21 @@ def _wait(path: Path, pred, timeout_s: float = 10.0) -> StatsSnapshot:  # type: 
     raise AssertionError(f"{path} never satisfied the condition")
 
 
-def test_unwritable_dir_counts_error_logs_once_and_uses_fallback(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_unwritable_dir_counts_error_logs_once_and_uses_fallback(tmp_path: Path) -> None:
     # A regular file where the directory should be: unwritable even for root.
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    _check_unwritable(tmp_path, blocker / "stats.json", caplog)
-
-
-def _check_unwritable(tmp_path: Path, stats: Path, caplog: pytest.LogCaptureFixture | None = None) -> None:
+    stats = blocker / "stats.json"
     writer, state, _ = _writer(tmp_path, stats)
     fallback = fallback_stats_path(stats)
     fallback.unlink(missing_ok=True)
     _count(state, 2)
-    log = logging.getLogger("pinsidecar_hook")
-    propagate = log.propagate
-    log.propagate = True
-    try:
-        if caplog is not None:
-            caplog.set_level(logging.ERROR, logger="pinsidecar_hook")
+    with _Records() as records:
         assert writer.flush() == fallback
         assert writer.flush() == fallback
-    finally:
-        log.propagate = propagate
     snap = load_stats(fallback)
     assert snap.errors == {"stats_write": 2} and snap.tokens == 2
-    if caplog is not None:
-        assert len([r for r in caplog.records if "cannot write stats" in r.getMessage()]) == 1
+    assert records.count("cannot write stats") == 1
     # the daemon's reader finds it from the configured path
     reading = StatsReader(stats).read()
     assert reading is not None and reading.source == fallback and reading.errors == {"stats_write": 2}
@@ -145,21 +154,16 @@ def _check_unwritable(tmp_path: Path, stats: Path, caplog: pytest.LogCaptureFixt
     fallback.unlink()
 
 
-def test_map_change_on_disk_is_noticed_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_map_change_on_disk_is_noticed_once(tmp_path: Path) -> None:
     writer, _state, map_path = _writer(tmp_path, tmp_path / "stats.json")
     writer._check_map_file()
     assert not writer.snapshot().meta["map_changed_on_disk"]
     map_path.write_text(map_path.read_text() + "\n")
-    log = logging.getLogger("pinsidecar_hook")
-    propagate, log.propagate = log.propagate, True
-    try:
-        caplog.set_level(logging.WARNING, logger="pinsidecar_hook")
+    with _Records() as records:
         writer._check_map_file()
         writer._check_map_file()
-    finally:
-        log.propagate = propagate
     assert writer.snapshot().meta["map_changed_on_disk"] is True
-    assert len([r for r in caplog.records if "changed on disk" in r.getMessage()]) == 1
+    assert records.count("changed on disk") == 1
 
 
 # ---------------------------------------------------------------------------------------------------- reader
