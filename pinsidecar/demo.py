@@ -8,7 +8,10 @@ the vLLM CPU build. The steps are the loop of the product, in order:
 2. ``counts``  - count boots: the training traffic of domain A, and held-out traffic of A and of B;
 3. ``maps``    - the usage map from A's counts, and the positional baseline (what ``--cpu-offload-gb`` would
    do with the same host budget);
-4. ``eval``    - cold-selection rate of both on held-out A (in-domain) and held-out B (cross-domain).
+4. ``eval``    - cold-selection rate of both on held-out A (in-domain) and held-out B (cross-domain);
+5. ``pin``     - boot the engine in pin mode with the usage map, replay held-out A, and read the live cold
+   rate from the hook's stats file: it must equal the rate the map predicts from the held-out counts, because
+   pin mode changes where experts live, not what the router picks (the float32 CPU engine is bit-identical).
 
 Every step writes its artifact into the work folder, so a later step (or a person) can pick them up; the summary
 (``demo-summary.json``) holds every figure the demo prints.
@@ -16,15 +19,24 @@ Every step writes its artifact into the work folder, so a later step (or a perso
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
+from pinsidecar_hook.config import HookConfig
 
 from pinsidecar import maps
-from pinsidecar.artifacts import atomic_write_json, load_counts
+from pinsidecar.artifacts import (
+    ArtifactError,
+    StatsSnapshot,
+    atomic_write_json,
+    load_counts,
+    load_stats,
+    write_hook_request,
+)
 
 __all__ = ["DEFAULT_HOT_ROWS", "DemoOptions", "run_demo"]
 
@@ -113,7 +125,17 @@ def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[s
     for traffic, row in table.items():
         report(f"    {traffic:<16}{row['usage']:>22.2%}{row['positional']:>14.2%}")
 
+    _step("pin (boot with the usage map, replay held-out traffic, read live stats)", report)
+    live = _pin_replay(model_dir, usage_path, fixture_path(f"{a}_heldout"), work, opts)
+    live_rate = live.total_cold_selections / max(live.total_selections, 1)
+    expected = table[f"{a}_heldout"]["usage"]
+    report(f"    live cold-selection rate {live_rate:.2%} on {a}_heldout ({live.total_selections} selections; "
+           f"map evaluated on the count boot's counts: {expected:.2%}); tier bytes {live.tier_bytes}")
+
     summary: dict[str, Any] = {
+        "pin": {"live_cold_rate": live_rate, "selections": live.total_selections,
+                "cold_selections": live.total_cold_selections, "tier_bytes": live.tier_bytes,
+                "matches_offline_eval": abs(live_rate - expected) < 1e-12},
         "workdir": str(work), "model": str(model_dir), "hot_rows": usage.hot_rows, "cold_rows": usage.cold_rows,
         "map": str(usage_path), "map_hash": usage.content_hash,
         "predicted_cold_rate": usage.predicted_cold_rate,
@@ -124,3 +146,34 @@ def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[s
     atomic_write_json(work / "demo-summary.json", summary)
     report(f"    summary -> {work / 'demo-summary.json'}")
     return summary
+
+
+def _wait_stats_token(path: Path, token: str, timeout_s: float = 60.0) -> StatsSnapshot:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            snap = load_stats(path)
+            if snap.meta.get("flush_token") == token:
+                return snap
+        except ArtifactError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the pin-mode hook did not answer {token} in {timeout_s:.0f} s (stats file {path})")
+
+
+def _pin_replay(model_dir: Path, map_path: Path, workload: Path, work: Path, opts: DemoOptions) -> StatsSnapshot:
+    """One pin-mode boot: reset the live counters once ready, replay, flush, return the final stats."""
+    from pinsidecar.engine import EngineProcess, EngineSpec
+    from pinsidecar.workload import load_workload, replay
+
+    stats_path = (work / "stats-pin.json").resolve()
+    hook = HookConfig(mode="pin", map_path=map_path.resolve(), stats_path=stats_path)
+    spec = EngineSpec(model=model_dir, port=opts.port, env=hook.to_env(), log_path=work / "engine-pin.log")
+    with EngineProcess(spec) as eng:
+        eng.wait_ready(600)
+        _wait_stats_token(stats_path, write_hook_request(stats_path, "reset"))
+        result = replay(load_workload([workload]), eng.base_url, spec.model_name, concurrency=opts.concurrency,
+                        max_tokens=opts.max_tokens)
+        if result.errors:
+            raise RuntimeError(f"{len(result.errors)} requests failed in the pin-mode replay: {result.errors[0].error}")
+        return _wait_stats_token(stats_path, write_hook_request(stats_path, "flush"))
