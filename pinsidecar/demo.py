@@ -19,7 +19,6 @@ Every step writes its artifact into the work folder, so a later step (or a perso
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +29,9 @@ from pinsidecar_hook.config import HookConfig
 
 from pinsidecar import maps
 from pinsidecar.artifacts import (
-    ArtifactError,
     StatsSnapshot,
     atomic_write_json,
     load_counts,
-    load_stats,
     write_hook_request,
 )
 
@@ -148,22 +145,10 @@ def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[s
     return summary
 
 
-def _wait_stats_token(path: Path, token: str, timeout_s: float = 60.0) -> StatsSnapshot:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            snap = load_stats(path)
-            if snap.meta.get("flush_token") == token:
-                return snap
-        except ArtifactError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the pin-mode hook did not answer {token} in {timeout_s:.0f} s (stats file {path})")
-
-
 def _pin_replay(model_dir: Path, map_path: Path, workload: Path, work: Path, opts: DemoOptions) -> StatsSnapshot:
     """One pin-mode boot: reset the live counters once ready, replay, flush, return the final stats."""
     from pinsidecar.engine import EngineProcess, EngineSpec
+    from pinsidecar.stats import wait_for_stats_token
     from pinsidecar.workload import load_workload, replay
 
     stats_path = (work / "stats-pin.json").resolve()
@@ -171,9 +156,9 @@ def _pin_replay(model_dir: Path, map_path: Path, workload: Path, work: Path, opt
     spec = EngineSpec(model=model_dir, port=opts.port, env=hook.to_env(), log_path=work / "engine-pin.log")
     with EngineProcess(spec) as eng:
         eng.wait_ready(600)
-        _wait_stats_token(stats_path, write_hook_request(stats_path, "reset"))
+        wait_for_stats_token(stats_path, write_hook_request(stats_path, "reset"))
         result = replay(load_workload([workload]), eng.base_url, spec.model_name, concurrency=opts.concurrency,
                         max_tokens=opts.max_tokens)
         if result.errors:
             raise RuntimeError(f"{len(result.errors)} requests failed in the pin-mode replay: {result.errors[0].error}")
-        return _wait_stats_token(stats_path, write_hook_request(stats_path, "flush"))
+        return wait_for_stats_token(stats_path, write_hook_request(stats_path, "flush"))

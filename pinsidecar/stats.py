@@ -21,6 +21,7 @@ instead, and the reader looks there too (the newer of the two wins).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import structlog
 
 from pinsidecar.artifacts import ArtifactError, StatsSnapshot, load_stats
 
-__all__ = ["StatsReader", "StatsReading", "compare", "fallback_stats_path", "ratio"]
+__all__ = ["StatsReader", "StatsReading", "compare", "fallback_stats_path", "ratio", "wait_for_stats_token"]
 
 log = structlog.get_logger(__name__)
 
@@ -161,3 +162,22 @@ def compare(prev: StatsSnapshot | None, snap: StatsSnapshot, source: Path) -> St
     return StatsReading(snapshot=snap, source=source, restarted=restarted, reset=reset, first=first,
                         delta_selections=d_sel, delta_cold_selections=d_cold, delta_tokens=d_tok,
                         delta_histogram=d_hist)
+
+
+def wait_for_stats_token(path: str | os.PathLike[str], token: str, timeout_s: float = 60.0) -> StatsSnapshot:
+    """Wait until the stats file answers a ``flush``/``reset`` request (its ``meta.flush_token`` is ``token``).
+
+    The request itself is :func:`pinsidecar.artifacts.write_hook_request` on the stats path. Raises
+    ``TimeoutError`` naming the file when the hook never answers (it is not loaded, or not in pin mode).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            snap = load_stats(path)
+            if snap.meta.get("flush_token") == token:
+                return snap
+        except ArtifactError:
+            pass  # not written yet, or mid-replace on a filesystem without atomic rename
+        time.sleep(0.1)
+    raise TimeoutError(f"the pin-mode hook did not answer request {token} within {timeout_s:.0f} s (stats file "
+                       f"{path}); is the engine running with PINSIDECAR_HOOK_MODE=pin and this stats path?")

@@ -353,20 +353,9 @@ def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any],
 
 
 def _wait_token(stats: Path, token: str, timeout_s: float = 60.0) -> Any:
-    import time
+    from pinsidecar.stats import wait_for_stats_token
 
-    from pinsidecar_hook.artifacts import load_stats
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            snap = load_stats(stats)
-            if snap.meta.get("flush_token") == token:
-                return snap
-        except Exception:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"the hook never answered request {token}")
+    return wait_for_stats_token(stats, token, timeout_s)
 
 
 @pytest.mark.vllm

@@ -31,7 +31,7 @@ def demo_cmd(workdir: Path, hot_rows: int | None, port: int, fresh: bool, as_jso
         summary = demo.run_demo(opts, report=report)
     except profile.USER_ERRORS as exc:
         raise UserError(str(exc)) from None
-    except (*profile.RUN_ERRORS, RuntimeError) as exc:
+    except (*profile.RUN_ERRORS, RuntimeError, TimeoutError) as exc:
         fail(str(exc), code=1)
         return
     if as_json:
