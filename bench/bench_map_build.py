@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     build_ms = stages[f"build_usage_map_{args.files}_counts"]["median_ms"]
     result = {
         "bench": "map_build",
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "geometry": {"layers": args.layers, "experts": args.experts, "top_k": args.top_k, "hot_rows": args.hot_rows,
                      "tokens_per_file": args.tokens, "files": args.files},
         "target_ms": TARGET_MS,
