@@ -59,6 +59,8 @@ __all__ = [
     "PortInUseError",
     "default_cache_root",
     "port_in_use",
+    "probe_health",
+    "probe_ready",
 ]
 
 log = structlog.get_logger(__name__)
@@ -119,6 +121,35 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def probe_health(base_url: str) -> bool:
+    """Liveness only: the HTTP server answers ``/health``. Every launcher uses this one definition."""
+    try:
+        return httpx.get(f"{base_url}/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def probe_ready(client: httpx.Client, base_url: str, model_name: str) -> tuple[bool, str]:
+    """Readiness: ``/v1/models`` answers *and* one short real generation succeeds. Returns (ok, problem).
+
+    Every launcher uses this one definition, so "ready" means the same for a process and a container.
+    """
+    try:
+        models = client.get(f"{base_url}/v1/models", timeout=5.0)
+    except httpx.HTTPError as exc:
+        return False, f"/v1/models: {type(exc).__name__}"
+    if models.status_code != 200:
+        return False, f"/v1/models: HTTP {models.status_code}"
+    try:
+        gen = client.post(f"{base_url}/v1/completions", json={
+            "model": model_name, "prompt": "ready", "max_tokens": 1, "temperature": 0.0})
+    except httpx.HTTPError as exc:
+        return False, f"probe generation: {type(exc).__name__}"
+    if gen.status_code != 200:
+        return False, f"probe generation: HTTP {gen.status_code}: {gen.text[:200]}"
+    return True, ""
 
 
 @dataclass
@@ -273,11 +304,7 @@ class EngineProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def health(self) -> bool:
-        """Liveness only: the HTTP server answers ``/health``."""
-        try:
-            return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return probe_health(self.base_url)
 
     def wait_ready(self, timeout_s: float = 300.0) -> float:
         """Block until the engine serves a real generation; return the seconds waited."""
@@ -295,7 +322,7 @@ class EngineProcess:
                     raise EngineBootError(
                         f"engine exited with code {code} while booting (model {self.spec.model})",
                         self.last_log_lines(BOOT_LOG_LINES), self.log_path)
-                ok, last_problem = self._probe(client)
+                ok, last_problem = probe_ready(client, self.base_url, self.spec.model_name)
                 if ok:
                     waited = time.monotonic() - t0
                     log.info("engine_ready", port=self.spec.port, seconds=round(waited, 2))
@@ -305,22 +332,6 @@ class EngineProcess:
                         f"engine not ready after {timeout_s:.0f} s ({last_problem})",
                         self.last_log_lines(BOOT_LOG_LINES), self.log_path)
                 time.sleep(_POLL_S)
-
-    def _probe(self, client: httpx.Client) -> tuple[bool, str]:
-        try:
-            models = client.get(f"{self.base_url}/v1/models", timeout=5.0)
-        except httpx.HTTPError as exc:
-            return False, f"/v1/models: {type(exc).__name__}"
-        if models.status_code != 200:
-            return False, f"/v1/models: HTTP {models.status_code}"
-        try:
-            gen = client.post(f"{self.base_url}/v1/completions", json={
-                "model": self.spec.model_name, "prompt": "ready", "max_tokens": 1, "temperature": 0.0})
-        except httpx.HTTPError as exc:
-            return False, f"probe generation: {type(exc).__name__}"
-        if gen.status_code != 200:
-            return False, f"probe generation: HTTP {gen.status_code}: {gen.text[:200]}"
-        return True, ""
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM the server, wait up to ``timeout_s``, then SIGKILL its process group. Returns the exit code

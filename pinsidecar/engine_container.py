@@ -32,7 +32,7 @@ import httpx
 import structlog
 
 from pinsidecar.config import ContainerConfig
-from pinsidecar.engine import BOOT_LOG_LINES, EngineBootError, EngineError, EngineProcess, EngineSpec
+from pinsidecar.engine import BOOT_LOG_LINES, EngineBootError, EngineError, EngineSpec, probe_health, probe_ready
 
 __all__ = ["ContainerEngine", "build_run_argv", "hook_overlay"]
 
@@ -218,16 +218,12 @@ class ContainerEngine:
         return self._inspect("{{.State.Running}}") == "true"
 
     def health(self) -> bool:
-        try:
-            return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return probe_health(self.base_url)
 
     def wait_ready(self, timeout_s: float = 600.0) -> float:
         if self.container_id is None:
             raise EngineError("wait_ready() before start()")
         t0 = time.monotonic()
-        probe = EngineProcess._probe  # the same readiness definition as the process launcher
         last_problem = "no answer yet"
         with httpx.Client(timeout=30.0) as client:
             while True:
@@ -236,7 +232,7 @@ class ContainerEngine:
                     self.returncode = int(code) if code and code.lstrip("-").isdigit() else None
                     raise EngineBootError(f"container {self.cfg.name} exited with code {code} while booting",
                                           self.last_log_lines(BOOT_LOG_LINES), self.log_path)
-                ok, last_problem = probe(self, client)  # type: ignore[arg-type]
+                ok, last_problem = probe_ready(client, self.base_url, self.spec.model_name)
                 if ok:
                     return time.monotonic() - t0
                 if time.monotonic() - t0 >= timeout_s:
