@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tmp = Path(tmp_s)
         model = args.model
         if model is None:
-            from pinsidecar.demo_model import build_demo_model
+            from pinsidecar.demo.model import build_demo_model
 
             model = Path(build_demo_model(tmp / "model"))
         cfg = _config(tmp, model.resolve())

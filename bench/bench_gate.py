@@ -65,7 +65,7 @@ def _serve_gate(port: int, upstream: str, ready: Any) -> None:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    from pinsidecar.gate import Gate
+    from pinsidecar.daemon.gate import Gate
 
     async def run() -> None:
         gate = Gate("127.0.0.1", port, upstream)
@@ -192,7 +192,7 @@ async def _run(direct: str, gated: str, model: str | None, requests: int, warmup
 
 
 def _real_engine(extra_args: list[str]) -> tuple[Any, str, str]:
-    from pinsidecar.demo_model import build_demo_model
+    from pinsidecar.demo.model import build_demo_model
     from pinsidecar.testing.engine import start_engine
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gate-"))

@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from click.testing import CliRunner
+    from pinsidecar_hook.contract import load_counts
 
-    from pinsidecar import maps
-    from pinsidecar.artifacts import load_counts
+    from pinsidecar import placement
     from pinsidecar.cli import main as cli
     from pinsidecar.testing import make_counts
 
@@ -78,20 +78,22 @@ def main(argv: list[str] | None = None) -> int:
             paths.append(str(d / f"c{i}.json"))
         gen_s = time.perf_counter() - t0
         counts = [load_counts(p) for p in paths]
-        emap = maps.build_usage_map(counts, args.hot_rows)
+        emap = placement.build_usage_map(counts, args.hot_rows)
         held_out = counts[-1]
 
         stages = {
             "load_counts_1_file": _time(lambda: load_counts(paths[0]), args.repeats),
-            f"load_counts_{args.files}_files": _time(lambda: maps.load_counts_files(paths), args.repeats),
-            "build_usage_map_1_counts": _time(lambda: maps.build_usage_map(counts[:1], args.hot_rows), args.repeats),
-            f"build_usage_map_{args.files}_counts": _time(lambda: maps.build_usage_map(counts, args.hot_rows),
+            f"load_counts_{args.files}_files": _time(lambda: placement.load_counts_files(paths), args.repeats),
+            "build_usage_map_1_counts": _time(lambda: placement.build_usage_map(counts[:1], args.hot_rows),
+                                              args.repeats),
+            f"build_usage_map_{args.files}_counts": _time(lambda: placement.build_usage_map(counts, args.hot_rows),
                                                           args.repeats),
-            "evaluate_map": _time(lambda: maps.evaluate(emap, held_out), args.repeats),
-            "evaluate_positional": _time(lambda: maps.evaluate(maps.positional_for(emap), held_out), args.repeats),
-            f"leave_one_out_{args.files}": _time(lambda: maps.leave_one_out(counts, args.hot_rows), args.repeats),
+            "evaluate_map": _time(lambda: placement.evaluate(emap, held_out), args.repeats),
+            "evaluate_positional": _time(lambda: placement.evaluate(placement.positional_for(emap), held_out),
+                                         args.repeats),
+            f"leave_one_out_{args.files}": _time(lambda: placement.leave_one_out(counts, args.hot_rows), args.repeats),
             "content_hash": _time(lambda: emap.content_hash, args.repeats),
-            "save_map": _time(lambda: maps.save_map(emap, d / "m.json"), args.repeats),
+            "save_map": _time(lambda: placement.save_map(emap, d / "m.json"), args.repeats),
         }
         runner = CliRunner()
         cmd = ["map", "build", *paths, "--hot-rows", str(args.hot_rows), "--out", str(d / "cmd.json"), "--json"]

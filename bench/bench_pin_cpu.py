@@ -26,11 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pinsidecar_hook.artifacts import ExpertMap, LayerPlacement
+from pinsidecar_hook.contract import ExpertMap, LayerPlacement, atomic_write_json
 
-from pinsidecar.artifacts import atomic_write_json
+from pinsidecar.runs.workload import WorkloadRequest, load_workload, replay
 from pinsidecar.testing.engine import free_port, start_engine
-from pinsidecar.workload import WorkloadRequest, load_workload, replay
 
 __all__ = ["main"]
 
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log.configure("warning")  # stdout carries only the JSON result
 
-    from pinsidecar.demo_model import build_demo_model, fixture_path
+    from pinsidecar.demo.model import build_demo_model, fixture_path
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-pin-cpu-"))
     model = args.model or Path(build_demo_model(tmp / "model"))

@@ -66,7 +66,7 @@ def vllm_routing_counts(model: Path, prompt_sets: dict[str, list[str]], gen_toke
 
 def main(argv: list[str] | None = None) -> int:
     from pinsidecar import log
-    from pinsidecar.demo_model import DOMAINS, build_demo_model, load_prompts, routing_counts, skew_figures
+    from pinsidecar.demo.model import DOMAINS, build_demo_model, load_prompts, routing_counts, skew_figures
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="an existing demo model directory (default: build one)")

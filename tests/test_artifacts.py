@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pinsidecar_hook import artifacts as hook_artifacts
+from pinsidecar_hook import contract as A
+from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, StatsSnapshot
+from pinsidecar_hook.contract import io as contract_io
 
-from pinsidecar import artifacts as A
-from pinsidecar.artifacts import ArtifactError, CountsArtifact, ExpertMap, StatsSnapshot
 from pinsidecar.testing import make_counts, make_map
 
 
@@ -111,7 +111,7 @@ def test_atomic_write_failure_keeps_old_file_and_removes_temp(tmp_path: Path, mo
     def boom(src: str, dst: str) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hook_artifacts.os, "replace", boom)
+    monkeypatch.setattr(contract_io.os, "replace", boom)
     with pytest.raises(OSError):
         make_counts(seed=2).save(target)
     monkeypatch.undo()

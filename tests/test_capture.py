@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.capture import ACTIVE_NAME, CaptureStore
+from pinsidecar.daemon.traffic_capture import ACTIVE_NAME, CaptureStore
 
 
 def body(i: int, pad: int = 0) -> bytes:

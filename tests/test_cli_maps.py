@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from pinsidecar_hook.contract import load_counts, load_map
 
-from pinsidecar.artifacts import load_counts, load_map
 from pinsidecar.cli import main
 from pinsidecar.testing import make_map, write_counts
 

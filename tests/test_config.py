@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.config import ConfigError, load_config
+from pinsidecar.daemon.config import ConfigError, load_config
 from pinsidecar.testing.artifacts import write_map
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"

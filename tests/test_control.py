@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pinsidecar.control import REMAP_NOT_AVAILABLE, ControlError, ControlServer, TokenFileError, read_token
+from pinsidecar.daemon.control import REMAP_NOT_AVAILABLE, ControlError, ControlServer, TokenFileError, read_token
 
 TOKEN = "t0k3n-" + "a" * 26
 PORT = 8260

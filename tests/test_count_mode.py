@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from pinsidecar_hook.contract import CountsArtifact, load_counts, request_path
 
-from pinsidecar.artifacts import CountsArtifact, load_counts, request_path
 from pinsidecar.testing.engine import HookedEngine, demo_model_dir, engine_factory  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.vllm

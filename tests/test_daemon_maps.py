@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from pinsidecar_hook.contract import ExpertMap, LayerPlacement, load_map
 
-from pinsidecar.artifacts import ExpertMap, LayerPlacement, load_map
 from pinsidecar.testing.engine import demo_model_dir  # noqa: F401  (session fixture: the demo model)
 
 pytestmark = pytest.mark.vllm

@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from pinsidecar import demo_model as dm
 from pinsidecar.cli import main
+from pinsidecar.demo import model as dm
 
 # Issue 2's figures: in every MoE layer the hottest 25 % of experts take >= 60 % of a domain's selections, and the two
 # domains' hot sets overlap by <= 50 %.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook.contract.env import HookConfig
 
 from pinsidecar.engine import EngineBootError, EngineProcess, EngineSpec, Launcher, PortInUseError, port_in_use
 from pinsidecar.testing.engine import free_port

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.config import ContainerConfig
+from pinsidecar.daemon.config import ContainerConfig
 from pinsidecar.engine import EngineError, EngineSpec, Launcher
-from pinsidecar.engine_container import ContainerEngine, build_run_argv, hook_overlay
+from pinsidecar.engine.container import ContainerEngine, build_run_argv, hook_overlay
 
 
 @pytest.fixture

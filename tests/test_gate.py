@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from pinsidecar.capture import CaptureStore
-from pinsidecar.gate import Gate
+from pinsidecar.daemon.gate import Gate
+from pinsidecar.daemon.traffic_capture import CaptureStore
 from pinsidecar.testing.upstream import UpstreamStub
 
 

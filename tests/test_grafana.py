@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from pinsidecar.gate import Gate
+from pinsidecar.daemon.gate import Gate
 from pinsidecar.metrics import Exporter
 from pinsidecar.testing.metrics import (
     FakeEngineMetrics,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.maplib import MapEntry, MapLibrary, MapNotFound
+from pinsidecar.daemon.map_library import MapEntry, MapLibrary, MapNotFound
 from pinsidecar.testing.artifacts import make_map, write_map
 
 

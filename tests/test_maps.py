@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, LayerPlacement, load_map
 
-from pinsidecar import maps
-from pinsidecar.artifacts import ArtifactError, CountsArtifact, ExpertMap, LayerPlacement, load_map
-from pinsidecar.heatmap import render_map_png, write_map_png
+from pinsidecar import placement
+from pinsidecar.placement.heatmap import render_map_png, write_map_png
 from pinsidecar.testing import domain_ranking, make_counts, make_map
 
 
@@ -25,7 +25,7 @@ def _counts(rows: list[list[int]], top_k: int = 1, layer_ids: list[int] | None =
 
 def test_build_takes_most_selected_with_ties_to_lower_id_and_sorted_lists() -> None:
     c = _counts([[1, 9, 3, 3, 3, 0], [5, 5, 5, 5, 5, 5]])
-    m = maps.build_usage_map([c], 3, "t")
+    m = placement.build_usage_map([c], 3, "t")
     assert m.layers[0] == LayerPlacement(0, hot=(1, 2, 3), cold=(0, 4, 5))  # 3,3,3 tie: ids 2,3 beat 4
     assert m.layers[1] == LayerPlacement(1, hot=(0, 1, 2), cold=(3, 4, 5))  # all tied: lowest ids
     assert m.hot_rows == 3 and m.cold_rows == 3 and m.policy == "usage" and m.label == "t"
@@ -37,14 +37,14 @@ def test_build_takes_most_selected_with_ties_to_lower_id_and_sorted_lists() -> N
 def test_engine_meta_is_carried_when_all_counts_agree() -> None:
     a = _counts([[1, 2]], dtype="bfloat16", tp_size=1, workload_note="x")
     b = _counts([[2, 1]], dtype="bfloat16", tp_size=2)
-    m = maps.build_usage_map([a, b], 1)
+    m = placement.build_usage_map([a, b], 1)
     assert m.meta["dtype"] == "bfloat16" and "tp_size" not in m.meta and "workload_note" not in m.meta
 
 
 def test_built_map_is_a_valid_artifact(tmp_path: Path) -> None:
     c = make_counts(num_layers=5, num_experts=32, top_k=4, tokens=300, layer_ids=[3, 7, 11, 15, 19])
-    m = maps.build_usage_map([c], 10, expert_bytes=4096)
-    maps.save_map(m, tmp_path / "sub" / "m.json")
+    m = placement.build_usage_map([c], 10, expert_bytes=4096)
+    placement.save_map(m, tmp_path / "sub" / "m.json")
     back = load_map(tmp_path / "sub" / "m.json")
     assert back.content_hash == m.content_hash
     assert back.layer_ids == (3, 7, 11, 15, 19) and back.expert_bytes == 4096
@@ -53,17 +53,17 @@ def test_built_map_is_a_valid_artifact(tmp_path: Path) -> None:
 
 def test_same_placement_hashes_the_same_whatever_the_input_order() -> None:
     a, b = make_counts(seed=1), make_counts(seed=2)
-    m1 = maps.build_usage_map([a, b], 16)
-    m2 = maps.build_usage_map([b, a], 16)
+    m1 = placement.build_usage_map([a, b], 16)
+    m2 = placement.build_usage_map([b, a], 16)
     assert m1.content_hash == m2.content_hash
     # and equals a map built from the pre-summed counts
-    assert maps.build_usage_map([maps.sum_counts([a, b])], 16).content_hash == m1.content_hash
+    assert placement.build_usage_map([placement.sum_counts([a, b])], 16).content_hash == m1.content_hash
 
 
 def test_build_picks_the_true_hot_set_of_a_skewed_domain() -> None:
     hot = list(range(40, 56))
     c = make_counts(num_layers=3, num_experts=64, top_k=4, tokens=3000, skew=1.5, hot_set=hot)
-    m = maps.build_usage_map([c], 16)
+    m = placement.build_usage_map([c], 16)
     for lp in m.layers:
         assert len(set(lp.hot) & set(hot)) >= 14
 
@@ -72,48 +72,48 @@ def test_counts_of_different_geometry_are_refused_naming_both() -> None:
     a = make_counts(num_experts=64)
     b = make_counts(num_experts=32)
     with pytest.raises(ArtifactError, match=r"a\.json .*64 experts.*b\.json .*32 experts"):
-        maps.build_usage_map([a, b], 8, names=["a.json", "b.json"])
+        placement.build_usage_map([a, b], 8, names=["a.json", "b.json"])
     c = make_counts(top_k=2)
     with pytest.raises(ArtifactError, match=r"top-8.*top-2"):
-        maps.build_usage_map([a, c], 8)
+        placement.build_usage_map([a, c], 8)
     d = make_counts(layer_ids=[1, 2, 3, 4])
     with pytest.raises(ArtifactError, match="different models"):
-        maps.leave_one_out([a, d], 8)
+        placement.leave_one_out([a, d], 8)
 
 
 @pytest.mark.parametrize("hot_rows, expect", [(0, "at least 1"), (-3, "at least 1"), (64, "no offload is needed"),
                                               (65, "no offload is needed")])
 def test_budget_out_of_range(hot_rows: int, expect: str) -> None:
     with pytest.raises(ArtifactError, match=expect):
-        maps.build_usage_map([make_counts()], hot_rows)
+        placement.build_usage_map([make_counts()], hot_rows)
 
 
 def test_counts_without_selections_are_refused() -> None:
     empty = _counts([[0, 0, 0, 0]])
     with pytest.raises(ArtifactError, match=r"e\.json: no selections counted"):
-        maps.build_usage_map([empty], 2, names=["e.json"])
+        placement.build_usage_map([empty], 2, names=["e.json"])
 
 
 def test_budget_edges_are_allowed() -> None:
     c = make_counts()
-    assert maps.build_usage_map([c], 1).hot_rows == 1
-    assert maps.build_usage_map([c], 63).cold_rows == 1
+    assert placement.build_usage_map([c], 1).hot_rows == 1
+    assert placement.build_usage_map([c], 63).cold_rows == 1
 
 
 def test_hbm_bytes_to_hot_rows() -> None:
     mib = 2**20
     # the reference box: 40 layers x 384 experts of 17.93 MiB; 295 hot rows
     xbytes = int(17.93 * mib)
-    assert maps.hot_rows_for_budget(295 * 40 * xbytes + 40 * xbytes - 1, 40, xbytes, 384) == 295
-    assert maps.hot_rows_for_budget(40 * xbytes, 40, xbytes, 384) == 1
+    assert placement.hot_rows_for_budget(295 * 40 * xbytes + 40 * xbytes - 1, 40, xbytes, 384) == 295
+    assert placement.hot_rows_for_budget(40 * xbytes, 40, xbytes, 384) == 1
     with pytest.raises(ArtifactError, match="smaller than one expert per layer"):
-        maps.hot_rows_for_budget(40 * xbytes - 1, 40, xbytes, 384)
+        placement.hot_rows_for_budget(40 * xbytes - 1, 40, xbytes, 384)
     with pytest.raises(ArtifactError, match="holds all 384 experts"):
-        maps.hot_rows_for_budget(384 * 40 * xbytes, 40, xbytes, 384)
+        placement.hot_rows_for_budget(384 * 40 * xbytes, 40, xbytes, 384)
     with pytest.raises(ArtifactError, match="size of one expert is unknown"):
-        maps.hot_rows_for_budget(10**12, 40, 0, 384)
+        placement.hot_rows_for_budget(10**12, 40, 0, 384)
     with pytest.raises(ArtifactError, match="must be positive"):
-        maps.hot_rows_for_budget(0, 40, xbytes, 384)
+        placement.hot_rows_for_budget(0, 40, xbytes, 384)
 
 
 # ---------------------------------------------------------------------------------------------------- positional
@@ -121,7 +121,7 @@ def test_hbm_bytes_to_hot_rows() -> None:
 
 def test_positional_mask_reference_budget() -> None:
     # 40 x 384, 89 cold rows per layer -> 3560 cold experts: 9 whole layers and 104 experts of the tenth
-    mask = maps.positional_mask(list(range(40)), 384, 6, 40 * 89)
+    mask = placement.positional_mask(list(range(40)), 384, 6, 40 * 89)
     cold_per_layer = (~mask.hot_mask()).sum(axis=1)
     assert cold_per_layer[:9].tolist() == [384] * 9
     assert cold_per_layer[9] == 104
@@ -131,19 +131,19 @@ def test_positional_mask_reference_budget() -> None:
 
 
 def test_positional_follows_parameter_order_not_storage_order() -> None:
-    mask = maps.positional_mask([5, 1, 3], 4, 1, 6)
+    mask = placement.positional_mask([5, 1, 3], 4, 1, 6)
     cold = (~mask.hot_mask()).sum(axis=1)
     assert dict(zip(mask.layer_ids, cold.tolist(), strict=True)) == {1: 4, 3: 2, 5: 0}
 
 
 def test_positional_for_uses_the_same_budget_and_cannot_be_a_map() -> None:
-    m = maps.build_usage_map([make_counts(num_layers=6, num_experts=16)], 12)
-    mask = maps.positional_for(m)
+    m = placement.build_usage_map([make_counts(num_layers=6, num_experts=16)], 12)
+    mask = placement.positional_for(m)
     assert mask.cold_total == m.cold_rows * m.num_layers == 24
     assert (~mask.hot_mask()).sum() == (~m.hot_mask()).sum()
     assert len({int(h) for h in mask.hot_mask().sum(axis=1)}) > 1  # hot count varies by layer: no fixed geometry
     with pytest.raises(ArtifactError, match="outside"):
-        maps.positional_mask([0, 1], 4, 1, 9)
+        placement.positional_mask([0, 1], 4, 1, 9)
 
 
 # ---------------------------------------------------------------------------------------------------- evaluate
@@ -151,13 +151,13 @@ def test_positional_for_uses_the_same_budget_and_cannot_be_a_map() -> None:
 
 def test_evaluate_by_hand_for_map_and_mask() -> None:
     c = _counts([[6, 2, 1, 1], [0, 0, 4, 6]])
-    m = maps.build_usage_map([c], 2)
-    r = maps.evaluate(m, c)
+    m = placement.build_usage_map([c], 2)
+    r = placement.evaluate(m, c)
     assert r["cold_rate"] == pytest.approx(2 / 20)
     assert [p["cold_rate"] for p in r["per_layer"]] == [pytest.approx(0.2), 0.0]
     assert [p["cold_experts_touched"] for p in r["per_layer"]] == [2, 0]
     assert r["map_hash"] == m.content_hash and r["policy"] == "usage"
-    pos = maps.evaluate(maps.positional_for(m), c)
+    pos = placement.evaluate(placement.positional_for(m), c)
     assert pos["cold_rate"] == pytest.approx(10 / 20)  # layer 0 entirely cold
     assert pos["per_layer"][0]["cold_rate"] == 1.0 and pos["policy"] == "positional"
     assert "map_hash" not in pos
@@ -166,9 +166,9 @@ def test_evaluate_by_hand_for_map_and_mask() -> None:
 def test_evaluate_refuses_other_geometry_naming_both() -> None:
     m = make_map(num_layers=4, num_experts=64, top_k=8)
     with pytest.raises(ArtifactError, match=r"m\.json .*c\.json .*different models"):
-        maps.evaluate(m, make_counts(num_experts=32), "m.json", "c.json")
+        placement.evaluate(m, make_counts(num_experts=32), "m.json", "c.json")
     with pytest.raises(ArtifactError, match=r"top-8.*top-4"):
-        maps.evaluate(m, make_counts(top_k=4))
+        placement.evaluate(m, make_counts(top_k=4))
 
 
 def test_figures_in_domain_beats_positional_and_cross_domain_is_worse() -> None:
@@ -177,10 +177,10 @@ def test_figures_in_domain_beats_positional_and_cross_domain_is_worse() -> None:
     train = make_counts(**geometry, domain=0, seed=1)
     held_out = make_counts(**geometry, domain=0, seed=2)
     other = make_counts(**geometry, domain=1, seed=3)
-    m = maps.build_usage_map([train], 48)
-    in_domain = maps.evaluate(m, held_out)["cold_rate"]
-    positional = maps.evaluate(maps.positional_for(m), held_out)["cold_rate"]
-    cross = maps.evaluate(m, other)["cold_rate"]
+    m = placement.build_usage_map([train], 48)
+    in_domain = placement.evaluate(m, held_out)["cold_rate"]
+    positional = placement.evaluate(placement.positional_for(m), held_out)["cold_rate"]
+    cross = placement.evaluate(m, other)["cold_rate"]
     assert in_domain < positional / 3
     assert in_domain < cross
     assert abs(in_domain - m.predicted_cold_rate) < 0.03
@@ -188,13 +188,13 @@ def test_figures_in_domain_beats_positional_and_cross_domain_is_worse() -> None:
 
 def test_leave_one_out_matches_building_from_the_others() -> None:
     cs = [make_counts(seed=s, domain=s % 2) for s in range(3)]
-    loo = maps.leave_one_out(cs, 16, names=["a", "b", "c"])
+    loo = placement.leave_one_out(cs, 16, names=["a", "b", "c"])
     assert [r["held_out"] for r in loo] == ["a", "b", "c"]
     for i, row in enumerate(loo):
         others = [c for j, c in enumerate(cs) if j != i]
-        expect = maps.evaluate(maps.build_usage_map(others, 16), cs[i])["cold_rate"]
+        expect = placement.evaluate(placement.build_usage_map(others, 16), cs[i])["cold_rate"]
         assert row["cold_rate"] == pytest.approx(expect)
-    assert maps.leave_one_out(cs[:1], 16) == []
+    assert placement.leave_one_out(cs[:1], 16) == []
 
 
 # ---------------------------------------------------------------------------------------------------- diff, summary
@@ -202,13 +202,13 @@ def test_leave_one_out_matches_building_from_the_others() -> None:
 
 def test_diff_identical_and_moved() -> None:
     a = make_map(num_layers=3, num_experts=8, hot_rows=3, seed=0, expert_bytes=100)
-    same = maps.diff_maps(a, a)
+    same = placement.diff_maps(a, a)
     assert same["identical"] and same["compile_cache_hit"] and same["hot_to_cold"] == 0
     lp = a.layers[1]
     moved = LayerPlacement(lp.layer_id, tuple(sorted((*lp.hot[1:], lp.cold[0]))),
                            tuple(sorted((*lp.cold[1:], lp.hot[0]))))
     b = ExpertMap(**{**a.__dict__, "layers": (a.layers[0], moved, a.layers[2])})
-    d = maps.diff_maps(a, b)
+    d = placement.diff_maps(a, b)
     assert not d["identical"] and d["compile_cache_hit"]
     assert d["per_layer"][1] == {"layer_id": lp.layer_id, "hot_to_cold": [lp.hot[0]], "cold_to_hot": [lp.cold[0]]}
     assert d["layers_changed"] == 1 and d["moved_bytes"] == 200
@@ -218,20 +218,20 @@ def test_diff_identical_and_moved() -> None:
 def test_diff_other_geometry_is_not_a_cache_hit() -> None:
     a = make_map(num_layers=3, num_experts=8, hot_rows=3)
     b = make_map(num_layers=3, num_experts=8, hot_rows=4)
-    d = maps.diff_maps(a, b)
+    d = placement.diff_maps(a, b)
     assert not d["compile_cache_hit"] and d["geometry_differences"] == ["cold_rows", "hot_rows"]
     assert "NOT a compile-cache hit" in d["verdict"]
     c = make_map(num_layers=3, num_experts=16, hot_rows=3)
-    d2 = maps.diff_maps(a, c)
+    d2 = placement.diff_maps(a, c)
     assert not d2["compile_cache_hit"] and d2["comparable_layers"] == 0 and d2["per_layer"] == []
     e = make_map(layer_ids=[0, 1, 5], num_experts=8, hot_rows=3)
-    d3 = maps.diff_maps(a, e)
+    d3 = placement.diff_maps(a, e)
     assert "layer_ids" in d3["geometry_differences"] and d3["comparable_layers"] == 2
 
 
 def test_summary() -> None:
-    m = maps.build_usage_map([make_counts()], 16, "code", expert_bytes=1000)
-    s = maps.summary(m)
+    m = placement.build_usage_map([make_counts()], 16, "code", expert_bytes=1000)
+    s = placement.summary(m)
     assert s["hash"] == m.content_hash and s["label"] == "code"
     assert s["hot_bytes"] == 16 * 4 * 1000 and s["cold_bytes"] == 48 * 4 * 1000
     assert len(s["predicted_cold_rate_per_layer"]) == 4
@@ -243,16 +243,16 @@ def test_summary() -> None:
 def test_sum_counts_and_top_share() -> None:
     a = _counts([[4, 0, 0, 0]], expert_bytes=5, x=1)
     b = _counts([[0, 2, 1, 1]], expert_bytes=5, x=2)
-    s = maps.sum_counts([a, b])
+    s = placement.sum_counts([a, b])
     assert s.counts.tolist() == [[4, 2, 1, 1]] and s.tokens == 8
     assert s.meta["expert_bytes"] == 5 and "x" not in s.meta
-    assert maps.top_share(s.counts).tolist() == [0.5]  # top 25 % of 4 experts = 1 expert: 4/8
-    assert maps.top_share(np.zeros((1, 4))).tolist() == [0.0]
+    assert placement.top_share(s.counts).tolist() == [0.5]  # top 25 % of 4 experts = 1 expert: 4/8
+    assert placement.top_share(np.zeros((1, 4))).tolist() == [0.0]
 
 
 def test_counts_summary() -> None:
     c = make_counts(num_layers=2, num_experts=16, top_k=2, tokens=100)
-    s = maps.counts_summary(c)
+    s = placement.counts_summary(c)
     assert (s["num_layers"], s["num_experts"], s["top_k"], s["tokens"], s["selections"]) == (2, 16, 2, 100, 400)
     assert s["consistent"] and 0.25 < s["skew"]["mean"] <= 1
 
@@ -267,14 +267,14 @@ def test_make_counts_obeys_routing_invariants_and_is_deterministic() -> None:
     np.testing.assert_array_equal(c.counts, make_counts(num_layers=3, num_experts=16, top_k=4, tokens=500,
                                                         skew=2.0).counts)
     flat = make_counts(num_layers=3, num_experts=16, top_k=4, tokens=500, skew=0.0)
-    assert maps.top_share(c.counts).mean() > maps.top_share(flat.counts).mean() + 0.2
+    assert placement.top_share(c.counts).mean() > placement.top_share(flat.counts).mean() + 0.2
 
 
 def test_make_counts_hot_set_and_domains() -> None:
     r = domain_ranking(2, 10, domain=3, hot_set=[7, 2])
     assert r[:, :2].tolist() == [[7, 2], [7, 2]] and sorted(r[0].tolist()) == list(range(10))
-    a = maps.build_usage_map([make_counts(domain=0)], 16)
-    b = maps.build_usage_map([make_counts(domain=1)], 16)
+    a = placement.build_usage_map([make_counts(domain=0)], 16)
+    b = placement.build_usage_map([make_counts(domain=1)], 16)
     overlap = np.mean([len(set(x.hot) & set(y.hot)) / 16 for x, y in zip(a.layers, b.layers, strict=True)])
     assert overlap < 0.6
     with pytest.raises(ValueError, match="distinct expert ids"):
@@ -292,7 +292,7 @@ def test_make_map_random_is_valid(tmp_path: Path) -> None:
 
 def test_heatmap_png(tmp_path: Path) -> None:
     c = make_counts(num_layers=6, num_experts=32, top_k=4, tokens=200)
-    m = maps.build_usage_map([c], 8)
+    m = placement.build_usage_map([c], 8)
     for counts in (None, c):
         png = render_map_png(m, counts)
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000

@@ -340,7 +340,7 @@ def test_boots_map_and_remaps(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_promtool_check_metrics_is_clean(tmp_path: Path, engine: FakeEngineMetrics) -> None:
-    from pinsidecar.gate import Gate
+    from pinsidecar.daemon.gate import Gate
 
     exp = full_exporter(tmp_path, engine)
     exp.attach_gate(Gate("127.0.0.1", 0, "http://127.0.0.1:1"))

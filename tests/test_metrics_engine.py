@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pinsidecar_hook.contract import ArtifactError, load_map, load_stats
 from prometheus_client.parser import text_string_to_metric_families
 
-from pinsidecar.artifacts import ArtifactError, load_map, load_stats
 from pinsidecar.metrics import Exporter
 from pinsidecar.testing import write_map
 from pinsidecar.testing.engine import HookedEngine, demo_model_dir, engine_factory  # noqa: F401 (fixtures)

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from pinsidecar_hook.artifacts import ExpertMap, LayerPlacement
+from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 
 from pinsidecar.cli import main
-from pinsidecar.parity import ParityError, ParityRef, PromptOutput, compare, load_ref
+from pinsidecar.runs.parity import ParityError, ParityRef, PromptOutput, compare, load_ref
 from pinsidecar.testing.engine import demo_model_dir, engine_factory  # noqa: F401 (fixtures)
 
 PROMPTS = [

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from pinsidecar_hook.artifacts import ExpertMap, LayerPlacement
 from pinsidecar_hook.backends.cpu import finalize_rows, split_moe
+from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 from pinsidecar_hook.kernels.partition import partition_torch
 
 from pinsidecar.testing.engine import demo_model_dir, engine_factory  # noqa: F401 (fixtures)
@@ -330,9 +330,9 @@ def test_engine_logs_one_summary_line(pin_engines: dict[str, Any]) -> None:
 
 @pytest.mark.vllm
 def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any], demo_geometry: ExpertMap) -> None:
-    from pinsidecar_hook.artifacts import load_stats, write_hook_request
+    from pinsidecar_hook.contract import load_stats, write_hook_request
 
-    from pinsidecar.stats import StatsReader
+    from pinsidecar.live_stats import StatsReader
 
     entry = pin_engines["skew"]
     engine, stats = entry["engine"], Path(entry["stats_path"])
@@ -353,14 +353,14 @@ def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any],
 
 
 def _wait_token(stats: Path, token: str, timeout_s: float = 60.0) -> Any:
-    from pinsidecar.stats import wait_for_stats_token
+    from pinsidecar.live_stats import wait_for_stats_token
 
     return wait_for_stats_token(stats, token, timeout_s)
 
 
 @pytest.mark.vllm
 def test_engine_unwritable_stats_dir_keeps_serving(pin_engines: dict[str, Any]) -> None:
-    from pinsidecar.stats import StatsReader
+    from pinsidecar.live_stats import StatsReader
 
     entry = pin_engines["all-hot"]
     assert all(len(o["tokens"]) == MAX_TOKENS for o in entry["outputs"])  # it served
@@ -404,8 +404,8 @@ def test_engine_refuses_a_bad_map(case: str, engine_factory: Any, demo_model_dir
 def test_pin_attach_refuses_a_corrupt_map_before_touching_the_model(case: str, fragment: str, tmp_path: Path) -> None:
     """The same load path the engine runs at boot (the engine-level test above shows it stops the server)."""
     from pinsidecar_hook import pin
-    from pinsidecar_hook.artifacts import ArtifactError
-    from pinsidecar_hook.config import HookConfig
+    from pinsidecar_hook.contract import ArtifactError
+    from pinsidecar_hook.contract.env import HookConfig
 
     geometry = ExpertMap(layer_ids=(0, 1), num_experts=E, top_k=8, hot_rows=E,
                          layers=tuple(LayerPlacement(i, tuple(range(E)), ()) for i in (0, 1)))
@@ -436,7 +436,7 @@ def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: 
                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     try:
         stats = Path(engine.hook.stats_path)
-        from pinsidecar_hook.artifacts import write_hook_request
+        from pinsidecar_hook.contract import write_hook_request
 
         _wait_token(stats, write_hook_request(stats, "reset"))
         usage = engine.complete(PROMPTS[1], max_tokens=6, ignore_eos=True)["usage"]

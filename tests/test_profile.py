@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from pinsidecar_hook.contract import load_counts
 
-from pinsidecar.artifacts import load_counts
 from pinsidecar.cli import main
-from pinsidecar.profile import load_engine_options
+from pinsidecar.runs.count_boot import load_engine_options
 from pinsidecar.testing.engine import demo_model_dir, free_port  # noqa: F401 (fixture)
 
 
@@ -22,7 +22,7 @@ def run_cli(*args: str) -> tuple[int, str, str]:
 
 
 def workload(tmp_path: Path, n: int = 6) -> Path:
-    from pinsidecar.demo_model import load_prompts
+    from pinsidecar.demo.model import load_prompts
 
     lines = [json.dumps({"prompt": p["prompt"], "max_tokens": 5 + i % 3})
              for i, p in enumerate(load_prompts("code")[:n])]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.sdnotify import Notifier
+from pinsidecar.daemon.sdnotify import Notifier
 
 
 def _recv(sock: socket.socket) -> dict[str, str]:

@@ -17,10 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pinsidecar.config import SupervisorConfig
+from pinsidecar.daemon.config import SupervisorConfig
+from pinsidecar.daemon.supervisor import BootRecord, EngineState, Supervisor, geometry_key, is_cache_miss
 from pinsidecar.engine import EngineProcess, EngineSpec
 from pinsidecar.metrics import Exporter
-from pinsidecar.supervisor import BootRecord, EngineState, Supervisor, geometry_key, is_cache_miss
 from pinsidecar.testing.artifacts import make_map
 
 PORT = 8270

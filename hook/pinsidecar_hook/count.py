@@ -16,7 +16,7 @@ sync per step. The callback is plain tensor code, so it works in eager mode (Pyt
 the compiled graph) and inside captured CUDA graphs (the counters are fixed device buffers).
 
 Reading the counters: a side thread copies them to the host every ``flush_interval_s`` and on request
-(:func:`pinsidecar_hook.artifacts.read_hook_request`, polled every 0.2 s: ``flush`` writes now, ``reset`` zeroes
+(:func:`pinsidecar_hook.contract.read_hook_request`, polled every 0.2 s: ``flush`` writes now, ``reset`` zeroes
 then writes; the request's token is echoed in ``flush_token`` and kept in later writes until the next request,
 so a slow poller cannot miss it). Snapshots and resets take the *step lock*, which the worker holds for the
 duration of each ``execute_model`` (``patches.py`` wraps it with :func:`step_guard`); so a snapshot always falls
@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pinsidecar_hook import artifacts
-from pinsidecar_hook.config import HookConfig, HookConfigError
-from pinsidecar_hook.patches import MoELayerRef, moe_layers
+from pinsidecar_hook import contract as artifacts
+from pinsidecar_hook.contract.env import HookConfig, HookConfigError
+from pinsidecar_hook.vllm_seam import MoELayerRef, moe_layers
 
 __all__ = ["CountState", "attach", "current", "on_engine_ready", "step_guard"]
 

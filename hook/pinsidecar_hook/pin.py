@@ -1,6 +1,6 @@
 """Pin mode: apply a row map to the loaded model, split every experts call by residency, count live.
 
-Runs inside the vLLM worker, called from :mod:`pinsidecar_hook.patches` after ``Worker.load_model`` (weights
+Runs inside the vLLM worker, called from :mod:`pinsidecar_hook.vllm_seam` after ``Worker.load_model`` (weights
 loaded and repacked, KV cache not sized yet) and after warm-up. In order:
 
 1. **Load and validate the map** against the model actually loaded: layer ids, number of experts, top-k, the
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from pinsidecar_hook import patches
-from pinsidecar_hook.artifacts import ExpertMap, load_map
-from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook import vllm_seam as patches
+from pinsidecar_hook.contract import ExpertMap, load_map
+from pinsidecar_hook.contract.env import HookConfig
 from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, rehome_layer, tensor_bytes
 
 __all__ = ["LayerPin", "PinMapMismatch", "PinState", "attach", "layer_row_map", "on_engine_ready", "state"]

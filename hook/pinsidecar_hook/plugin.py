@@ -2,14 +2,14 @@
 
 It must be cheap and idempotent, and it must never break an engine whose hook mode is ``off``. It reads the
 hook configuration from the environment, refuses to start on a bad one (an engine that silently serves with
-another placement is worse than one that does not boot), and hands the rest to :mod:`pinsidecar_hook.patches`.
+another placement is worse than one that does not boot), and hands the rest to :mod:`pinsidecar_hook.vllm_seam`.
 """
 
 from __future__ import annotations
 
 import logging
 
-from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook.contract.env import HookConfig
 
 __all__ = ["register"]
 
@@ -25,7 +25,7 @@ def register() -> None:
     _registered = True
     if cfg.mode == "off":
         return
-    from pinsidecar_hook import patches
+    from pinsidecar_hook import vllm_seam as patches
 
     patches.install(cfg)
     log.info("pinsidecar hook installed: mode=%s", cfg.mode)

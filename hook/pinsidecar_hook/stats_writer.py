@@ -4,11 +4,11 @@ The counters live on the device and are filled by the partition pass inside the 
 reader. It never blocks serving and never fails it:
 
 - every ``flush_interval_s`` (and when the daemon drops a ``flush``/``reset`` request next to the stats file,
-  polled every :data:`REQUEST_POLL_S`) it writes a :class:`~pinsidecar_hook.artifacts.StatsSnapshot` atomically;
+  polled every :data:`REQUEST_POLL_S`) it writes a :class:`~pinsidecar_hook.contract.StatsSnapshot` atomically;
   ``boot_id`` is new each boot and ``seq`` grows by one per write, so a reader can tell a restart from a reset;
 - an unwritable stats directory does not stop serving: the error is logged **once**, counted in
   ``errors["stats_write"]``, and the snapshot goes to :func:`fallback_stats_path` instead (a per-path file in the
-  system temp directory, which :mod:`pinsidecar.stats` also reads), so the daemon can still see the counters and
+  system temp directory, which :mod:`pinsidecar.live_stats` also reads), so the daemon can still see the counters and
   the error count. If the fallback fails too, the engine log line is all there is;
 - the map file changing on disk while serving is noticed (size/mtime/inode), logged once, and recorded as
   ``meta["map_changed_on_disk"]``: the running placement stays the one loaded at boot until the next boot.
@@ -17,18 +17,16 @@ reader. It never blocks serving and never fails it:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from pinsidecar_hook.artifacts import StatsSnapshot, read_hook_request, request_path
-from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook.contract import StatsSnapshot, fallback_stats_path, read_hook_request, request_path
+from pinsidecar_hook.contract.env import HookConfig
 
 __all__ = ["REQUEST_POLL_S", "StatsWriter", "fallback_stats_path"]
 
@@ -37,13 +35,6 @@ log = logging.getLogger("pinsidecar_hook")
 # How often the thread looks for a flush/reset request: short enough that `pinsidecar` commands that wait for
 # their request to be served feel immediate, long enough that the stat() calls are noise.
 REQUEST_POLL_S = 0.2
-
-
-def fallback_stats_path(stats_path: str | os.PathLike[str]) -> Path:
-    """Where the stats go when ``stats_path``'s directory cannot be written: one file per configured path in the
-    system temp directory, so the daemon (on the same host) finds it from the path it configured."""
-    key = hashlib.sha256(str(Path(stats_path).absolute()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "pinsidecar-stats-fallback" / f"{key}.json"
 
 
 def _file_identity(path: Path | None) -> tuple[int, int, int] | None:

@@ -9,8 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
-
-from pinsidecar.artifacts import ArtifactError
+from pinsidecar_hook.contract import ArtifactError
 
 __all__ = ["UserError", "emit", "fail", "handle_errors", "json_option"]
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from pinsidecar_hook.contract import load_counts
 
-from pinsidecar import maps
+from pinsidecar import placement
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 from pinsidecar.cli.maps import check_out_path, format_table
 
@@ -48,7 +49,7 @@ def register(main: click.Group) -> None:
     @handle_errors
     def show_cmd(counts: str, as_json: bool) -> None:
         """Dimensions, totals, consistency and per-layer skew of COUNTS."""
-        emit({"path": counts, **maps.counts_summary(maps.read_counts(counts))}, as_json, _show_human)
+        emit({"path": counts, **placement.counts_summary(load_counts(counts))}, as_json, _show_human)
 
     @counts_group.command("merge")
     @click.argument("counts", nargs=-1, required=True, type=click.Path(dir_okay=False))
@@ -60,12 +61,12 @@ def register(main: click.Group) -> None:
         if len(counts) < 2:
             raise UserError("merge needs at least two counts files")
         target = check_out_path(out, counts, "counts")
-        merged = maps.sum_counts(maps.load_counts_files(list(counts)), list(counts), record_sources=True)
+        merged = placement.sum_counts(placement.load_counts_files(list(counts)), list(counts), record_sources=True)
         try:
             merged.save(target)
         except OSError as exc:
             raise UserError(f"cannot write {target}: {exc.strerror or exc}", "check the directory is writable"
                             ) from None
-        emit({"out": str(target), "inputs": list(counts), **maps.counts_summary(merged)}, as_json,
+        emit({"out": str(target), "inputs": list(counts), **placement.counts_summary(merged)}, as_json,
              lambda r: f"wrote {r['out']}: {len(r['inputs'])} files, {r['tokens']} tokens, "
                        f"{r['selections']} selections")

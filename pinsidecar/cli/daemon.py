@@ -26,7 +26,7 @@ config_option = click.option(
 
 
 def _load(config_path: Path | None, overrides: dict[str, Any] | None = None, check_paths: bool = True) -> Any:
-    from pinsidecar.config import ConfigError, load_config
+    from pinsidecar.daemon.config import ConfigError, load_config
 
     try:
         return load_config(config_path, overrides, check_paths=check_paths)
@@ -150,8 +150,8 @@ def register(main: click.Group) -> None:
 
         --json forces JSON log lines (the default under systemd or when stderr is not a terminal)."""
         from pinsidecar import log as pslog
-        from pinsidecar.control import TokenFileError
-        from pinsidecar.daemon import run_daemon
+        from pinsidecar.daemon.control import TokenFileError
+        from pinsidecar.daemon.service import run_daemon
 
         overrides = {"engine.model": str(model.resolve())} if model is not None else None
         cfg = _load(config_path, overrides)
@@ -191,7 +191,7 @@ def register(main: click.Group) -> None:
     def drain_reboot_cmd(config_path: Path | None, map_ref: str | None, timeout_s: float | None,
                          as_json: bool) -> None:
         """Hold new requests, drain in-flight ones, reboot the engine (optionally with a new map), release."""
-        from pinsidecar.control import TokenFileError, read_token
+        from pinsidecar.daemon.control import TokenFileError, read_token
 
         cfg = _load(config_path, check_paths=False)
         try:

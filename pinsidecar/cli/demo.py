@@ -21,7 +21,8 @@ __all__ = ["register"]
 @handle_errors
 def demo_cmd(workdir: Path, hot_rows: int | None, port: int, fresh: bool, as_json: bool) -> None:
     """Run the demo loop: demo model -> count boots -> usage map vs positional baseline -> evaluation."""
-    from pinsidecar import demo, profile
+    from pinsidecar.demo import loop as demo
+    from pinsidecar.runs import count_boot as profile
 
     opts = demo.DemoOptions(workdir=workdir, port=port, rebuild_model=fresh, reuse_counts=not fresh)
     if hot_rows is not None:

@@ -24,7 +24,7 @@ def demo_model(out_dir: Path, seed: int, force: bool, as_json: bool) -> None:
 
     Prompt fixtures for its two domains ship with the package (code.jsonl, prose.jsonl and held-out sets).
     """
-    from pinsidecar.demo_model import DemoModelError, build_demo_model, fixture_path, weights_digest
+    from pinsidecar.demo.model import DemoModelError, build_demo_model, fixture_path, weights_digest
 
     try:
         path = build_demo_model(out_dir, seed=seed, force=force)

@@ -3,7 +3,7 @@
 Every figure a usage map is judged by is printed next to the positional baseline for the same budget (what vLLM's
 ``--cpu-offload-gb`` would do), because that is the only comparison that says whether deploying it is worth it.
 The positional baseline is an evaluation object, not a map file: it has a different hot count in every layer,
-which the map format refuses on purpose (see :class:`pinsidecar.maps.PlacementMask`).
+which the map format refuses on purpose (see :class:`pinsidecar.placement.PlacementMask`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from pinsidecar_hook.contract import CountsArtifact, load_counts, load_map
 
-from pinsidecar import maps
-from pinsidecar.artifacts import CountsArtifact
+from pinsidecar import placement
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 
 __all__ = ["check_out_path", "format_table", "register"]
@@ -101,7 +101,7 @@ def _resolve_hot_rows(hot_rows: int | None, hbm_bytes: int | None, expert_bytes:
     if (hot_rows is None) == (hbm_bytes is None):
         raise UserError("give exactly one budget: --hot-rows N or --hbm-bytes B")
     if hot_rows is not None:
-        maps.check_hot_rows(hot_rows, counts.num_experts)
+        placement.check_hot_rows(hot_rows, counts.num_experts)
         return hot_rows
     assert hbm_bytes is not None
     if expert_bytes <= 0:
@@ -110,10 +110,10 @@ def _resolve_hot_rows(hot_rows: int | None, hbm_bytes: int | None, expert_bytes:
             "pass --expert-bytes X (bytes of one expert: weights, scales and biases of all its tensors), "
             "or give the budget as --hot-rows N",
         )
-    return maps.hot_rows_for_budget(hbm_bytes, counts.num_layers, expert_bytes, counts.num_experts)
+    return placement.hot_rows_for_budget(hbm_bytes, counts.num_layers, expert_bytes, counts.num_experts)
 
 
-def _positional_description(mask: maps.PlacementMask) -> str:
+def _positional_description(mask: placement.PlacementMask) -> str:
     full, part = mask.meta["full_cold_layers"], mask.meta["partial_layer_cold"]
     ordered = sorted(mask.layer_ids)
     text = f"{mask.cold_total} cold experts = {full} whole layer(s)"
@@ -141,15 +141,15 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         raise UserError("missing --out MAP", "say where to write the map, e.g. --out maps/code.map.json")
     target = check_out_path(out, counts_paths, "map") if out else None
     names = list(counts_paths)
-    counts = maps.load_counts_files(names)
-    total = maps.sum_counts(counts, names)
+    counts = placement.load_counts_files(names)
+    total = placement.sum_counts(counts, names)
     xbytes = _expert_bytes(counts, names, expert_bytes)
     rows = _resolve_hot_rows(hot_rows, hbm_bytes, xbytes, total)
-    emap = maps.build_usage_map(counts, rows, label, expert_bytes=xbytes, names=names,
+    emap = placement.build_usage_map(counts, rows, label, expert_bytes=xbytes, names=names,
                                 meta={"source_files": [os.path.basename(n) for n in names]})
-    mask = maps.positional_for(emap)
-    usage_eval = maps.evaluate(emap, total, "map", "counts")
-    positional_eval = maps.evaluate(mask, total, "positional baseline", "counts")
+    mask = placement.positional_for(emap)
+    usage_eval = placement.evaluate(emap, total, "map", "counts")
+    positional_eval = placement.evaluate(mask, total, "positional baseline", "counts")
     result: dict[str, Any] = {
         "hot_rows": rows,
         "cold_rows": emap.cold_rows,
@@ -163,7 +163,7 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         "positional_cold_rate": positional_eval["cold_rate"],
         "positional": {"description": _positional_description(mask), **mask.meta,
                        "per_layer": positional_eval["per_layer"]},
-        "leave_one_out": maps.leave_one_out(counts, rows, names),
+        "leave_one_out": placement.leave_one_out(counts, rows, names),
         # a periodic flush can land mid-forward; a few tokens off is harmless, a large gap means a broken count boot
         "inconsistent_counts": [n for n, c in zip(names, counts, strict=True) if not c.consistent],
     }
@@ -171,8 +171,8 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         result["mode"] = "positional"
         return result
     assert target is not None
-    _write(lambda p: maps.save_map(emap, p), target)
-    result.update(mode="usage", out=str(target), map=maps.summary(emap), per_layer=usage_eval["per_layer"])
+    _write(lambda p: placement.save_map(emap, p), target)
+    result.update(mode="usage", out=str(target), map=placement.summary(emap), per_layer=usage_eval["per_layer"])
     return result
 
 
@@ -210,10 +210,10 @@ def _build_human(r: dict[str, Any]) -> str:
 
 
 def _eval(map_path: str, counts_path: str) -> dict[str, Any]:
-    emap = maps.read_map(map_path)
-    counts = maps.read_counts(counts_path)
-    usage = maps.evaluate(emap, counts, map_path, counts_path)
-    positional = maps.evaluate(maps.positional_for(emap), counts, "positional baseline", counts_path)
+    emap = load_map(map_path)
+    counts = load_counts(counts_path)
+    usage = placement.evaluate(emap, counts, map_path, counts_path)
+    positional = placement.evaluate(placement.positional_for(emap), counts, "positional baseline", counts_path)
     for row, pos in zip(usage["per_layer"], positional["per_layer"], strict=True):
         row["positional_cold_rate"] = pos["cold_rate"]
     usage.update(map=map_path, counts=counts_path, positional_cold_rate=positional["cold_rate"],
@@ -338,15 +338,15 @@ def register(main: click.Group) -> None:
     @handle_errors
     def show_cmd(map_path: str, counts_path: str | None, png: str | None, as_json: bool) -> None:
         """Summary of MAP (geometry, bytes, prediction), optionally a PNG heatmap."""
-        emap = maps.read_map(map_path)
+        emap = load_map(map_path)
         inputs = [map_path, *([counts_path] if counts_path else [])]
         target = check_out_path(png, inputs, "heatmap") if png else None
-        counts = maps.read_counts(counts_path) if counts_path else None
-        result: dict[str, Any] = {"map": map_path, **maps.summary(emap)}
+        counts = load_counts(counts_path) if counts_path else None
+        result: dict[str, Any] = {"map": map_path, **placement.summary(emap)}
         if counts is not None:
-            result.update(counts=counts_path, evaluation=maps.evaluate(emap, counts, map_path, counts_path))
+            result.update(counts=counts_path, evaluation=placement.evaluate(emap, counts, map_path, counts_path))
         if target is not None:
-            from pinsidecar.heatmap import write_map_png
+            from pinsidecar.placement.heatmap import write_map_png
 
             _write(lambda p: write_map_png(p, emap, counts), target)
             result["png"] = str(target)
@@ -359,6 +359,6 @@ def register(main: click.Group) -> None:
     @handle_errors
     def diff_cmd(a: str, b: str, as_json: bool) -> None:
         """What a remap from A to B moves, and whether the reboot is a compile-cache hit."""
-        ma, mb = maps.read_map(a), maps.read_map(b)
-        emit({"a_path": a, "b_path": b, **maps.diff_maps(ma, mb)}, as_json, _diff_human)
+        ma, mb = load_map(a), load_map(b)
+        emit({"a_path": a, "b_path": b, **placement.diff_maps(ma, mb)}, as_json, _diff_human)
 

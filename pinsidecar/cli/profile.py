@@ -1,4 +1,4 @@
-"""``pinsidecar profile``: the count boot from the command line (see :mod:`pinsidecar.profile`)."""
+"""``pinsidecar profile``: the count boot from the command line (see :mod:`pinsidecar.runs.count_boot`)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def profile_cmd(model: Path, workloads: tuple[Path, ...], out: Path, concurrency
     """
     import logging
 
-    from pinsidecar import profile
+    from pinsidecar.runs import count_boot as profile
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per replayed request is noise
     try:

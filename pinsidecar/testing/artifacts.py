@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from pinsidecar.artifacts import CountsArtifact, ExpertMap, LayerPlacement, ModelInfo, utc_now
+from pinsidecar_hook.contract import CountsArtifact, ExpertMap, LayerPlacement, ModelInfo, utc_now
 
 __all__ = ["domain_ranking", "make_counts", "make_map", "write_counts", "write_map"]
 
@@ -116,10 +115,10 @@ def make_map(
     label: str = "",
     counts: CountsArtifact | None = None,
 ) -> ExpertMap:
-    """A valid map: built from ``counts`` by :func:`pinsidecar.maps.build_usage_map` when given, else a random
+    """A valid map: built from ``counts`` by :func:`pinsidecar.placement.build_usage_map` when given, else a random
     placement (canonical: hot and cold sorted by expert id) drawn from ``seed``."""
     if counts is not None:
-        from pinsidecar.maps import build_usage_map
+        from pinsidecar.placement import build_usage_map
 
         return build_usage_map([counts], hot_rows, label, expert_bytes=expert_bytes)
     layer_ids = list(range(num_layers)) if layer_ids is None else [int(i) for i in layer_ids]

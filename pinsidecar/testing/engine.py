@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 import pytest
-from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook.contract import CountsArtifact, load_counts, write_hook_request
+from pinsidecar_hook.contract.env import HookConfig
 
-from pinsidecar.artifacts import CountsArtifact, load_counts, write_hook_request
 from pinsidecar.engine import EngineProcess, EngineSpec, port_in_use
 
 __all__ = [
@@ -88,7 +88,7 @@ class HookedEngine(EngineProcess):
 
     def hook_request(self, op: str, timeout_s: float = 60.0) -> CountsArtifact:
         """Send ``flush``/``reset`` to the count hook and return the counts file that answers it."""
-        from pinsidecar.profile import wait_for_token
+        from pinsidecar.runs.count_boot import wait_for_token
 
         return wait_for_token(self.counts_path, write_hook_request(self.counts_path, op), self, timeout_s)
 
@@ -145,7 +145,7 @@ def start_engine(model_dir: Path, mode: str = "count", tmp_path: Path | None = N
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model (``pinsidecar.demo_model``), built once per session; ``$PINSIDECAR_TEST_MODEL_DIR`` points
+    """The demo model (``pinsidecar.demo.model``), built once per session; ``$PINSIDECAR_TEST_MODEL_DIR`` points
     the tests at a model folder built beforehand instead."""
     prebuilt = os.environ.get(MODEL_DIR_ENV, "").strip()
     if prebuilt:
@@ -153,7 +153,7 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             raise pytest.UsageError(f"{MODEL_DIR_ENV}={prebuilt} has no config.json (build it with `pinsidecar "
                                     "demo-model DIR` or unset the variable)")
         return Path(prebuilt)
-    from pinsidecar.demo_model import build_demo_model
+    from pinsidecar.demo.model import build_demo_model
 
     return Path(build_demo_model(tmp_path_factory.mktemp("demo-model") / "model"))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace, TracebackType
 from typing import Any
 
-from pinsidecar.artifacts import StatsSnapshot
+from pinsidecar_hook.contract import StatsSnapshot
 
 __all__ = ["VLLM_METRICS_TEXT", "FakeEngineMetrics", "FakeNvml", "make_stats", "write_cgroup_tree",
            "write_proc_cgroup"]

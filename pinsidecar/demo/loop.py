@@ -1,7 +1,7 @@
 """The demo loop: the whole product on one machine, on vLLM CPU, with the tiny local MoE model.
 
 It is what ``bash scripts/demo.sh`` runs on a fresh clone, so it must work with nothing but the package: the
-model is built locally (:mod:`pinsidecar.demo_model`), the traffic is the shipped prompt fixtures, the engine is
+model is built locally (:mod:`pinsidecar.demo.model`), the traffic is the shipped prompt fixtures, the engine is
 the vLLM CPU build. The steps are the loop of the product, in order:
 
 1. ``model``   - build the demo model (skipped when the work folder already has it);
@@ -25,15 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from pinsidecar_hook.config import HookConfig
-
-from pinsidecar import maps
-from pinsidecar.artifacts import (
+from pinsidecar_hook.contract import (
     StatsSnapshot,
     atomic_write_json,
     load_counts,
     write_hook_request,
 )
+from pinsidecar_hook.contract.env import HookConfig
+
+from pinsidecar import placement
 
 __all__ = ["DEFAULT_HOT_ROWS", "DemoOptions", "run_demo"]
 
@@ -65,8 +65,8 @@ def _step(name: str, report: Callable[[str], None]) -> None:
 
 def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the loop and return the summary (also written to ``<workdir>/demo-summary.json``)."""
-    from pinsidecar.demo_model import build_demo_model, fixture_path
-    from pinsidecar.profile import run_profile
+    from pinsidecar.demo.model import build_demo_model, fixture_path
+    from pinsidecar.runs.count_boot import run_profile
 
     work = opts.workdir
     work.mkdir(parents=True, exist_ok=True)
@@ -101,22 +101,22 @@ def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[s
 
     _step("maps", report)
     train = counts[f"{a}_train"]
-    usage = maps.build_usage_map([train], opts.hot_rows, label=f"{a}",
+    usage = placement.build_usage_map([train], opts.hot_rows, label=f"{a}",
                                  expert_bytes=int(train.meta.get("expert_bytes", 0) or 0))
     usage_path = work / f"map-{a}.json"
-    maps.save_map(usage, usage_path)
-    positional = maps.positional_for(usage)
+    placement.save_map(usage, usage_path)
+    positional = placement.positional_for(usage)
     report(f"    usage map {usage.short_hash}: {usage.hot_rows} hot / {usage.cold_rows} cold rows per layer, "
            f"predicted cold rate {usage.predicted_cold_rate:.2%} -> {usage_path}")
     report(f"    positional baseline: the same {positional.cold_total} cold experts taken whole layers first")
 
     _step("eval (cold-selection rate; lower is better)", report)
-    skew = {name: maps.counts_summary(c)["skew"] for name, c in counts.items()}
+    skew = {name: placement.counts_summary(c)["skew"] for name, c in counts.items()}
     table: dict[str, dict[str, float]] = {}
     for traffic in (f"{a}_heldout", f"{b}_heldout"):
         table[traffic] = {
-            "usage": maps.evaluate(usage, counts[traffic])["cold_rate"],
-            "positional": maps.evaluate(positional, counts[traffic], "positional")["cold_rate"],
+            "usage": placement.evaluate(usage, counts[traffic])["cold_rate"],
+            "positional": placement.evaluate(positional, counts[traffic], "positional")["cold_rate"],
         }
     report(f"    {'traffic':<16}{'usage map (' + a + ')':>22}{'positional':>14}")
     for traffic, row in table.items():
@@ -148,8 +148,8 @@ def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[s
 def _pin_replay(model_dir: Path, map_path: Path, workload: Path, work: Path, opts: DemoOptions) -> StatsSnapshot:
     """One pin-mode boot: reset the live counters once ready, replay, flush, return the final stats."""
     from pinsidecar.engine import EngineProcess, EngineSpec
-    from pinsidecar.stats import wait_for_stats_token
-    from pinsidecar.workload import load_workload, replay
+    from pinsidecar.live_stats import wait_for_stats_token
+    from pinsidecar.runs.workload import load_workload, replay
 
     stats_path = (work / "stats-pin.json").resolve()
     hook = HookConfig(mode="pin", map_path=map_path.resolve(), stats_path=stats_path)

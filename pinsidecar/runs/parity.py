@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 import structlog
+from pinsidecar_hook.contract import atomic_write_json, load_map, utc_now
 
-from pinsidecar.artifacts import atomic_write_json, load_map, utc_now
-from pinsidecar.workload import WorkloadRequest, load_workload
+from pinsidecar.runs.workload import WorkloadRequest, load_workload
 
 __all__ = [
     "PARITY_FORMAT",
@@ -197,7 +197,7 @@ def engine_for(model: Path, mode: str, map_path: Path | None, *, port: int | Non
                log_path: Path | None = None, extra_args: Sequence[str] = (),
                boot_timeout_s: float = 900.0) -> Iterator[Any]:
     """A ready engine on ``model`` with the hook in ``mode`` (``pin`` needs ``map_path``), stopped on exit."""
-    from pinsidecar_hook.config import HookConfig
+    from pinsidecar_hook.contract.env import HookConfig
 
     from pinsidecar.engine import EngineProcess, EngineSpec
 

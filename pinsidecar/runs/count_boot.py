@@ -9,7 +9,7 @@ pipeline of plain steps with I/O at the edges:
    a temp file beside ``--out`` and wait until it serves;
 3. ``reset`` the counters through the hook's request file and wait for the echoed token, so the readiness probe
    and anything before it is not counted;
-4. replay the workload (:mod:`pinsidecar.workload`);
+4. replay the workload (:mod:`pinsidecar.runs.workload`);
 5. ``flush`` and wait for the token: that file holds exactly the replay's routing (snapshots fall between steps);
 6. stop the engine cleanly (SIGTERM to its process group);
 7. validate the counts (every layer sums to ``tokens * top_k``) and write ``--out`` atomically, with the label
@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook.contract import ArtifactError, CountsArtifact, load_counts, request_path, write_hook_request
+from pinsidecar_hook.contract.env import HookConfig
 
-from pinsidecar.artifacts import ArtifactError, CountsArtifact, load_counts, request_path, write_hook_request
 from pinsidecar.engine import (
     DEFAULT_DTYPE,
     DEFAULT_KV_CACHE_BYTES,
@@ -54,7 +54,7 @@ from pinsidecar.engine import (
     PortInUseError,
     port_in_use,
 )
-from pinsidecar.workload import ReplayResult, WorkloadError, WorkloadRequest, load_workload, replay
+from pinsidecar.runs.workload import ReplayResult, WorkloadError, WorkloadRequest, load_workload, replay
 
 __all__ = [
     "ENGINE_KEYS",

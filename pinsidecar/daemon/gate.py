@@ -12,8 +12,8 @@ Every wait is bounded: at most ``max_queue`` requests are held, each for at most
 client gets ``503`` with ``Retry-After``. A body over ``max_body_bytes`` gets ``413`` (before anything reaches the
 engine), an engine that refuses connections while the gate is open gets ``502`` with a body that says so.
 
-The gate can also sample request bodies into a :class:`~pinsidecar.capture.CaptureStore` (opt-in), which later
-count boots replay.
+The gate can also sample request bodies into a
+:class:`~pinsidecar.daemon.traffic_capture.CaptureStore` (opt-in), which later count boots replay.
 
 Threading: all methods must be called from the event loop the gate runs on (use
 ``loop.call_soon_threadsafe`` from another thread). Counters (:attr:`Gate.counters`) may be read from anywhere.
@@ -32,7 +32,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from pinsidecar.capture import CaptureStore
+from pinsidecar.daemon.traffic_capture import CaptureStore
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "GATE_OUTCOMES", "HOP_BY_HOP_HEADERS", "SMALL_RESPONSE_BYTES", "Gate"]
 

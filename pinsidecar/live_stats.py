@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import structlog
-
-from pinsidecar.artifacts import ArtifactError, StatsSnapshot, load_stats
+from pinsidecar_hook.contract import ArtifactError, StatsSnapshot, load_stats
 
 __all__ = ["StatsReader", "StatsReading", "compare", "fallback_stats_path", "ratio", "wait_for_stats_token"]
 
@@ -37,7 +36,7 @@ log = structlog.get_logger(__name__)
 
 def fallback_stats_path(stats_path: str | os.PathLike[str]) -> Path:
     """Where the hook writes when ``stats_path`` is not writable (the hook's own definition, re-exported)."""
-    from pinsidecar_hook.stats_writer import fallback_stats_path as hook_fallback
+    from pinsidecar_hook.contract import fallback_stats_path as hook_fallback
 
     return hook_fallback(stats_path)
 
@@ -167,7 +166,7 @@ def compare(prev: StatsSnapshot | None, snap: StatsSnapshot, source: Path) -> St
 def wait_for_stats_token(path: str | os.PathLike[str], token: str, timeout_s: float = 60.0) -> StatsSnapshot:
     """Wait until the stats file answers a ``flush``/``reset`` request (its ``meta.flush_token`` is ``token``).
 
-    The request itself is :func:`pinsidecar.artifacts.write_hook_request` on the stats path. Raises
+    The request itself is :func:`pinsidecar_hook.contract.write_hook_request` on the stats path. Raises
     ``TimeoutError`` naming the file when the hook never answers (it is not loaded, or not in pin mode).
     """
     deadline = time.monotonic() + timeout_s

@@ -90,7 +90,7 @@ class EngineConfig:
 
     def spec(self, state_dir: Path, map_path: Path | None = None) -> EngineSpec:
         """The engine this config describes, booted with ``map_path`` (default: ``self.map``)."""
-        from pinsidecar_hook.config import HookConfig
+        from pinsidecar_hook.contract.env import HookConfig
 
         assert self.model is not None  # validated on load
         mp = map_path if map_path is not None else self.map

@@ -2,7 +2,7 @@
 
 There is no model hub on the CI and development machines, and a randomly initialised router routes near-uniformly,
 so placement would have nothing to show. This module writes a small ``qwen3_moe`` checkpoint (config, bf16
-safetensors, a byte-level BPE tokenizer trained here on text shipped in ``pinsidecar/fixtures``) whose weights are
+safetensors, a byte-level BPE tokenizer trained here on text shipped in ``pinsidecar/demo/fixtures``) whose weights are
 random but *shaped*:
 
 - every token embedding carries a **domain coordinate** (hidden dim :data:`DOMAIN_DIM`): positive for tokens that

@@ -16,9 +16,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
+from pinsidecar_hook.contract import CountsArtifact, ExpertMap, atomic_write_bytes
 
-from pinsidecar.artifacts import CountsArtifact, ExpertMap, atomic_write_bytes
-from pinsidecar.maps import check_compatible
+from pinsidecar.placement import check_compatible
 
 __all__ = ["render_map_png", "write_map_png"]
 

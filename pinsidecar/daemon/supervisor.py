@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 
 import aiohttp
 import structlog
+from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
 
-from pinsidecar.artifacts import ArtifactError, ExpertMap, load_map, utc_now
-from pinsidecar.config import SupervisorConfig
+from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 
 __all__ = ["BootRecord", "EngineState", "Supervisor", "geometry_key", "is_cache_miss"]

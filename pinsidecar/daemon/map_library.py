@@ -6,8 +6,8 @@ usable, *not* to act on it: a valid new map is logged and listed in ``pinsidecar
 with the reason. Activation happens only by command (``pinsidecar drain-reboot --map``) or by the remap policy.
 
 The folder is watched with ``watchdog`` (inotify on Linux). Its callbacks run on the observer's thread, so they only
-hand the path to the event loop; validation (:func:`~pinsidecar.artifacts.load_map`) runs there. Atomic writers
-(:func:`~pinsidecar.artifacts.atomic_write_bytes`) create ``.<name>.<rand>.tmp`` and rename it into place: hidden
+hand the path to the event loop; validation (:func:`~pinsidecar_hook.contract.load_map`) runs there. Atomic writers
+(:func:`~pinsidecar_hook.contract.atomic_write_bytes`) create ``.<name>.<rand>.tmp`` and rename it into place: hidden
 and ``.tmp`` files are ignored and the rename is seen as the new file.
 """
 
@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
-
-from pinsidecar.artifacts import ArtifactError, ExpertMap, load_map, utc_now
 
 __all__ = ["MapEntry", "MapLibrary", "MapNotFound"]
 

@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from pinsidecar_hook.config import HookConfig
+from pinsidecar_hook.contract.env import HookConfig
 
 __all__ = ["MoEGeometry", "MoELayerRef", "install", "moe_geometry", "moe_layers", "swap_experts_apply", "worker_rank"]
 

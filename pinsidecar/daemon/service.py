@@ -4,7 +4,7 @@
 
 1. the config is already validated; the control token is read (mode 0600 or the daemon refuses to start);
 2. the Prometheus exporter, the gate (clients' entry point), the control API and the maps library start;
-3. the supervisor boots the engine and keeps it alive (:mod:`pinsidecar.supervisor`);
+3. the supervisor boots the engine and keeps it alive (:mod:`pinsidecar.daemon.supervisor`);
 4. ``READY=1`` goes to systemd when the engine is first ready (or has failed for good: the daemon stays up to
    report that, and systemd must not kill it for a slow start); the main loop sends ``WATCHDOG=1`` at half of
    ``WATCHDOG_USEC`` and ``STATUS=`` on every state change.
@@ -33,15 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from pinsidecar_hook.contract import ArtifactError, atomic_write_json, load_map, utc_now
 
 from pinsidecar import __version__
-from pinsidecar.artifacts import ArtifactError, atomic_write_json, load_map, utc_now
-from pinsidecar.config import Config
-from pinsidecar.control import ControlError, ControlServer, read_token
+from pinsidecar.daemon.config import Config
+from pinsidecar.daemon.control import ControlError, ControlServer, read_token
+from pinsidecar.daemon.map_library import MapLibrary, MapNotFound
+from pinsidecar.daemon.sdnotify import Notifier
+from pinsidecar.daemon.supervisor import EngineState, Supervisor
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec
-from pinsidecar.maplib import MapLibrary, MapNotFound
-from pinsidecar.sdnotify import Notifier
-from pinsidecar.supervisor import EngineState, Supervisor
 
 __all__ = ["Daemon", "run_daemon"]
 
@@ -53,7 +53,7 @@ ACTIVE_MAP_FILE = "active-map.json"
 def make_launcher_factory(cfg: Config) -> Any:
     """The launcher for ``engine.launcher``: a local process (default) or a container."""
     if cfg.engine.launcher == "container":
-        from pinsidecar.engine_container import ContainerEngine
+        from pinsidecar.engine.container import ContainerEngine
 
         return lambda spec: ContainerEngine(spec, cfg.container, cfg.daemon.state_dir)
     return EngineProcess
@@ -135,7 +135,7 @@ class Daemon:
             self.exporter = Exporter(**kwargs)
             self.exporter.start_http(cfg.metrics.host, cfg.metrics.port)
         if cfg.gate.enabled:
-            from pinsidecar.gate import Gate
+            from pinsidecar.daemon.gate import Gate
 
             capture = None
             if cfg.gate.capture_dir is not None:
@@ -160,7 +160,7 @@ class Daemon:
                  metrics=f"{cfg.metrics.host}:{cfg.metrics.port}" if self.exporter else None)
 
     def _capture_store(self) -> Any:
-        from pinsidecar.capture import CaptureStore
+        from pinsidecar.daemon.traffic_capture import CaptureStore
 
         g = self.cfg.gate
         # The store rotates files: the total cap is split over capture_max_files files.

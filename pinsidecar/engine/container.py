@@ -31,8 +31,15 @@ from pathlib import Path
 import httpx
 import structlog
 
-from pinsidecar.config import ContainerConfig
-from pinsidecar.engine import BOOT_LOG_LINES, EngineBootError, EngineError, EngineSpec, probe_health, probe_ready
+from pinsidecar.daemon.config import ContainerConfig
+from pinsidecar.engine.process import (
+    BOOT_LOG_LINES,
+    EngineBootError,
+    EngineError,
+    EngineSpec,
+    probe_health,
+    probe_ready,
+)
 
 __all__ = ["ContainerEngine", "build_run_argv", "hook_overlay"]
 
@@ -80,7 +87,7 @@ def _container_path(host_path: Path, state_dir: Path, state_mount: str) -> str:
 def container_env(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path) -> dict[str, str]:
     """The environment inside the container: vLLM's offline defaults, the spec's env with hook paths rewritten
     to their container paths, and PYTHONPATH for the mounted hook."""
-    from pinsidecar_hook.config import ENV
+    from pinsidecar_hook.contract.env import ENV
 
     env = dict(_VLLM_DEFAULTS)
     env["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_mount) / "vllm")

@@ -70,6 +70,7 @@ from typing import Any, Protocol
 import httpx
 import psutil
 import structlog
+from pinsidecar_hook.contract import ArtifactError, StatsSnapshot, load_stats
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -80,8 +81,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
-
-from pinsidecar.artifacts import ArtifactError, StatsSnapshot, load_stats
 
 __all__ = [
     "BOOT_DURATION_BUCKETS_S",

@@ -1,4 +1,4 @@
-"""The hook's configuration, read from the environment of the engine process.
+"""The hook's configuration and the environment variables that carry it from the daemon to the engine.
 
 Environment rather than vLLM arguments because the hook must work with an unmodified engine command line and
 in a container whose image cannot be rebuilt: the daemon sets these variables on the process or container it

@@ -1,0 +1,62 @@
+"""The hook↔daemon contract: the only code both sides import.
+
+The hook (inside the vLLM worker) and the daemon (outside it) never import each other's code or talk over a
+socket. They exchange three files and one kind of request, and the engine learns its hook settings from
+environment variables:
+
+- :mod:`~pinsidecar_hook.contract.counts` — count mode's output (per-layer × per-expert selection counts);
+- :mod:`~pinsidecar_hook.contract.map` — pin mode's input (the row map and its fixed geometry);
+- :mod:`~pinsidecar_hook.contract.stats` — pin mode's live counters, and the fallback path they go to;
+- :mod:`~pinsidecar_hook.contract.requests` — ``flush`` / ``reset`` requests dropped beside an artifact;
+- :mod:`~pinsidecar_hook.contract.env` — the ``PINSIDECAR_*`` variables and :class:`HookConfig`;
+- :mod:`~pinsidecar_hook.contract.io` — the rules every file follows (versioned, validated on read, written
+  atomically).
+
+Everything here needs only the standard library and numpy: it must import inside a container that has nothing
+of pinsidecar but the bind-mounted ``hook/`` folder.
+"""
+
+from pinsidecar_hook.contract.counts import CountsArtifact, ModelInfo, load_counts
+from pinsidecar_hook.contract.env import ENV, MODES, HookConfig, HookConfigError
+from pinsidecar_hook.contract.io import (
+    COUNTS_FORMAT,
+    MAP_FORMAT,
+    STATS_FORMAT,
+    VERSION,
+    ArtifactError,
+    atomic_write_bytes,
+    atomic_write_json,
+    utc_now,
+)
+from pinsidecar_hook.contract.map import ExpertMap, LayerPlacement, cold_selection_ratio, load_map
+from pinsidecar_hook.contract.requests import HOOK_OPS, read_hook_request, request_path, write_hook_request
+from pinsidecar_hook.contract.stats import StatsSnapshot, fallback_stats_path, load_stats
+
+__all__ = [
+    "COUNTS_FORMAT",
+    "ENV",
+    "HOOK_OPS",
+    "MAP_FORMAT",
+    "MODES",
+    "STATS_FORMAT",
+    "VERSION",
+    "ArtifactError",
+    "CountsArtifact",
+    "ExpertMap",
+    "HookConfig",
+    "HookConfigError",
+    "LayerPlacement",
+    "ModelInfo",
+    "StatsSnapshot",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "cold_selection_ratio",
+    "fallback_stats_path",
+    "load_counts",
+    "load_map",
+    "load_stats",
+    "read_hook_request",
+    "request_path",
+    "utc_now",
+    "write_hook_request",
+]

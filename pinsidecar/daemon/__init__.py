@@ -1,0 +1,11 @@
+"""The sidecar daemon: supervise one engine, front it with a drain gate, and take operators' commands.
+
+- :mod:`~pinsidecar.daemon.config` — the TOML config, validated completely on load;
+- :mod:`~pinsidecar.daemon.service` — the daemon itself (start order, drain-reboot, stop);
+- :mod:`~pinsidecar.daemon.supervisor` — boot, readiness, liveness, restarts, boot records;
+- :mod:`~pinsidecar.daemon.gate` — the reverse proxy that holds requests during a reboot;
+- :mod:`~pinsidecar.daemon.control` — the control API (status, drain-reboot, remap);
+- :mod:`~pinsidecar.daemon.map_library` — the watched folder of maps;
+- :mod:`~pinsidecar.daemon.traffic_capture` — the opt-in store of request bodies (a workload for count boots);
+- :mod:`~pinsidecar.daemon.sdnotify` — systemd's notify protocol.
+"""

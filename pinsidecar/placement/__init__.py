@@ -1,0 +1,57 @@
+"""Placement: from counts to row maps, and the figures that compare placements.
+
+Everything here is a pure function over the contract's artifact objects (:mod:`pinsidecar_hook.contract`, the only
+place the file formats live); the CLI (``pinsidecar map ...``), the demo and the remap pipeline do the I/O around
+them.
+
+- :mod:`~pinsidecar.placement.counts` — load, check and merge counts; skew figures;
+- :mod:`~pinsidecar.placement.build` — the usage map and the positional baseline;
+- :mod:`~pinsidecar.placement.evaluate` — cold-selection rates, leave-one-out, diffs and summaries;
+- :mod:`~pinsidecar.placement.heatmap` — a PNG of a map over counts (needs the ``plot`` extra).
+"""
+
+from pinsidecar.placement.build import (
+    Placement,
+    PlacementMask,
+    build_usage_map,
+    check_hot_rows,
+    hot_rows_for_budget,
+    positional_for,
+    positional_mask,
+    save_map,
+)
+from pinsidecar.placement.counts import (
+    SKEW_TOP_FRACTION,
+    counts_summary,
+    load_counts_files,
+    sum_counts,
+    top_share,
+)
+from pinsidecar.placement.evaluate import (
+    check_compatible,
+    diff_maps,
+    evaluate,
+    leave_one_out,
+    summary,
+)
+
+__all__ = [
+    "SKEW_TOP_FRACTION",
+    "Placement",
+    "PlacementMask",
+    "build_usage_map",
+    "check_compatible",
+    "check_hot_rows",
+    "counts_summary",
+    "diff_maps",
+    "evaluate",
+    "hot_rows_for_budget",
+    "leave_one_out",
+    "load_counts_files",
+    "positional_for",
+    "positional_mask",
+    "save_map",
+    "sum_counts",
+    "summary",
+    "top_share",
+]

@@ -1,0 +1,244 @@
+"""Turn counts into placements: the usage map you deploy, and the positional baseline it is measured against.
+
+- :func:`build_usage_map` is the map you deploy: per layer the ``hot_rows`` most-selected experts, the same hot
+  count in every layer (fixed geometry, so a reboot onto a new map is a compile-cache hit).
+- :func:`positional_mask` / :func:`positional_for` is the baseline every placement figure is compared against:
+  what vLLM's ``--cpu-offload-gb`` does with the same byte budget. It is an *evaluation-only*
+  :class:`PlacementMask`, not an :class:`ExpertMap`, because it cannot have a fixed geometry (see there).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import structlog
+from pinsidecar_hook.contract import (
+    ArtifactError,
+    CountsArtifact,
+    ExpertMap,
+    LayerPlacement,
+    utc_now,
+)
+
+from pinsidecar.placement.counts import _shared_meta, sum_counts
+
+__all__ = [
+    "Placement",
+    "PlacementMask",
+    "build_usage_map",
+    "check_hot_rows",
+    "hot_rows_for_budget",
+    "positional_for",
+    "positional_mask",
+    "save_map",
+]
+
+log = structlog.get_logger(__name__)
+
+# Count-boot meta that describes the engine rather than the traffic; copied into the map when every input agrees,
+# so pin mode can check the map against the model it is loaded into.
+_MODEL_META_KEYS = ("dtype", "tp_size", "expert_tensors", "moe_layers")
+
+
+class Placement(Protocol):
+    """What :func:`evaluate` needs: an :class:`ExpertMap` or a :class:`PlacementMask`."""
+
+    layer_ids: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    policy: str
+
+    def hot_mask(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, eq=False)
+class PlacementMask:
+    """A per-layer hot/cold mask with no fixed geometry: the positional baseline, used for evaluation only.
+
+    Why not an :class:`ExpertMap`: vLLM's ``--cpu-offload-gb`` walks the decoder layers in parameter order and
+    moves whole tensors to host memory until the byte budget is spent, so the first layers are entirely cold and
+    the rest entirely hot. Expressed as a map that is a different hot count in every layer, which the map format
+    refuses on purpose (the hook's kernels, and the compile cache, assume one geometry). It is also never
+    something the hook should deploy: vLLM deploys it itself. So it is a mask that :func:`evaluate`, reports and
+    ``map eval`` use, and nothing writes it to disk as a map.
+    """
+
+    layer_ids: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hot: np.ndarray = field(repr=False)  # bool [num_layers, num_experts]
+    policy: str = "positional"
+    expert_bytes: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        hot = np.array(self.hot, dtype=bool)  # a private, read-only copy: the mask is a value
+        if hot.shape != (len(self.layer_ids), self.num_experts):
+            raise ValueError(f"hot mask shape {hot.shape} != ({len(self.layer_ids)}, {self.num_experts})")
+        hot.flags.writeable = False
+        object.__setattr__(self, "hot", hot)
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def cold_total(self) -> int:
+        return int((~self.hot).sum())
+
+    def hot_mask(self) -> np.ndarray:
+        return self.hot
+
+
+def check_hot_rows(hot_rows: int, num_experts: int) -> None:
+    """A budget must leave something hot and something cold: ``hot_rows`` in 1..num_experts-1."""
+    if hot_rows <= 0:
+        raise ArtifactError(
+            None, f"hot rows per layer must be at least 1, got {hot_rows}",
+            "a budget of zero keeps no expert in HBM; pass --hot-rows N with 1 <= N < num_experts "
+            f"({num_experts}) or a larger --hbm-bytes",
+        )
+    if hot_rows >= num_experts:
+        raise ArtifactError(
+            None, f"hot rows per layer {hot_rows} >= num_experts ({num_experts}): every expert fits in HBM",
+            "no offload is needed; run the engine without a map, or pass a smaller budget",
+        )
+
+
+def hot_rows_for_budget(hbm_bytes: int, num_layers: int, expert_bytes: int, num_experts: int) -> int:
+    """Hot rows per layer that an HBM byte budget for experts buys: ``floor(B / (num_layers * expert_bytes))``.
+
+    Validated with :func:`check_hot_rows`, so the message talks about bytes the operator passed.
+    """
+    if expert_bytes <= 0:
+        raise ArtifactError(None, "the size of one expert is unknown, so an HBM byte budget cannot be converted "
+                            "to hot rows", "pass --expert-bytes X (bytes per expert, all its tensors) or --hot-rows N")
+    if hbm_bytes <= 0:
+        raise ArtifactError(None, f"HBM budget must be positive, got {hbm_bytes} bytes",
+                            "pass --hbm-bytes B with B > 0 or --hot-rows N")
+    hot_rows = hbm_bytes // (num_layers * expert_bytes)
+    per_row = num_layers * expert_bytes
+    if hot_rows <= 0:
+        raise ArtifactError(None, f"HBM budget {hbm_bytes} bytes is smaller than one expert per layer "
+                            f"({num_layers} layers x {expert_bytes} bytes = {per_row} bytes)",
+                            "raise --hbm-bytes")
+    if hot_rows >= num_experts:
+        raise ArtifactError(None, f"HBM budget {hbm_bytes} bytes holds all {num_experts} experts of every layer "
+                            f"({num_experts * per_row} bytes)", "no offload is needed; run the engine without a map")
+    return int(hot_rows)
+
+
+def _hot_order(counts: np.ndarray) -> np.ndarray:
+    """Per layer, expert ids from most to least selected; equal counts keep the lower expert id first."""
+    return np.argsort(-counts, axis=1, kind="stable")
+
+
+def build_usage_map(
+    counts: Sequence[CountsArtifact],
+    hot_rows: int,
+    label: str = "",
+    *,
+    expert_bytes: int = 0,
+    names: Sequence[str] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> ExpertMap:
+    """The deployable map: per layer the ``hot_rows`` most-selected experts of the summed ``counts``.
+
+    Ties break by lower expert id. Hot and cold lists are stored sorted by expert id, so one placement has one
+    content hash however it was reached. ``predicted_cold_rate`` is the in-sample rate on the summed counts (use
+    :func:`leave_one_out` for the held-out figure); ``meta`` records the per-layer rate as well, so ``map show``
+    can draw coverage without the counts. ``names`` (file names) only make error messages name the right file.
+    """
+    if not counts:
+        raise ArtifactError(None, "no counts given", "pass at least one counts file")
+    total = sum_counts(counts, names)
+    check_hot_rows(hot_rows, total.num_experts)
+    if total.selections == 0:
+        where = ", ".join(names) if names else "the counts"
+        raise ArtifactError(None, f"{where}: no selections counted, so there is nothing to rank experts by",
+                            "run the count boot with real traffic (pinsidecar profile) before building a map")
+    empty = np.flatnonzero(total.counts.sum(axis=1) == 0)
+    if empty.size:
+        log.warning("layers_without_selections", layer_ids=[total.layer_ids[i] for i in empty],
+                    hint="their hot set falls back to the lowest expert ids")
+    order = _hot_order(total.counts)
+    hot_sorted = np.sort(order[:, :hot_rows], axis=1).tolist()
+    cold_sorted = np.sort(order[:, hot_rows:], axis=1).tolist()
+    layers = tuple(
+        LayerPlacement(lid, tuple(h), tuple(c))
+        for lid, h, c in zip(total.layer_ids, hot_sorted, cold_sorted, strict=True)
+    )
+    hot = np.zeros(total.counts.shape, dtype=bool)
+    np.put_along_axis(hot, order[:, :hot_rows], True, axis=1)
+    rate, per_layer = _cold_rates(hot, total.counts)
+    emap = ExpertMap(
+        layer_ids=tuple(total.layer_ids), num_experts=total.num_experts, top_k=total.top_k, hot_rows=hot_rows,
+        layers=layers, expert_bytes=int(expert_bytes), model=counts[0].model, policy="usage", label=label,
+        source_counts=tuple(c.digest() for c in counts), predicted_cold_rate=rate, created_at=utc_now(),
+        meta={
+            "predicted_cold_rate_per_layer": [round(float(x), 6) for x in per_layer],
+            "tokens": total.tokens,
+            "selections": total.selections,
+            "workloads": [c.workload for c in counts],
+            **{k: v for k, v in _shared_meta(counts).items() if k in _MODEL_META_KEYS},
+            **(meta or {}),
+        },
+    )
+    return emap
+
+
+def _cold_rates(hot: np.ndarray, counts: np.ndarray) -> tuple[float, np.ndarray]:
+    per_layer_total = counts.sum(axis=1)
+    per_layer_cold = np.where(hot, 0, counts).sum(axis=1)
+    per_layer = np.where(per_layer_total > 0, per_layer_cold / np.maximum(per_layer_total, 1), 0.0)
+    all_sel = int(per_layer_total.sum())
+    return (float(per_layer_cold.sum() / all_sel) if all_sel else 0.0), per_layer
+
+
+def positional_mask(layer_ids: Sequence[int], num_experts: int, top_k: int, cold_total: int,
+                    expert_bytes: int = 0) -> PlacementMask:
+    """What ``--cpu-offload-gb`` does with room for ``cold_total`` experts in host memory.
+
+    Layers are taken in parameter order (ascending layer id), each entirely cold, until the budget is spent; the
+    remainder is taken from the next layer's lowest expert ids (its first rows in the stacked expert tensors).
+    vLLM itself rounds to whole tensors (it offloads a layer's ``w13`` before its ``w2`` and may overshoot by one
+    tensor), so in the real engine the boundary layer has *every* expert partly in host memory; counting the
+    remainder at expert granularity is slightly kind to the baseline, never unkind.
+    """
+    n_layers = len(layer_ids)
+    if not 0 <= cold_total <= n_layers * num_experts:
+        raise ArtifactError(None, f"positional cold budget {cold_total} experts is outside 0..{n_layers * num_experts}")
+    hot = np.ones((n_layers, num_experts), dtype=bool)
+    flat_order = np.argsort(np.asarray(layer_ids), kind="stable")  # parameter order = ascending layer id
+    left = cold_total
+    for idx in flat_order:
+        if left <= 0:
+            break
+        take = min(left, num_experts)
+        hot[idx, :take] = False
+        left -= take
+    return PlacementMask(
+        layer_ids=tuple(layer_ids), num_experts=num_experts, top_k=top_k, hot=hot, expert_bytes=expert_bytes,
+        meta={"cold_total": cold_total, "full_cold_layers": cold_total // num_experts,
+              "partial_layer_cold": cold_total % num_experts},
+    )
+
+
+def positional_for(emap: ExpertMap) -> PlacementMask:
+    """The positional baseline with the same byte budget as ``emap`` (the same number of cold experts)."""
+    return positional_mask(emap.layer_ids, emap.num_experts, emap.top_k, emap.cold_rows * emap.num_layers,
+                           emap.expert_bytes)
+
+
+def save_map(emap: ExpertMap, path: str | os.PathLike[str]) -> None:
+    """Write ``emap`` atomically (creating the directory), refusing a path that is a directory."""
+    target = Path(path)
+    if target.is_dir():
+        raise ArtifactError(target, "is a directory", "pass a file name for the map, e.g. maps/code.map.json")
+    emap.save(target)
