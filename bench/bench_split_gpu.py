@@ -30,16 +30,19 @@ from pathlib import Path
 import torch
 from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.kernels import finalize_triton, partition_torch, partition_triton
+from pinsidecar_hook.rehome import device_view_of_pinned
+
+from pinsidecar.testing import moe
 
 __all__ = ["main"]
 
-HBM_READ_BYTES_PER_S = 3.89e12  # measured on the lent H200 (DESIGN.md section 1)
+HBM_READ_BYTES_PER_S = 3.89e12  # measured on the lent H200 (docs/design.md)
 
 
 def _pinned_view(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t)
-    return torch_ref.device_view_of_pinned(host)
+    return device_view_of_pinned(host)
 
 
 def bit_identity(num_experts: int, hidden: int, intermediate: int, use_uva: bool) -> dict:
@@ -53,11 +56,11 @@ def bit_identity(num_experts: int, hidden: int, intermediate: int, use_uva: bool
         (1, 2, 7, 64, 513, 4096), range(1, 9), (0.0, 0.1, 0.5, 0.9, 1.0), (False, True)
     ):
         x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
-        ids, weights, row_map, hot_rows = torch_ref.routing_case(num_tokens, top_k, num_experts, frac, adversarial, g)
+        ids, weights, row_map, hot_rows = moe.routing_case(num_tokens, top_k, num_experts, frac, adversarial, g)
         ids, weights, row_map = ids.to(dev), weights.to(dev), row_map.to(dev)
         ref = torch_ref.unsplit(x, w13, w2, weights, ids)
-        w13_hot, w13_cold = torch_ref.rehome_weights(w13, row_map, hot_rows)
-        w2_hot, w2_cold = torch_ref.rehome_weights(w2, row_map, hot_rows)
+        w13_hot, w13_cold = moe.rehome_weights(w13, row_map, hot_rows)
+        w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
         if use_uva and w13_cold.shape[0]:
             w13_cold, w2_cold = _pinned_view(w13_cold), _pinned_view(w2_cold)
         out = torch_ref.split(x, w13_hot, w2_hot, w13_cold, w2_cold, weights, ids, row_map, hot_rows)
@@ -204,8 +207,8 @@ def timings(num_experts: int, top_k: int, hidden: int, intermediate: int, cold_f
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     hot_rows = num_experts - round(num_experts * cold_fraction)
     row_map = torch.randperm(num_experts, generator=g).to(torch.int32).to(dev)
-    w13_hot, _ = torch_ref.rehome_weights(w13, row_map, num_experts)  # experts timed all-hot (HBM)
-    w2_hot, _ = torch_ref.rehome_weights(w2, row_map, num_experts)
+    w13_hot, _ = moe.rehome_weights(w13, row_map, num_experts)  # experts timed all-hot (HBM)
+    w2_hot, _ = moe.rehome_weights(w2, row_map, num_experts)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     cold = torch.zeros(1, dtype=torch.int64, device=dev)
     out = []
@@ -292,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         uva = True
-        torch_ref.device_view_of_pinned(torch.zeros(4, pin_memory=True))
-    except Exception as exc:  # no CuPy: the cold tier falls back to a device copy, and the JSON says so
+        device_view_of_pinned(torch.zeros(4, pin_memory=True))
+    except Exception as exc:  # no device view: the cold tier falls back to a device copy, and the JSON says so
         uva = False
         result["uva_unavailable"] = repr(exc)
     sections: dict[str, Callable[[], dict]] = {

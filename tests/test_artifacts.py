@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +71,15 @@ def test_map_round_trip_and_hash_is_content_only(tmp_path: Path) -> None:
 
 def test_row_map_puts_hot_rows_first() -> None:
     lp = A.LayerPlacement(0, hot=(5, 1), cold=(0, 2, 3, 4))
-    assert lp.row_map(6) == [2, 1, 3, 4, 5, 0]
+    assert lp.row_map(6).rows == [2, 1, 3, 4, 5, 0]
+    assert lp.row_map(6) == A.placement_row_map((5, 1), (0, 2, 3, 4), 6)  # the one row-map builder
+
+
+def test_row_map_refuses_an_expert_listed_twice_or_out_of_range() -> None:
+    with pytest.raises(ValueError, match="listed twice"):
+        A.placement_row_map((0, 1), (1,), 4)
+    with pytest.raises(ValueError, match=r"in 0\.\.3"):
+        A.placement_row_map((0, 4), (), 4)
 
 
 def test_stats_round_trip(tmp_path: Path) -> None:
@@ -78,6 +88,18 @@ def test_stats_round_trip(tmp_path: Path) -> None:
     back = A.load_stats(tmp_path / "s.json")
     assert back == s
     assert (back.total_selections, back.total_cold_selections) == (22, 1)
+
+
+def test_counts_and_stats_echo_the_request_token_in_one_top_level_field(tmp_path: Path) -> None:
+    _stats(flush_token="flush-1-2").save(tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["flush_token"] == "flush-1-2" and "flush_token" not in doc["meta"]
+    assert A.load_stats(tmp_path / "s.json").flush_token == "flush-1-2"
+    counts = make_counts()
+    counts.flush_token = "reset-3-4"
+    counts.save(tmp_path / "c.json")
+    assert json.loads((tmp_path / "c.json").read_text())["flush_token"] == "reset-3-4"
+    assert A.load_counts(tmp_path / "c.json").flush_token == "reset-3-4"
 
 
 def test_hook_request_round_trip_and_garbage_is_ignored(tmp_path: Path) -> None:
@@ -89,6 +111,83 @@ def test_hook_request_round_trip_and_garbage_is_ignored(tmp_path: Path) -> None:
     assert not A.request_path(art).exists()
     with pytest.raises(ValueError, match="unknown hook request"):
         A.write_hook_request(art, "explode")
+    A.request_path(art).write_text(json.dumps({"op": "explode", "token": "t"}))
+    assert A.read_hook_request(art) is None and not A.request_path(art).exists()  # unknown op: dropped too
+
+
+def _answer_requests(path: Path, *, after_s: float = 0.3, half_written_first: bool = True) -> threading.Thread:
+    """A stand-in hook: waits for a request beside ``path``, writes a half file, then stats echoing the token."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            req = A.read_hook_request(path)
+            if req is not None:
+                time.sleep(after_s)
+                if half_written_first:
+                    path.write_text('{"format": "pinsidecar.stats", "vers')  # not yet a valid file
+                    time.sleep(0.2)
+                _stats(flush_token="someone-else").save(path)
+                time.sleep(0.2)
+                _stats(flush_token=req[1], tokens=7).save(path)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_request_and_wait_returns_the_artifact_that_answers_the_request(tmp_path: Path) -> None:
+    stats = tmp_path / "stats.json"
+    helper = _answer_requests(stats)
+    snap = A.request_and_wait(stats, "flush", A.load_stats, timeout_s=10, poll_s=0.02)
+    helper.join(5)
+    assert snap.tokens == 7 and snap.flush_token.startswith("flush-")
+
+
+def test_request_and_wait_times_out_naming_the_file_and_the_plugin_checks(tmp_path: Path) -> None:
+    stats = tmp_path / "stats.json"
+    _stats(flush_token="old").save(stats)
+    t0 = time.monotonic()
+    with pytest.raises(A.HookRequestError) as info:
+        A.request_and_wait(stats, "reset", A.load_stats, timeout_s=0.3, poll_s=0.05)
+    assert time.monotonic() - t0 < 5
+    message = str(info.value)
+    for fragment in (str(stats), "reset request", "'old'", "VLLM_PLUGINS", "entry point", "PYTHONPATH"):
+        assert fragment in message
+    assert A.request_path(stats).exists()  # the request stays for a hook that comes up later
+
+
+def test_request_and_wait_fails_at_once_when_the_engine_is_gone(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(A.HookRequestError, match="the engine exited while waiting"):
+        A.request_and_wait(tmp_path / "counts.json", "flush", A.load_counts, timeout_s=60, alive=lambda: False)
+    assert time.monotonic() - t0 < 5
+
+
+# ---------------------------------------------------------------------------------------------------- hook config
+
+
+def test_pin_backend_accepts_canonical_names_and_short_aliases() -> None:
+    for raw, canonical in (("auto", "auto"), ("", "auto"), ("cpu", "cpu"), ("triton", "triton_experts"),
+                           (" FlashInfer ", "flashinfer_trtllm"), ("torch", "torch_ref"), ("torch_ref", "torch_ref")):
+        cfg = A.HookConfig.from_env({A.ENV["backend"]: raw})
+        assert cfg.backend == canonical
+        assert A.HookConfig.from_env(cfg.to_env()).backend == canonical
+    assert A.HookConfig(backend="triton").backend == "triton_experts"
+
+
+def test_bad_pin_backend_fails_at_config_time_listing_the_accepted_names() -> None:
+    with pytest.raises(A.HookConfigError) as info:
+        A.HookConfig.from_env({A.ENV["mode"]: "pin", A.ENV["map_path"]: "/m.json", A.ENV["backend"]: "cuda"})
+    message = str(info.value)
+    assert "PINSIDECAR_PIN_BACKEND='cuda'" in message
+    for name in ("auto", *A.PIN_BACKENDS, "triton (= triton_experts)", "flashinfer (= flashinfer_trtllm)",
+                 "torch (= torch_ref)"):
+        assert name in message
+    with pytest.raises(A.HookConfigError, match="not a pin backend"):
+        A.HookConfig(backend="triton_expert")
 
 
 # ---------------------------------------------------------------------------------------------------- atomic writes

@@ -16,9 +16,10 @@ import itertools
 import pytest
 import torch
 from pinsidecar_hook.backends import flashinfer_trtllm as fi
-from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.backends import triton_experts as te
 from pinsidecar_hook.kernels import finalize_torch, fma_fp32_exact, partition_torch
+
+from pinsidecar.testing import moe
 
 E, HIDDEN, INTER = 16, 32, 16
 
@@ -122,10 +123,10 @@ def _triton_setup(seed: int):
 
 
 def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True):
-    w1_hot, w1_cold = torch_ref.rehome_weights(w1, row_map, hot_rows)
-    w2_hot, w2_cold = torch_ref.rehome_weights(w2, row_map, hot_rows)
-    s1_hot, s1_cold = torch_ref.rehome_weights(s1, row_map, hot_rows)
-    s2_hot, s2_cold = torch_ref.rehome_weights(s2, row_map, hot_rows)
+    w1_hot, w1_cold = moe.rehome_weights(w1, row_map, hot_rows)
+    w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
+    s1_hot, s1_cold = moe.rehome_weights(s1, row_map, hot_rows)
+    s2_hot, s2_cold = moe.rehome_weights(s2, row_map, hot_rows)
     qc = FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))
     experts = FakeTritonExperts(qc)
     te.mark_host_resident(w1_cold, w2_cold)
@@ -154,7 +155,7 @@ def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin
 def test_triton_experts_split_equals_unsplit_bitwise(top_k: int, cold_fraction: float, adversarial: bool) -> None:
     g, w1, w2, s1, s2 = _triton_setup(top_k)
     x = torch.randn(9, HIDDEN, generator=g).to(torch.bfloat16)
-    ids, weights, row_map, hot_rows = torch_ref.routing_case(9, top_k, E, cold_fraction, adversarial, g)
+    ids, weights, row_map, hot_rows = moe.routing_case(9, top_k, E, cold_fraction, adversarial, g)
     unsplit = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
     ref = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
     unsplit.apply(ref, x, w1, w2, weights, ids, "silu", E, None, None, None, None,
@@ -167,6 +168,45 @@ def test_triton_experts_split_equals_unsplit_bitwise(top_k: int, cold_fraction: 
     assert int(counts.sum()) == 9 * top_k and int(cold) == int((row_map.long()[ids] >= hot_rows).sum())
 
 
+class _Layer:
+    """The pin state a backend's make_split_apply is given (pinsidecar_hook.backends.SplitLayer)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> None:
+        self.row_map, self.hot_rows = row_map, hot_rows
+        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
+        self.hot, self.cold = {}, {}
+        for name, t in tensors.items():
+            self.hot[name], self.cold[name] = moe.rehome_weights(t, row_map, hot_rows)
+        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
+        self.cold_counts = torch.zeros(1, dtype=torch.int64)
+        self.token_counts = torch.zeros(1, dtype=torch.int64)
+
+
+def test_triton_make_split_apply_replaces_the_experts_apply() -> None:
+    """Wired as pin mode wires it (the split becomes the instance's ``apply``), both calls still reach the
+    class's ``apply``; the result is the unsplit call's, with live counts. Fakes only: not run on hardware."""
+    g, w1, w2, s1, s2 = _triton_setup(5)
+    x = torch.randn(9, HIDDEN, generator=g).to(torch.bfloat16)
+    ids, weights, row_map, hot_rows = moe.routing_case(9, 6, E, 0.5, True, g)
+    workspace2 = torch.empty(9, 6, 2 * INTER, dtype=torch.bfloat16)
+    ref = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
+    FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))).apply(
+        ref, x, w1, w2, weights, ids, "silu", E, None, None, None, None, workspace2.clone(), None, False)
+    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
+                   row_map, hot_rows)
+    experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
+    experts.apply = te.make_split_apply(experts, layer, config_fn=lambda ex, w1s, w2s, k, dt, m: default_config(
+        w1s[0]), override_fn=fake_override_config)  # what vllm_seam.swap_experts_apply does
+    out = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
+    experts.apply(out, x, layer.hot["w13_weight"], layer.hot["w2_weight"], weights, ids, "silu", E, None, None,
+                  None, None, workspace2, None, False)
+    assert torch.equal(out, ref)
+    assert int(layer.token_counts) == 9 and int(layer.expert_counts.sum()) == 9 * 6
+    assert int(layer.cold_counts) == int((row_map.long()[ids] >= hot_rows).sum())
+    assert te.SPLIT_TENSORS == ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_bias",
+                                "w2_bias")
+
+
 def test_triton_experts_split_without_pinned_config_differs() -> None:
     """The failure the pin prevents: with each call picking its own config (keyed on the tier's expert count)
     the rows, and so the output, change with the map. (fp32 activations: a bf16 row would round most one-ulp
@@ -174,7 +214,7 @@ def test_triton_experts_split_without_pinned_config_differs() -> None:
     g, w1, w2, s1, s2 = _triton_setup(99)
     w1, w2 = w1.float(), w2.float()
     x = torch.randn(16, HIDDEN, generator=g)
-    ids, weights, row_map, hot_rows = torch_ref.routing_case(16, 8, E, 0.5, True, g)
+    ids, weights, row_map, hot_rows = moe.routing_case(16, 8, E, 0.5, True, g)
     pinned, *_ = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, pin=True)
     unpinned, *_ = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, pin=False)
     assert not torch.equal(pinned, unpinned)
@@ -270,12 +310,12 @@ def _sequential_fma_reference(rows_per_slot: torch.Tensor, weights: torch.Tensor
 def _fi_setup(seed: int, num_tokens: int, top_k: int, cold_fraction: float, adversarial: bool):
     g, w1, w2, s1, s2 = _triton_setup(seed)
     x = torch.randn(num_tokens, HIDDEN, generator=g).to(torch.bfloat16)
-    ids, weights, row_map, hot_rows = torch_ref.routing_case(num_tokens, top_k, E, cold_fraction, adversarial, g)
+    ids, weights, row_map, hot_rows = moe.routing_case(num_tokens, top_k, E, cold_fraction, adversarial, g)
     return x, ids, weights, row_map, hot_rows, w1, w2, s1, s2
 
 
 def _fi_tiers(w1, w2, s1, s2, row_map, hot_rows):
-    parts = [torch_ref.rehome_weights(t, row_map, hot_rows) for t in (w1, s1, w2, s2)]
+    parts = [moe.rehome_weights(t, row_map, hot_rows) for t in (w1, s1, w2, s2)]
     hot = fi.TierTensors(parts[0][0], parts[1][0], parts[2][0], parts[3][0])
     cold = fi.TierTensors(parts[0][1], parts[1][1], parts[2][1], parts[3][1])
     return hot, cold
@@ -349,3 +389,50 @@ def test_flashinfer_expert_parallel_rank() -> None:
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="no spare expert id"):
         fi.TrtllmFp4Split(row_map, 3, len(local), hot, cold)
+
+
+class _FakeTrtllmExperts:
+    """The attributes of vLLM's TrtLlmMxfp4ExpertsModular that the adapter reads: per-expert activation
+    parameters (one value per layer, as vLLM builds them) and the per-call token limit."""
+
+    def __init__(self, local_experts: int, max_tokens: int) -> None:
+        self.gemm1_alpha = torch.full((local_experts,), 1.702)
+        self.gemm1_beta = None
+        self.gemm1_clamp_limit = torch.full((local_experts,), 7.0)
+        self.max_tokens = max_tokens
+        self.kernel_args_calls: list[str] = []
+
+    def _max_supported_tokens(self, top_k: int, global_num_experts: int) -> int:
+        return self.max_tokens
+
+
+def test_flashinfer_make_split_apply_chunks_and_equals_unsplit() -> None:
+    """Wired as pin mode wires it, in token chunks as vLLM chunks, the result is the unsplit call's. Fakes only:
+    not run on hardware."""
+    x, ids, weights, row_map, hot_rows, w1, w2, s1, s2 = _fi_setup(8, 7, 4, 0.5, True)
+    ref, _, _ = _fi_unsplit(x, ids, weights, w1, w2, s1, s2)
+    layer = _Layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map,
+                   hot_rows)
+    experts = _FakeTrtllmExperts(E, max_tokens=3)
+    seen: list[dict] = []
+
+    def kernel(**kw):
+        seen.append(kw)
+        return fake_trtllm_fp4_block_scale_routed_moe(**kw)
+
+    def kernel_args(ex, activation):
+        ex.kernel_args_calls.append(activation)
+        return {"activation_type": activation}
+
+    apply = fi.make_split_apply(experts, layer, kernel=kernel, kernel_args_fn=kernel_args)
+    out = torch.empty(7, HIDDEN, dtype=torch.bfloat16)
+    apply(out, x, None, None, weights, ids, "silu", E, None, None, None, None, None, None, False)
+    assert torch.equal(out, ref)
+    assert int(layer.token_counts) == 7 and int(layer.expert_counts.sum()) == 7 * 4
+    assert experts.kernel_args_calls == ["silu"]  # looked up once per activation
+    assert {kw["hidden_states"].shape[0] for kw in seen} == {3, 1}  # chunks of 3, 3, 1 tokens
+    hot_calls = [kw for kw in seen if kw["local_expert_offset"] == 0]
+    assert all(kw["gemm1_alpha"].shape == (hot_rows,) and kw["gemm1_beta"] is None for kw in hot_calls)
+    experts.gemm1_alpha = torch.arange(E, dtype=torch.float32)  # per-expert values the layer state cannot place
+    with pytest.raises(ValueError, match="differs between experts"):
+        fi.make_split_apply(experts, layer, kernel=kernel, kernel_args_fn=kernel_args)

@@ -13,6 +13,8 @@ import torch
 from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.kernels import partition_torch
 
+from pinsidecar.testing import moe
+
 NUM_EXPERTS = 16
 HIDDEN = 32
 INTERMEDIATE = 16
@@ -30,12 +32,12 @@ def _check_split_equals_unsplit(dtype, num_tokens, top_k, cold_fraction, adversa
     g = torch.Generator().manual_seed(seed)
     w13, w2 = _weights(dtype)
     x = torch.randn(num_tokens, HIDDEN, generator=g).to(dtype)
-    ids, weights, row_map, hot_rows = torch_ref.routing_case(
+    ids, weights, row_map, hot_rows = moe.routing_case(
         num_tokens, top_k, NUM_EXPERTS, cold_fraction, adversarial, g
     )
     ref = torch_ref.unsplit(x, w13, w2, weights, ids)
-    w13_hot, w13_cold = torch_ref.rehome_weights(w13, row_map, hot_rows)
-    w2_hot, w2_cold = torch_ref.rehome_weights(w2, row_map, hot_rows)
+    w13_hot, w13_cold = moe.rehome_weights(w13, row_map, hot_rows)
+    w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
     counts = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
     cold = torch.zeros(1, dtype=torch.int64)
     out = torch_ref.split(x, w13_hot, w2_hot, w13_cold, w2_cold, weights, ids, row_map, hot_rows, counts, cold)
@@ -67,15 +69,15 @@ def test_every_map_gives_the_same_bits() -> None:
     g = torch.Generator().manual_seed(3)
     w13, w2 = _weights(torch.bfloat16)
     x = torch.randn(33, HIDDEN, generator=g).to(torch.bfloat16)
-    ids, weights, _, _ = torch_ref.routing_case(33, 8, NUM_EXPERTS, 0.0, False, g)
+    ids, weights, _, _ = moe.routing_case(33, 8, NUM_EXPERTS, 0.0, False, g)
     outs = []
     for frac in (0.0, 1.0, 0.25, 0.5, 0.75):
         for _ in range(2):
             perm = torch.randperm(NUM_EXPERTS, generator=g)
             hot_rows = NUM_EXPERTS - round(NUM_EXPERTS * frac)
-            row_map = torch_ref.row_map_for(NUM_EXPERTS, perm[:hot_rows].tolist(), perm[hot_rows:].tolist())
-            w13_hot, w13_cold = torch_ref.rehome_weights(w13, row_map, hot_rows)
-            w2_hot, w2_cold = torch_ref.rehome_weights(w2, row_map, hot_rows)
+            row_map = moe.row_map_tensor(NUM_EXPERTS, perm[:hot_rows].tolist(), perm[hot_rows:].tolist())
+            w13_hot, w13_cold = moe.rehome_weights(w13, row_map, hot_rows)
+            w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
             outs.append(torch_ref.split(x, w13_hot, w2_hot, w13_cold, w2_cold, weights, ids, row_map, hot_rows))
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
@@ -90,7 +92,7 @@ def test_expert_parallel_rank_matches_unsplit_with_expert_map() -> None:
     expert_map[local_experts] = torch.arange(len(local_experts), dtype=torch.int32)
     w13_local, w2_local = w13[local_experts], w2[local_experts]
     x = torch.randn(40, HIDDEN, generator=g)
-    ids, weights, _, _ = torch_ref.routing_case(40, 6, NUM_EXPERTS, 0.0, False, g)
+    ids, weights, _, _ = moe.routing_case(40, 6, NUM_EXPERTS, 0.0, False, g)
     ref = torch_ref.unsplit(x, w13_local, w2_local, weights, ids, expert_map=expert_map)
     # row map over *local* rows: local row i of this rank -> hot or cold
     hot_local = [1, 3, 4]
@@ -113,10 +115,10 @@ def test_each_tier_computes_only_its_own_slots() -> None:
     g = torch.Generator().manual_seed(9)
     w13, w2 = _weights(torch.float32)
     x = torch.randn(20, HIDDEN, generator=g)
-    ids, _, row_map, hot_rows = torch_ref.routing_case(20, 4, NUM_EXPERTS, 0.5, True, g)
+    ids, _, row_map, hot_rows = moe.routing_case(20, 4, NUM_EXPERTS, 0.5, True, g)
     hot_ids, cold_ids = partition_torch(ids, row_map, hot_rows)
-    w13_hot, w13_cold = torch_ref.rehome_weights(w13, row_map, hot_rows)
-    w2_hot, w2_cold = torch_ref.rehome_weights(w2, row_map, hot_rows)
+    w13_hot, w13_cold = moe.rehome_weights(w13, row_map, hot_rows)
+    w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
     nan = torch.full((20, 4, HIDDEN), float("nan"))
     hot_only = torch_ref.expert_rows(x, w13_hot, w2_hot, hot_ids, out=nan.clone())
     assert torch.equal(torch.isnan(hot_only).all(-1), hot_ids < 0)  # cold slots untouched
@@ -127,8 +129,47 @@ def test_each_tier_computes_only_its_own_slots() -> None:
 def test_rehome_weights_puts_each_expert_in_its_row() -> None:
     w = torch.arange(6).reshape(6, 1).float()
     row_map = torch.tensor([3, -1, 0, 2, 1, -1], dtype=torch.int32)
-    hot, cold = torch_ref.rehome_weights(w, row_map, 2)
+    hot, cold = moe.rehome_weights(w, row_map, 2)
     assert hot.flatten().tolist() == [2.0, 4.0]
     assert cold.flatten().tolist() == [3.0, 0.0]
     with pytest.raises(ValueError, match="listed twice"):
-        torch_ref.row_map_for(4, [0, 1], [1])
+        moe.row_map_tensor(4, [0, 1], [1])
+
+
+class _Layer:
+    """The pin state a backend is given (pinsidecar_hook.backends.SplitLayer), built from a row map."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, row_map: torch.Tensor, hot_rows: int) -> None:
+        self.row_map, self.hot_rows = row_map, hot_rows
+        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
+        (h13, c13), (h2, c2) = moe.rehome_weights(w13, row_map, hot_rows), moe.rehome_weights(w2, row_map, hot_rows)
+        self.hot, self.cold = {"w13_weight": h13, "w2_weight": h2}, {"w13_weight": c13, "w2_weight": c2}
+        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
+        self.cold_counts = torch.zeros(1, dtype=torch.int64)
+        self.token_counts = torch.zeros(1, dtype=torch.int64)
+
+
+def _vllm_apply_args(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str = "silu",
+                     on_input: bool = False) -> dict:
+    return dict(output=torch.empty_like(x), hidden_states=x, w1=None, w2=None, topk_weights=weights, topk_ids=ids,
+                activation=activation, global_num_experts=NUM_EXPERTS, expert_map=None, a1q_scale=None,
+                a2_scale=None, workspace13=None, workspace2=None, expert_tokens_meta=None,
+                apply_router_weight_on_input=on_input)
+
+
+def test_make_split_apply_stands_in_for_the_experts_apply_and_counts() -> None:
+    """The registry's contract (pinsidecar_hook.backends.SplitBackend): make_split_apply(experts, layer) returns a
+    function with vLLM's experts ``apply`` signature that writes the unsplit result into ``output``."""
+    g = torch.Generator().manual_seed(11)
+    w13, w2 = _weights(torch.float32)
+    x = torch.randn(12, HIDDEN, generator=g)
+    ids, weights, row_map, hot_rows = moe.routing_case(12, 4, NUM_EXPERTS, 0.5, True, g)
+    layer = _Layer(w13, w2, row_map, hot_rows)
+    apply = torch_ref.make_split_apply(object(), layer)
+    args = _vllm_apply_args(x, weights, ids)
+    apply(**args)
+    assert torch.equal(args["output"], torch_ref.unsplit(x, w13, w2, weights, ids))
+    assert int(layer.token_counts) == 12 and int(layer.expert_counts.sum()) == 12 * 4
+    assert int(layer.cold_counts) == int((row_map.long()[ids] >= hot_rows).sum())
+    with pytest.raises(RuntimeError, match="SiLU-and-mul"):
+        apply(**_vllm_apply_args(x, weights, ids, activation="gelu"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pinsidecar_hook.contract import CountsArtifact, load_counts, request_path
 
-from pinsidecar.testing.engine import HookedEngine, demo_model_dir, engine_factory  # noqa: F401 (fixtures)
+from pinsidecar.testing.engine import HookedEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -23,7 +23,7 @@ PROMPTS = ["def add(a, b):\n    return a + b\n", "The river ran slowly past the 
 
 
 @pytest.fixture(scope="module")
-def eager_engine(demo_model_dir: Path, engine_factory: Callable[..., HookedEngine]) -> Iterator[HookedEngine]:  # noqa: F811
+def eager_engine(demo_model_dir: Path, engine_factory: Callable[..., HookedEngine]) -> Iterator[HookedEngine]:
     eng = engine_factory(demo_model_dir, "count", enforce_eager=True)
     yield eng
     eng.stop()
@@ -46,7 +46,7 @@ def assert_exact(counts: CountsArtifact, processed: int) -> None:
     assert counts.meta["tokens_per_layer"] == [processed] * counts.num_layers
 
 
-def test_counts_file_describes_the_model(eager_engine: HookedEngine, demo_model_dir: Path) -> None:  # noqa: F811
+def test_counts_file_describes_the_model(eager_engine: HookedEngine, demo_model_dir: Path) -> None:
     counts = eager_engine.hook_request("flush")
     cfg = json.loads((demo_model_dir / "config.json").read_text())
     assert counts.layer_ids == list(range(cfg["num_hidden_layers"]))
@@ -109,7 +109,7 @@ def test_malformed_request_file_is_dropped_and_engine_keeps_serving(eager_engine
     assert_exact(eager_engine.hook_request("flush"), processed)
 
 
-def test_compiled_mode_counts_exactly(demo_model_dir: Path, engine_factory: Callable[..., HookedEngine]) -> None:  # noqa: F811
+def test_compiled_mode_counts_exactly(demo_model_dir: Path, engine_factory: Callable[..., HookedEngine]) -> None:
     """torch.compile traces the capture callback once; its in-place counter updates must stay live in the graph."""
     eng = engine_factory(demo_model_dir, "count", enforce_eager=False)
     try:
@@ -121,8 +121,8 @@ def test_compiled_mode_counts_exactly(demo_model_dir: Path, engine_factory: Call
         eng.stop()
 
 
-def test_exit_flush_when_vllm_lets_the_worker_exit(demo_model_dir: Path,  # noqa: F811
-                                                   engine_factory: Callable[..., HookedEngine]) -> None:  # noqa: F811
+def test_exit_flush_when_vllm_lets_the_worker_exit(demo_model_dir: Path,
+                                                   engine_factory: Callable[..., HookedEngine]) -> None:
     """No periodic flush in sight (1 h interval): the counts reach the file only through the exit flush. With
     --shutdown-timeout > 0 vLLM shuts its worker down gracefully, so the atexit flush runs. (With the default 0 the
     API server SIGKILLs the worker at once and only the periodic flush bounds the loss - why it exists.)"""

@@ -3,8 +3,10 @@
 Skipped cleanly without CUDA (conftest). What they show:
 - the compiled Triton partition and finalize agree bit for bit with their torch versions (same checks as the
   interpreter run in tests/test_kernels.py);
-- a split call over hot weights in HBM and cold weights read in place from pinned host memory (UVA) is
-  bit-identical to the unsplit call, for k = 1..8, tokens 1..4096, cold fractions 0..100 %, random and
+- the production device view of pinned host memory (:func:`pinsidecar_hook.rehome.device_view_of_pinned`, the one
+  pin mode's re-homing uses) reads the host pages in place;
+- a split call over hot weights in HBM and cold weights read in place from pinned host memory through that view
+  is bit-identical to the unsplit call, for k = 1..8, tokens 1..4096, cold fractions 0..100 %, random and
   adversarial maps;
 - partition + finalize replay inside a captured CUDA graph, follow a row map rewritten in place, and count exactly.
 """
@@ -15,6 +17,8 @@ import itertools
 
 import pytest
 import torch
+
+from pinsidecar.testing import moe
 
 pytestmark = pytest.mark.gpu
 
@@ -34,22 +38,31 @@ def test_compiled_kernels_match_torch() -> None:
     assert all(results.values()), [k for k, v in results.items() if not v]
 
 
-def _uva_available() -> bool:
-    try:
-        from pinsidecar_hook.backends.torch_ref import device_view_of_pinned
-
-        device_view_of_pinned(torch.zeros(4, pin_memory=True))
-        return True
-    except Exception:
-        return False
-
-
 def _pinned_view(t: torch.Tensor) -> torch.Tensor:
-    from pinsidecar_hook.backends.torch_ref import device_view_of_pinned
+    from pinsidecar_hook.rehome import device_view_of_pinned
 
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t)
     return device_view_of_pinned(host)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_device_view_of_pinned_reads_host_memory_in_place(dtype: torch.dtype) -> None:
+    """Zero-copy: the view is a CUDA tensor at the host pages' address, and a later host write shows through."""
+    from pinsidecar_hook.rehome import device_view_of_pinned
+
+    host = torch.arange(3 * 5, dtype=torch.float32).view(3, 5).to(dtype).pin_memory()
+    view = device_view_of_pinned(host)
+    assert view.is_cuda and view.shape == host.shape and view.dtype == dtype
+    assert torch.equal(view.cpu(), host)
+    host[1, 2] = 7
+    torch.cuda.synchronize()
+    assert view[1, 2].item() == 7  # read over the bus, not a copy
+    assert (view.float() * 2).sum().item() == (host.float() * 2).sum().item()  # usable by kernels
+    empty = device_view_of_pinned(torch.empty(0, 4, dtype=dtype))  # an all-hot map's empty cold tier
+    assert empty.is_cuda and empty.shape == (0, 4)
+    with pytest.raises(ValueError, match="pinned"):
+        device_view_of_pinned(torch.zeros(4))
 
 
 @pytest.mark.parametrize("num_tokens", TOKENS)
@@ -60,19 +73,16 @@ def test_split_bit_identical_on_gpu(num_tokens: int) -> None:
     g = torch.Generator().manual_seed(num_tokens)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=g) / 8).to(torch.bfloat16).to(dev)
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=g) / 8).to(torch.bfloat16).to(dev)
-    uva = _uva_available()
     failures = []
     for top_k, frac, adversarial in itertools.product(range(1, 9), COLD_FRACTIONS, (False, True)):
         x = torch.randn(num_tokens, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
-        ids, weights, row_map, hot_rows = torch_ref.routing_case(
-            num_tokens, top_k, NUM_EXPERTS, frac, adversarial, g
-        )
+        ids, weights, row_map, hot_rows = moe.routing_case(num_tokens, top_k, NUM_EXPERTS, frac, adversarial, g)
         ids, weights, row_map = ids.to(dev), weights.to(dev), row_map.to(dev)
         ref = torch_ref.unsplit(x, w13, w2, weights, ids)
-        w13_hot, w13_cold = torch_ref.rehome_weights(w13, row_map, hot_rows)
-        w2_hot, w2_cold = torch_ref.rehome_weights(w2, row_map, hot_rows)
-        if uva and w13_cold.shape[0]:  # cold tier really in pinned host memory, read over the bus
-            w13_cold, w2_cold = (_pinned_view(t) for t in (w13_cold, w2_cold))
+        w13_hot, w13_cold = moe.rehome_weights(w13, row_map, hot_rows)
+        w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
+        # the cold tier really in pinned host memory, read over the bus through the production view
+        w13_cold, w2_cold = (_pinned_view(t) for t in (w13_cold, w2_cold))
         counts = torch.zeros(NUM_EXPERTS, dtype=torch.int64, device=dev)
         cold = torch.zeros(1, dtype=torch.int64, device=dev)
         out = torch_ref.split(x, w13_hot, w2_hot, w13_cold, w2_cold, weights, ids, row_map, hot_rows, counts, cold)
@@ -81,7 +91,7 @@ def test_split_bit_identical_on_gpu(num_tokens: int) -> None:
         ok = ok and int(cold) == int((row_map.long()[ids] >= hot_rows).sum())
         if not ok:
             failures.append((top_k, frac, adversarial))
-    assert not failures, f"T={num_tokens}: split != unsplit for (k, cold, adversarial) in {failures} (uva={uva})"
+    assert not failures, f"T={num_tokens}: split != unsplit for (k, cold, adversarial) in {failures}"
 
 
 def test_partition_and_finalize_in_cuda_graph_follow_the_map() -> None:

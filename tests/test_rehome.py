@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pinsidecar_hook.pin import layer_row_map
+from pinsidecar_hook.contract import placement_row_map
 from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, rehome_layer, tensor_bytes
 
 E = 8
@@ -85,13 +85,13 @@ def test_peak_is_bounded_by_one_layer_not_the_model() -> None:
 
 
 def test_row_map_without_expert_parallel() -> None:
-    rows, hot_local, cold_local = layer_row_map((3, 1), (0, 2), 4)
+    rows, hot_local, cold_local = placement_row_map((3, 1), (0, 2), 4)
     assert rows == [2, 1, 3, 0] and hot_local == [3, 1] and cold_local == [0, 2]
 
 
 def test_row_map_tensor_parallel_ranks_apply_the_same_map() -> None:
     # TP: every rank holds every expert (a shard of each), so every rank gets the identical row map.
-    maps = [layer_row_map((5, 2, 7), (0, 1, 3, 4, 6), 8) for _rank in range(2)]
+    maps = [placement_row_map((5, 2, 7), (0, 1, 3, 4, 6), 8) for _rank in range(2)]
     assert maps[0] == maps[1]
 
 
@@ -99,10 +99,19 @@ def test_row_map_expert_parallel_maps_only_local_experts() -> None:
     # EP over 2 ranks, 8 experts: rank 0 holds globals 0..3 (local 0..3), rank 1 globals 4..7 (local 0..3).
     hot, cold = (6, 1, 4, 2), (0, 3, 5, 7)
     ep_maps = [[0, 1, 2, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 0, 1, 2, 3]]
-    (rows0, hot0, cold0), (rows1, hot1, cold1) = (layer_row_map(hot, cold, 8, m) for m in ep_maps)
+    (rows0, hot0, cold0), (rows1, hot1, cold1) = (placement_row_map(hot, cold, 8, m) for m in ep_maps)
     assert hot0 == [1, 2] and cold0 == [0, 3]  # local ids, in the map's order
     assert rows0 == [2, 0, 1, 3, -1, -1, -1, -1]
     assert hot1 == [2, 0] and cold1 == [1, 3]
     assert rows1 == [-1, -1, -1, -1, 1, 2, 0, 3]
     # every global expert has a row on exactly one rank
     assert all((a >= 0) != (b >= 0) for a, b in zip(rows0, rows1, strict=True))
+
+
+def test_device_view_of_pinned_refuses_pageable_memory() -> None:
+    """The one device view of host memory (production and GPU tests) reads pinned pages only; the GPU tests
+    (``test_gpu.py``) check the view itself."""
+    from pinsidecar_hook.rehome import device_view_of_pinned
+
+    with pytest.raises(ValueError, match="pinned host memory"):
+        device_view_of_pinned(torch.zeros(4))

@@ -1,7 +1,7 @@
-"""Count mode: per-layer x per-expert router selection counts, kept on the device, flushed to the counts file.
+"""Count mode: per-layer x per-expert router selection counts, kept on the device, written to the counts file.
 
-Seam: the router's capture callback (``BaseRouter.set_capture_fn``), the same one vLLM's own
-routed-experts capturer binds (``bind_routed_experts_capturer`` in ``fused_moe/routed_experts_capturer.py``).
+Seam: the router's capture callback (``BaseRouter.set_capture_fn``, bound through
+:func:`pinsidecar_hook.vllm_seam.bind_router_capture`), the same one vLLM's own routed-experts capturer binds.
 Every router calls it once per forward with the *logical* top-k ids, before any EPLB remapping and on every
 backend that routes in Python (CPU, Triton, FlashInfer modular): exactly the ids a row map is keyed on. We chose it
 over wrapping ``select_experts`` or the experts ``apply`` because it is a supported, named extension point (no
@@ -15,20 +15,17 @@ sync per step. The callback is plain tensor code, so it works in eager mode (Pyt
 ``torch.compile`` (Dynamo traces it once into the graph; the in-place updates of the counter tensors stay live in
 the compiled graph) and inside captured CUDA graphs (the counters are fixed device buffers).
 
-Reading the counters: a side thread copies them to the host every ``flush_interval_s`` and on request
-(:func:`pinsidecar_hook.contract.read_hook_request`, polled every 0.2 s: ``flush`` writes now, ``reset`` zeroes
-then writes; the request's token is echoed in ``flush_token`` and kept in later writes until the next request,
-so a slow poller cannot miss it). Snapshots and resets take the *step lock*, which the worker holds for the
-duration of each ``execute_model`` (``patches.py`` wraps it with :func:`step_guard`); so a snapshot always falls
-between two steps, and every layer's row sums to ``tokens * top_k`` exactly. A request waits at most one step.
-Counts are also flushed at exit (``atexit`` and a chained SIGTERM handler), but vLLM's front end may SIGKILL its
-engine, so the periodic flush is what bounds the loss, never the exit handler.
+Reading the counters: :class:`CountState` is the source of the hook's side thread (:mod:`pinsidecar_hook.flusher`),
+which writes the counts file periodically, on ``flush``/``reset`` requests, and at exit. Snapshots and resets take
+the *step lock*, which the worker holds for the duration of each ``execute_model`` (:func:`step_guard`, wrapped
+around it by :mod:`pinsidecar_hook.modes`); so a snapshot always falls between two steps, and every layer's row
+sums to ``tokens * top_k`` exactly. A request waits at most one step.
 
-Tensor parallel: the router is replicated, so every TP rank sees the same ids; only TP rank 0 writes the file
-(the others count too, which is cheap, but stay silent). Data and expert parallel ranks see different tokens and
-are not supported by count mode yet: :func:`attach` refuses them at boot.
+Tensor parallel: the router is replicated, so every TP rank sees the same ids; only TP rank 0 runs the side thread
+and writes the file (the others count too, which is cheap, but stay silent). Data and expert parallel ranks see
+different tokens and are not supported by count mode yet: :func:`attach` refuses them at boot.
 
-``on_engine_ready`` zeroes the counters after warm-up and profile forwards, so only real traffic counts.
+:func:`on_engine_ready` zeroes the counters after warm-up and profile forwards, so only real traffic counts.
 
 Padding: the callback counts every row the router sees. On the CPU (eager and compiled) that is exactly the
 scheduled tokens (tested: selections == layers x tokens x top_k). On a GPU with CUDA graphs, vLLM pads a batch up
@@ -38,42 +35,39 @@ with ``enforce_eager`` by default (``pinsidecar profile``), where nothing is pad
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
-import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from pinsidecar_hook import contract as artifacts
+from pinsidecar_hook import vllm_seam
+from pinsidecar_hook.contract import CountsArtifact, ModelInfo, utc_now
 from pinsidecar_hook.contract.env import HookConfig, HookConfigError
-from pinsidecar_hook.vllm_seam import MoELayerRef, moe_layers
+from pinsidecar_hook.flusher import Flusher, WriteInfo
 
 __all__ = ["CountState", "attach", "current", "on_engine_ready", "step_guard"]
 
 log = logging.getLogger("pinsidecar_hook")
 
-# How often the side thread looks for a flush/reset request file: a request is served within this plus one step.
-REQUEST_POLL_S = 0.2
-
 _state: CountState | None = None
 
 
 class CountState:
-    """The device counters of one worker, and the thread that writes them out."""
+    """The device counters of one worker: what the capture callbacks fill and the side thread snapshots.
 
-    def __init__(self, layers: list[MoELayerRef], cfg: HookConfig, num_experts: int, top_k: int,
-                 device: torch.device, writer: bool, meta: dict[str, Any], model_info: artifacts.ModelInfo) -> None:
-        assert cfg.counts_path is not None
+    It is count mode's :class:`~pinsidecar_hook.flusher.FlushSource`: :meth:`snapshot` (a counts artifact taken
+    between two steps) and :meth:`reset`.
+    """
+
+    def __init__(self, layer_ids: list[int], cfg: HookConfig, num_experts: int, top_k: int, device: torch.device,
+                 writer: bool, meta: dict[str, Any], model_info: ModelInfo) -> None:
         self.cfg = cfg
-        self.path = cfg.counts_path
-        self.layer_ids = [ref.layer_id for ref in layers]
+        self.layer_ids = list(layer_ids)
         self.num_experts = num_experts
         self.top_k = top_k
         self.device = device
@@ -82,18 +76,13 @@ class CountState:
         self.model_info = model_info
         # One tensor per layer rather than rows of one [L, E] tensor: the compiled graph then mutates whole
         # captured tensors, never views of a shared one (no aliasing for Dynamo/functionalization to untangle).
-        self.counts = [torch.zeros((num_experts,), dtype=torch.int64, device=device) for _ in layers]
-        self.tokens = [torch.zeros((1,), dtype=torch.int64, device=device) for _ in layers]
+        self.counts = [torch.zeros((num_experts,), dtype=torch.int64, device=device) for _ in layer_ids]
+        self.tokens = [torch.zeros((1,), dtype=torch.int64, device=device) for _ in layer_ids]
         # Re-entrant: the SIGTERM handler runs on the main thread, which may be inside a step holding the lock.
         self.step_lock = threading.RLock()
-        self.token = ""  # last served request token, echoed in every later write
-        self.seq = 0
-        self.started_at = artifacts.utc_now()
+        self.started_at = utc_now()
         self.engine_ready = False
-        self.write_errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._write_lock = threading.Lock()
+        self.flusher: Flusher | None = None
 
     # ---------------------------------------------------------------------------------------- step path
 
@@ -115,83 +104,33 @@ class CountState:
         capture._pinsidecar_count = True  # type: ignore[attr-defined]
         return capture
 
-    # ---------------------------------------------------------------------------------------- host side
+    # ---------------------------------------------------------------------------------------- flush source
 
     def reset(self) -> None:
         with self.step_lock:
             for t in (*self.counts, *self.tokens):
                 t.zero_()
-            self.started_at = artifacts.utc_now()
+            self.started_at = utc_now()
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray, str]:
-        """A copy of the counters taken between two steps."""
+    def snapshot(self, info: WriteInfo) -> CountsArtifact:
+        """The counters as a counts artifact, copied between two steps."""
         with self.step_lock:
             counts = torch.stack(self.counts)
             tokens = torch.cat(self.tokens)
             started = self.started_at
-        return counts.cpu().numpy(), tokens.cpu().numpy(), started
-
-    def write(self, token: str | None = None) -> None:
-        """Write the counts file now (TP rank 0 only). ``token``, when given, becomes the echoed flush token."""
-        counts, tokens, started = self.snapshot()
-        with self._write_lock:
-            if token is not None:
-                self.token = token
-            if not self.writer:
-                return
-            self.seq += 1
-            meta = dict(self.meta, seq=self.seq, pid=os.getpid(), engine_ready=self.engine_ready,
-                        tokens_per_layer=[int(t) for t in tokens], write_errors=self.write_errors)
-            art = artifacts.CountsArtifact(
-                layer_ids=list(self.layer_ids), num_experts=self.num_experts, top_k=self.top_k,
-                counts=counts.astype(np.int64), tokens=int(tokens[0]), model=self.model_info,
-                workload=self.cfg.workload, started_at=started, ended_at=artifacts.utc_now(),
-                flush_token=self.token, meta=meta,
-            )
-            try:
-                art.save(self.path)
-            except OSError as exc:  # never take the engine down because a disk is full
-                self.write_errors += 1
-                log.error("pinsidecar count: cannot write %s: %s", self.path, exc)
-
-    def serve_request(self) -> bool:
-        """Serve a pending flush/reset request, if any. Returns True if one was served."""
-        req = artifacts.read_hook_request(self.path)
-        if req is None:
-            return False
-        op, token = req
-        if op == "reset":
-            self.reset()
-        self.write(token)
-        if artifacts.read_hook_request(self.path) == req:  # not replaced by a newer request meanwhile
-            with contextlib.suppress(OSError):
-                artifacts.request_path(self.path).unlink()
-        log.info("pinsidecar count: served %s request %s", op, token)
-        return True
-
-    def _run(self) -> None:
-        next_flush = time.monotonic() + self.cfg.flush_interval_s
-        while not self._stop.wait(REQUEST_POLL_S):
-            try:
-                served = self.serve_request()
-                if served or time.monotonic() >= next_flush:
-                    if not served:
-                        self.write()
-                    next_flush = time.monotonic() + self.cfg.flush_interval_s
-            except Exception:  # the flusher must outlive any one bad write or request
-                self.write_errors += 1
-                log.exception("pinsidecar count: flush failed")
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="pinsidecar-count-flush", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
+        counts_np, tokens_np = counts.cpu().numpy(), tokens.cpu().numpy()
+        meta = dict(self.meta, seq=info.seq, pid=os.getpid(), engine_ready=self.engine_ready,
+                    tokens_per_layer=[int(t) for t in tokens_np], write_errors=sum(info.errors.values()))
+        return CountsArtifact(
+            layer_ids=list(self.layer_ids), num_experts=self.num_experts, top_k=self.top_k,
+            counts=counts_np.astype(np.int64), tokens=int(tokens_np[0]), model=self.model_info,
+            workload=self.cfg.workload, started_at=started, ended_at=utc_now(), flush_token=info.flush_token,
+            meta=meta,
+        )
 
 
 def current() -> CountState | None:
-    """The count state of this process, if count mode is attached (for tests and the pin-mode helper)."""
+    """The count state of this process, if count mode is attached (for tests)."""
     return _state
 
 
@@ -215,72 +154,54 @@ def _expert_bytes(module: Any, local_experts: int) -> int:
     return total // max(local_experts, 1)
 
 
-def _model_info(vllm_config: Any) -> artifacts.ModelInfo:
-    cfg = vllm_config
-    if cfg is None:
-        with contextlib.suppress(Exception):
-            from vllm.config import get_current_vllm_config
-
-            cfg = get_current_vllm_config()
-    mc = getattr(cfg, "model_config", None)
-    if mc is None:
-        return artifacts.ModelInfo()
-    return artifacts.ModelInfo(path=str(getattr(mc, "model", "") or ""),
-                               revision=str(getattr(mc, "revision", "") or ""),
-                               name=str(getattr(mc, "served_model_name", "") or ""))
-
-
-def attach(model: Any, cfg: HookConfig, vllm_config: Any = None) -> CountState:
-    """Bind a counting capture callback to every MoE router of ``model`` and start the flusher thread.
+def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
+    """Bind a counting capture callback to every MoE router of ``model`` and start the side thread (rank 0).
 
     Raises :class:`HookConfigError` (so the engine refuses to boot) when a layer cannot be counted.
     """
     global _state
     if cfg.counts_path is None:
         raise HookConfigError("count mode needs a counts path")
-    layers = moe_layers(model)
-    if not layers:
+    refs = vllm_seam.moe_layers(model)
+    if not refs:
         raise HookConfigError(f"count mode: no MoE layers found in {type(model).__name__}; is this an MoE model?")
-    first = layers[0].module
-    router = first.router
-    top_k = int(router.top_k)
-    num_experts = int(router.global_num_experts)
-    pc = first.moe_config.moe_parallel_config
-    if pc.dp_size > 1 or pc.use_ep:
+    layers = [(ref, vllm_seam.moe_geometry(ref.module)) for ref in refs]
+    first_ref, first = layers[0]
+    top_k, num_experts = first.top_k, first.global_num_experts
+    if first.dp_size > 1 or first.use_ep:
         raise HookConfigError(
-            f"count mode supports tensor parallel only (dp_size={pc.dp_size}, use_ep={pc.use_ep}); "
+            f"count mode supports tensor parallel only (dp_size={first.dp_size}, use_ep={first.use_ep}); "
             "run the count boot without data/expert parallel")
-    for ref in layers:
-        mod = ref.module
-        if getattr(mod, "is_monolithic", False):
+    for ref, geo in layers:
+        if geo.monolithic:
             raise HookConfigError(
                 f"count mode: layer {ref.name} uses a monolithic MoE kernel that routes inside the kernel and "
                 "never calls the router capture; boot the count engine with a modular MoE backend")
-        if not hasattr(mod.router, "set_capture_fn"):
-            raise HookConfigError(f"count mode: router {type(mod.router).__name__} of {ref.name} has no capture "
+        if not vllm_seam.router_capture_supported(geo):
+            raise HookConfigError(f"count mode: router {type(geo.router).__name__} of {ref.name} has no capture "
                                   "callback (set_capture_fn); this vLLM is not supported")
-        if int(mod.router.top_k) != top_k or int(mod.router.global_num_experts) != num_experts:
+        if geo.top_k != top_k or geo.global_num_experts != num_experts:
             raise HookConfigError(f"count mode: layer {ref.name} has top_k/num_experts different from layer "
-                                  f"{layers[0].name}; mixed geometries are not supported")
-    experts_mod = getattr(first, "routed_experts", first)
-    params = list(experts_mod.parameters())
+                                  f"{first_ref.name}; mixed geometries are not supported")
+    params = list(first.param_owner.parameters())
     device = params[0].device if params else torch.device("cpu")
-    local_experts = int(getattr(first.moe_config, "num_local_experts", num_experts) or num_experts)
     meta = {
-        "expert_bytes": _expert_bytes(experts_mod, local_experts),
+        "expert_bytes": _expert_bytes(first.param_owner, first.local_num_experts),
         "dtype": str(params[0].dtype).replace("torch.", "") if params else "",
-        "tp_rank": int(pc.tp_rank), "tp_size": int(pc.tp_size),
-        "device": str(device), "moe_layers": [ref.name for ref in layers],
+        "tp_rank": first.tp_rank, "tp_size": first.tp_size,
+        "device": str(device), "moe_layers": [ref.name for ref, _ in layers],
         "counter": "router capture_fn",
     }
-    state = CountState(layers, cfg, num_experts, top_k, device, writer=pc.tp_rank == 0, meta=meta,
-                       model_info=_model_info(vllm_config))
-    for i, ref in enumerate(layers):
-        r = ref.module.router
-        r.set_capture_fn(state.capture_fn(i, getattr(r, "capture_fn", None)))
+    state = CountState([ref.layer_id for ref, _ in layers], cfg, num_experts, top_k, device,
+                       writer=first.tp_rank == 0, meta=meta, model_info=vllm_seam.model_info(worker))
+    for i, (_ref, geo) in enumerate(layers):
+        vllm_seam.bind_router_capture(geo, lambda previous, i=i: state.capture_fn(i, previous))
+    if state.writer:
+        state.flusher = Flusher(state, cfg.counts_path, interval_s=cfg.flush_interval_s, name="count",
+                                what="counts", write_error_key="counts_write")
+        state.flusher.start()
+        state.flusher.flush_at_exit()
     _state = state
-    state.start()
-    _install_exit_flush(state)
     log.info("pinsidecar count: counting %d MoE layers x %d experts (top-%d) on %s -> %s", len(layers), num_experts,
              top_k, device, cfg.counts_path)
     return state
@@ -293,29 +214,5 @@ def on_engine_ready() -> None:
         return
     state.reset()
     state.engine_ready = True
-    state.write()
-
-
-def _install_exit_flush(state: CountState) -> None:
-    def final_flush() -> None:
-        state.stop()
-        with contextlib.suppress(Exception):
-            state.write()
-
-    atexit.register(final_flush)
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; atexit and the periodic flush remain
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        final_flush()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_IGN:
-            return
-        else:  # default action: die by SIGTERM, as without us
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    with contextlib.suppress(ValueError, OSError):
-        signal.signal(signal.SIGTERM, on_sigterm)
+    if state.flusher is not None:
+        state.flusher.flush()

@@ -1,6 +1,6 @@
 """Pin mode: apply a row map to the loaded model, split every experts call by residency, count live.
 
-Runs inside the vLLM worker, called from :mod:`pinsidecar_hook.vllm_seam` after ``Worker.load_model`` (weights
+Runs inside the vLLM worker, called (through :mod:`pinsidecar_hook.modes`) after ``Worker.load_model`` (weights
 loaded and repacked, KV cache not sized yet) and after warm-up. In order:
 
 1. **Load and validate the map** against the model actually loaded: layer ids, number of experts, top-k, the
@@ -11,8 +11,12 @@ loaded and repacked, KV cache not sized yet) and after warm-up. In order:
 2. **Re-home** every MoE layer (:mod:`pinsidecar_hook.rehome`), one layer at a time, and log one summary line.
 3. **Swap the experts call** of each layer for the backend's split invoke (:mod:`pinsidecar_hook.backends`),
    which partitions each token's top-k ids by residency and counts them into this layer's live counters.
-4. At engine-ready, zero the counters (warm-up forwards are not traffic) and start the stats writer
-   (:mod:`pinsidecar_hook.stats_writer`) on rank 0.
+4. At engine-ready, zero the counters (warm-up forwards are not traffic) and, on rank 0, start the side thread
+   (:mod:`pinsidecar_hook.flusher`) with :class:`PinState` as its source: it writes the stats file
+   (:class:`~pinsidecar_hook.contract.StatsSnapshot`) periodically and on request, to
+   :func:`~pinsidecar_hook.contract.fallback_stats_path` when the stats directory cannot be written (counted in
+   ``errors["stats_write"]``, logged once), and notices the map file changing on disk while serving (logged once,
+   recorded as ``meta["map_changed_on_disk"]``; the running placement stays the one loaded at boot).
 
 Tensor parallel: every rank applies the same map to its shard of each expert. Expert parallel: each rank maps
 only its local experts (vLLM's ``expert_map``), so its row map sends non-local experts to -1.
@@ -20,20 +24,24 @@ only its local experts (vLLM's ``expert_map``), so its row map sends non-local e
 
 from __future__ import annotations
 
-import importlib
 import logging
-import threading
+import os
+import time
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from pinsidecar_hook import vllm_seam as patches
-from pinsidecar_hook.contract import ExpertMap, load_map
+from pinsidecar_hook import vllm_seam
+from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, load_backend, select_backend
+from pinsidecar_hook.contract import ExpertMap, StatsSnapshot, fallback_stats_path, load_map
 from pinsidecar_hook.contract.env import HookConfig
+from pinsidecar_hook.flusher import Flusher, WriteInfo
 from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, rehome_layer, tensor_bytes
 
-__all__ = ["LayerPin", "PinMapMismatch", "PinState", "attach", "layer_row_map", "on_engine_ready", "state"]
+__all__ = ["LayerPin", "PinMapMismatch", "PinState", "attach", "on_engine_ready", "state", "validate"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -55,7 +63,8 @@ class PinMapMismatch(RuntimeError):
 
 @dataclass
 class LayerPin:
-    """One layer's pin-mode state: what the split invoke reads on every call, and what the stats writer copies."""
+    """One layer's pin-mode state: what the split invoke reads on every call, and what the stats copy.
+    It is the :class:`~pinsidecar_hook.backends.SplitLayer` the backends are given."""
 
     layer_id: int
     name: str
@@ -77,8 +86,20 @@ class LayerPin:
         self.token_counts.zero_()
 
 
+def _file_identity(path: Path | None) -> tuple[int, int, int] | None:
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @dataclass
 class PinState:
+    """The running pin mode of one worker; on rank 0 also the side thread's source of stats snapshots."""
+
     emap: ExpertMap
     layers: list[LayerPin]
     backend: str
@@ -86,71 +107,68 @@ class PinState:
     tp_size: int
     summary: dict[str, Any]
     cfg: HookConfig
-    writer: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    flusher: Flusher | None = None
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # new each boot: readers tell restarts apart
+    map_changed: bool = False
+
+    def __post_init__(self) -> None:
+        self._map_identity = _file_identity(self.cfg.map_path)
+
+    # ------------------------------------------------------------------------------------------ flush source
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def check_map_file(self) -> bool:
+        """Whether the map file changed on disk (size, mtime or inode) since boot; logged the first time."""
+        if not self.map_changed and self.cfg.map_path is not None \
+                and _file_identity(self.cfg.map_path) != self._map_identity:
+            self.map_changed = True
+            log.warning("pinsidecar pin: map file %s changed on disk while serving; ignored until the next boot "
+                        "(the running placement is still map %s)", self.cfg.map_path, self.emap.short_hash)
+        return self.map_changed
+
+    def snapshot(self, info: WriteInfo) -> StatsSnapshot:
+        """Copy the device counters (small) into a stats snapshot. Counts may be mid-step: a periodic write can
+        land between two layers of one forward, so only a snapshot taken between steps is exactly
+        layers x tokens x k."""
+        emap = self.emap
+        hist = [layer.expert_counts.to("cpu").tolist() for layer in self.layers]
+        cold = [int(layer.cold_counts.to("cpu").item()) for layer in self.layers]
+        tokens = int(self.layers[0].token_counts.to("cpu").item()) if self.layers else 0
+        return StatsSnapshot(
+            boot_id=self.boot_id, seq=info.seq, layer_ids=[layer.layer_id for layer in self.layers],
+            num_experts=emap.num_experts, top_k=emap.top_k, selections=[int(sum(row)) for row in hist],
+            cold_selections=cold, tokens=tokens, map_hash=emap.content_hash, map_label=emap.label, pid=os.getpid(),
+            written_at=time.time(), tier_bytes=dict(self.summary["tier_bytes"]),
+            histogram=hist if self.cfg.histogram else None, errors=dict(info.errors), flush_token=info.flush_token,
+            meta={"map_path": str(self.cfg.map_path or ""), "map_changed_on_disk": self.check_map_file(),
+                  "backend": self.backend, "tp_size": self.tp_size,
+                  "peak_extra_bytes": self.summary["peak_extra_total_bytes"],
+                  "predicted_cold_rate": emap.predicted_cold_rate, "stats_path": str(self.cfg.stats_path or "")},
+        )
+
+    def make_flusher(self) -> Flusher:
+        """The side thread that writes this state's stats (not started)."""
+        assert self.cfg.stats_path is not None
+        return Flusher(self, self.cfg.stats_path, interval_s=self.cfg.flush_interval_s, name="pin", what="stats",
+                       write_error_key="stats_write", fallback_path=fallback_stats_path(self.cfg.stats_path))
 
 
 _state: PinState | None = None
 
 
 def state() -> PinState | None:
-    """The running pin state (tests and the stats writer use it); None until :func:`attach` has run."""
+    """The running pin state (for tests); None until :func:`attach` has run."""
     return _state
-
-
-# ---------------------------------------------------------------------------------------------------- rows
-
-
-def layer_row_map(hot: list[int] | tuple[int, ...], cold: list[int] | tuple[int, ...], num_experts: int,
-                  expert_map: list[int] | None = None) -> tuple[list[int], list[int], list[int]]:
-    """(row map over global ids, hot local ids, cold local ids) for one layer on one rank.
-
-    Without expert parallel (``expert_map`` None) local id == global id. With it, ``expert_map[g]`` is the local
-    id of global expert ``g`` on this rank or -1; only local experts get rows, in the map's hot then cold order,
-    so the rank's hot tensor holds its local hot experts and its cold tensor its local cold ones.
-    """
-    rows = [-1] * num_experts
-    hot_local: list[int] = []
-    cold_local: list[int] = []
-    for tier_ids, out in ((hot, hot_local), (cold, cold_local)):
-        for g in tier_ids:
-            local = g if expert_map is None else expert_map[g]
-            if local < 0:
-                continue
-            out.append(local)
-    for r, g in enumerate([g for g in (*hot, *cold) if expert_map is None or expert_map[g] >= 0]):
-        rows[g] = r
-    return rows, hot_local, cold_local
 
 
 # ---------------------------------------------------------------------------------------------------- validation
 
 
-def _backend_name(cfg: HookConfig, experts_class: str, device: torch.device) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
-    if device.type == "cpu":
-        return "cpu"
-    if "TrtLlm" in experts_class:
-        return "flashinfer_trtllm"
-    if "Triton" in experts_class:
-        return "triton_experts"
-    return "torch_ref"
-
-
-def _load_backend(name: str) -> Any:
-    try:
-        module = importlib.import_module(f"pinsidecar_hook.backends.{name}")
-    except ImportError as exc:
-        raise PinMapMismatch(f"pin backend {name!r} is not available ({exc}); set PINSIDECAR_PIN_BACKEND to one of "
-                             "auto, cpu, triton_experts, flashinfer_trtllm, torch_ref") from exc
-    if not hasattr(module, "make_split_apply"):
-        raise PinMapMismatch(f"pin backend {name!r} has no make_split_apply(experts, layer); it cannot split calls")
-    return module
-
-
-def validate(emap: ExpertMap, layers: list[tuple[patches.MoELayerRef, patches.MoEGeometry]], backend: Any,
-             backend_name: str, tp_size: int, source: str) -> dict[str, list[str]]:
+def validate(emap: ExpertMap, layers: list[tuple[vllm_seam.MoELayerRef, vllm_seam.MoEGeometry]],
+             backend: SplitBackend, tp_size: int, source: str) -> dict[str, list[str]]:
     """Compare the map with the loaded model; raise :class:`PinMapMismatch` listing every difference.
 
     Returns the per-expert tensor names per layer name (what re-homing splits).
@@ -166,8 +184,8 @@ def validate(emap: ExpertMap, layers: list[tuple[patches.MoELayerRef, patches.Mo
         problems.append(f"num_experts: map has {emap.num_experts}, model has {geo0.global_num_experts}")
     if emap.top_k != geo0.top_k:
         problems.append(f"top_k: map has {emap.top_k}, model has {geo0.top_k}")
-    supported = set(getattr(backend, "SPLIT_TENSORS", ()))
-    required = set(getattr(backend, "REQUIRED_TENSORS", ("w13_weight", "w2_weight")))
+    supported = set(backend.SPLIT_TENSORS)
+    required = set(backend.REQUIRED_TENSORS)
     names_by_layer: dict[str, list[str]] = {}
     expert_bytes_seen: set[int] = set()
     for ref, geo in layers:
@@ -176,9 +194,9 @@ def validate(emap: ExpertMap, layers: list[tuple[patches.MoELayerRef, patches.Mo
                             f"layer {layers[0][0].layer_id}")
         names = expert_tensor_names(geo.param_owner, geo.local_num_experts)
         names_by_layer[ref.name] = names
-        if supported and set(names) - supported:
+        if set(names) - supported:
             problems.append(f"layer {ref.layer_id}: per-expert tensors {sorted(set(names) - supported)} cannot be "
-                            f"split by the {backend_name!r} backend (it splits {sorted(supported)})")
+                            f"split by the {backend.NAME!r} backend (it splits {sorted(supported)})")
         if required - set(names):
             problems.append(f"layer {ref.layer_id}: per-expert tensors {sorted(required - set(names))} are missing "
                             f"(found {names})")
@@ -215,34 +233,35 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     if cfg.map_path is None:
         raise PinMapMismatch("pin mode needs PINSIDECAR_MAP_PATH (the row map to apply)")
     emap = load_map(cfg.map_path)  # ArtifactError: unreadable, corrupt or inconsistent map file
-    rank, tp_size = patches.worker_rank(worker) if worker is not None else (0, 1)
-    refs = patches.moe_layers(model)
-    layers = [(ref, patches.moe_geometry(ref.module)) for ref in refs]
+    rank, tp_size = vllm_seam.worker_rank(worker) if worker is not None else (0, 1)
+    layers = [(ref, vllm_seam.moe_geometry(ref.module)) for ref in vllm_seam.moe_layers(model)]
     if not layers:
         raise PinMapMismatch(f"map {cfg.map_path}: the loaded model has no MoE layers")
-    device = layers[0][1].param_owner.w13_weight.device
-    backend_name = _backend_name(cfg, layers[0][1].experts_class, device)
-    backend = _load_backend(backend_name)
-    names_by_layer = validate(emap, layers, backend, backend_name, tp_size, str(cfg.map_path))
+    geo0 = layers[0][1]
+    device = geo0.device
+    try:
+        backend_name = select_backend(cfg.backend, device, geo0.experts)
+        backend = load_backend(backend_name)
+    except BackendUnavailable as exc:
+        raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
+    names_by_layer = validate(emap, layers, backend, tp_size, str(cfg.map_path))
 
     ledger = MemoryLedger()
     pins: list[LayerPin] = []
     for ref, geo in layers:  # one layer at a time: each layer's original is freed before the next is copied
-        placement = emap.layer(ref.layer_id)
         expert_map = None if geo.expert_map is None else [int(v) for v in geo.expert_map.tolist()]
-        rows, hot_local, cold_local = layer_row_map(placement.hot, placement.cold, emap.num_experts, expert_map)
+        rows, hot_local, cold_local = emap.layer(ref.layer_id).row_map(emap.num_experts, expert_map)
         rehomed = rehome_layer(geo.param_owner, names_by_layer[ref.name], hot_local, cold_local, ledger)
-        counters_device = device
         pin = LayerPin(
             layer_id=ref.layer_id, name=ref.name,
-            row_map=torch.tensor(rows, dtype=torch.int32, device=counters_device),
+            row_map=torch.tensor(rows, dtype=torch.int32, device=device),
             hot_rows=len(hot_local), cold_rows=len(cold_local), hot=rehomed.hot, cold=rehomed.cold,
-            expert_counts=torch.zeros(emap.num_experts, dtype=torch.int64, device=counters_device),
-            cold_counts=torch.zeros(1, dtype=torch.int64, device=counters_device),
-            token_counts=torch.zeros(1, dtype=torch.int64, device=counters_device),
+            expert_counts=torch.zeros(emap.num_experts, dtype=torch.int64, device=device),
+            cold_counts=torch.zeros(1, dtype=torch.int64, device=device),
+            token_counts=torch.zeros(1, dtype=torch.int64, device=device),
             hot_bytes=rehomed.hot_bytes, cold_bytes=rehomed.cold_bytes, keepalive=list(rehomed.cold_host.values()),
         )
-        patches.swap_experts_apply(geo, backend.make_split_apply(geo.experts, pin))
+        vllm_seam.swap_experts_apply(geo, backend.make_split_apply(geo.experts, pin))
         pins.append(pin)
 
     hbm = sum(p.hot_bytes for p in pins)
@@ -269,15 +288,15 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
 
 
 def on_engine_ready() -> None:
-    """Warm-up is over: zero the counters so they count real traffic only, and start the stats writer (rank 0)."""
+    """Warm-up is over: zero the counters so they count real traffic only, and (rank 0) write once and start
+    the side thread."""
     st = _state
     if st is None:
         return
-    for layer in st.layers:
-        layer.reset()
-    if st.rank != 0 or st.cfg.stats_path is None or st.writer is not None:
+    st.reset()
+    if st.rank != 0 or st.cfg.stats_path is None or st.flusher is not None:
         return
-    from pinsidecar_hook.stats_writer import StatsWriter
-
-    st.writer = StatsWriter(st, st.cfg)
-    st.writer.start()
+    st.flusher = st.make_flusher()
+    st.flusher.flush()
+    st.flusher.start()
+    st.flusher.flush_at_exit()

@@ -1,8 +1,9 @@
 """The vLLM entry point: ``register()`` runs in every vLLM process (front end, engine core, workers).
 
 It must be cheap and idempotent, and it must never break an engine whose hook mode is ``off``. It reads the
-hook configuration from the environment, refuses to start on a bad one (an engine that silently serves with
-another placement is worse than one that does not boot), and hands the rest to :mod:`pinsidecar_hook.vllm_seam`.
+hook configuration from the environment (:class:`~pinsidecar_hook.contract.env.HookConfig`), refuses to start on a
+bad one (an engine that silently serves with another placement is worse than one that does not boot), and hands
+the rest to :func:`pinsidecar_hook.modes.install`, which wires the chosen mode into vLLM's worker.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def register() -> None:
     _registered = True
     if cfg.mode == "off":
         return
-    from pinsidecar_hook import vllm_seam as patches
+    from pinsidecar_hook import modes
 
-    patches.install(cfg)
+    modes.install(cfg)
     log.info("pinsidecar hook installed: mode=%s", cfg.mode)

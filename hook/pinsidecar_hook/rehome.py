@@ -5,8 +5,7 @@ block scales: whatever has the local expert count as its first dimension) is spl
 
 - the **hot** rows, in the map's hot order, into one tensor on the layer's device (HBM on a GPU);
 - the **cold** rows, in the map's cold order, into a separate host tensor. On CUDA that tensor is pinned and the
-  layer reads it through a device view (vLLM's ``get_accelerator_view_from_cpu_tensor``, the path
-  ``--cpu-offload-gb`` uses, or :func:`_uva_view` without vLLM), marked ``_vllm_is_uva_offloaded`` so vLLM's
+  layer reads it in place through :func:`device_view_of_pinned`, marked ``_vllm_is_uva_offloaded`` so vLLM's
   kernels treat it as host-resident. On the CPU engine it is simply a second host tensor.
 
 The layer's own ``Parameter`` objects are kept and re-pointed at the hot rows (``param.data = hot``), so anything
@@ -23,11 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-__all__ = ["TIERS", "MemoryLedger", "RehomedLayer", "expert_tensor_names", "rehome_layer", "tensor_bytes"]
+from pinsidecar_hook import vllm_seam
+
+__all__ = ["TIERS", "MemoryLedger", "RehomedLayer", "device_view_of_pinned", "expert_tensor_names", "rehome_layer",
+           "tensor_bytes"]
 
 # The two residency tiers, by the names the stats file uses for their byte counts.
 TIERS = ("hbm", "host")
@@ -80,21 +81,30 @@ class RehomedLayer:
     cold_bytes: int
 
 
-def _uva_view(host: torch.Tensor) -> torch.Tensor:
-    """A device view of a pinned host tensor (zero-copy): vLLM's helper when present, else torch's own."""
-    try:
-        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
-    except ImportError:  # standalone (GPU tests without vLLM)
-        get_accelerator_view_from_cpu_tensor = None
-    if get_accelerator_view_from_cpu_tensor is not None:
-        return get_accelerator_view_from_cpu_tensor(host)
-    if host.numel() == 0:
-        return torch.empty(host.shape, dtype=host.dtype, device="cuda")
-    # Pinned (cudaHostAlloc'ed) memory is mapped into the device address space under UVA, so its host pointer is a
-    # valid device pointer: wrap it, zero-copy, through the CUDA array interface (bytes, since bf16 has no typestr).
-    # The caller keeps ``host`` alive for as long as the view is used.
-    flat = host.reshape(-1).view(torch.uint8)
+def device_view_of_pinned(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor that reads the pinned host tensor ``host`` in place, over the bus (zero-copy): the one device
+    view of pinned memory, used by re-homing in production and by the GPU tests and benchmark.
 
+    With vLLM importable it is vLLM's own view (``get_accelerator_view_from_cpu_tensor`` through
+    :func:`pinsidecar_hook.vllm_seam.accelerator_view`, the path ``--cpu-offload-gb`` uses). Without it, torch's:
+    pinned (``cudaHostAlloc``'ed) memory is mapped into the device address space under UVA, so its host pointer
+    is a valid device pointer, wrapped through the CUDA array interface (as bytes, since bf16 has no typestr).
+    The view does not own the memory: it holds a reference to ``host`` (``_pinsidecar_host``), and the caller
+    should keep ``host`` alive too for as long as the view is used.
+    """
+    if host.numel() == 0:  # an empty tier (an all-hot map): nothing to map, and empty tensors report unpinned
+        return torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    if not host.is_pinned():
+        raise ValueError("device_view_of_pinned needs pinned host memory (torch.empty(..., pin_memory=True))")
+    view = vllm_seam.accelerator_view(host)
+    if view is None:
+        view = _cuda_array_interface_view(host)
+    view._pinsidecar_host = host  # type: ignore[attr-defined]
+    return view
+
+
+def _cuda_array_interface_view(host: torch.Tensor) -> torch.Tensor:
+    flat = host.reshape(-1).view(torch.uint8)
     iface = type("_PinnedHostView", (), {"__cuda_array_interface__": {
         "shape": (flat.numel(),), "typestr": "|u1", "data": (flat.data_ptr(), False), "version": 3, "strides": None}})
     return torch.as_tensor(iface(), device="cuda").view(host.dtype).view(host.shape)
@@ -131,7 +141,7 @@ def rehome_layer(
         host.copy_(data.index_select(0, cold_idx))
         ledger.alloc("host", tensor_bytes(host))
         if on_cuda:
-            view = _uva_view(host)
+            view = device_view_of_pinned(host)
             view._vllm_is_uva_offloaded = True  # type: ignore[attr-defined]
         else:
             view = host
@@ -155,6 +165,3 @@ def rehome_layer(
         torch.cuda.empty_cache()  # so vLLM's KV sizing, which measures free memory, sees the freed HBM
     return RehomedLayer(hot=hot, cold=cold, cold_host=cold_host, hot_bytes=hot_bytes, cold_bytes=cold_bytes)
 
-
-def describe_ledger(ledger: MemoryLedger) -> dict[str, Any]:
-    return {"peak_extra_bytes": dict(ledger.peak), "peak_extra_total_bytes": ledger.peak_total}

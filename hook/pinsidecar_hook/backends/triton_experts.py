@@ -1,8 +1,9 @@
 """Split invoke for vLLM's ``TritonExperts`` (SM90+, bf16/fp8): two calls, one ``moe_sum``-exact finalize.
 
-**Not run on hardware.** vLLM's CUDA build is not on the lent H200 and the CPU build has no Triton experts. This
-adapter is written against vLLM 0.33's interface (``model_executor/layers/fused_moe/experts/triton_moe.py``) and
-its id, config-pinning and reduction logic is unit-tested against a reference with a fake experts object that
+**Not run on hardware.** Neither :class:`TritonExpertsSplit` nor :func:`make_split_apply` has run on a GPU or in
+an engine: vLLM's CUDA build is not on the lent H200 and the CPU build has no Triton experts. This adapter is
+written against vLLM 0.33's interface (``model_executor/layers/fused_moe/experts/triton_moe.py``) and its id,
+config-pinning, reduction and wiring logic is unit-tested against a reference with a fake experts object that
 follows the same contract (tests/test_backends_gpu_adapters.py).
 
 How ``TritonExperts.apply`` works, and what the split relies on:
@@ -39,18 +40,33 @@ from typing import Any
 
 import torch
 
+from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.kernels.finalize import finalize
 from pinsidecar_hook.kernels.partition import partition
 
 __all__ = [
+    "NAME",
+    "REQUIRED_TENSORS",
+    "SPLIT_TENSORS",
     "TritonExpertsSplit",
     "UnsupportedSplit",
     "check_supported",
+    "make_split_apply",
     "mark_host_resident",
     "moe_sum_reference",
     "tier_expert_maps",
     "tier_quant_config",
 ]
+
+
+NAME = "triton_experts"
+# Layer parameter -> the FusedMoEQuantConfig field that holds the same per-expert tensor (tier_quant_config keys).
+_QUANT_FIELD_OF = {"w13_weight_scale": "w1.scale", "w2_weight_scale": "w2.scale", "w13_bias": "w1.bias",
+                   "w2_bias": "w2.bias"}
+# The per-expert tensors this backend splits: the weights, and what the quant config's weight descriptors hold per
+# expert (scales, biases). Zero points and global scales are not mapped yet, so a layer with them is refused.
+SPLIT_TENSORS = ("w13_weight", "w2_weight", *_QUANT_FIELD_OF)
+REQUIRED_TENSORS = ("w13_weight", "w2_weight")
 
 
 class UnsupportedSplit(RuntimeError):
@@ -144,28 +160,14 @@ def _capture_rows(experts: Any, sink: list[torch.Tensor]):
         del experts._finalize_expert_output
 
 
-def _override_config(config: dict[str, Any]):
-    from vllm.model_executor.layers.fused_moe import override_config
-
-    return override_config(config)
-
-
-def _pinned_config(experts: Any, w1_shape, w2_shape, top_k: int, dtype: torch.dtype, num_tokens: int):
-    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
-
-    return try_get_optimal_moe_config(
-        tuple(w1_shape), tuple(w2_shape), top_k, experts.quant_config.config_name(dtype), num_tokens,
-        block_shape=experts.block_shape,
-    )
-
-
 @dataclasses.dataclass
 class TritonExpertsSplit:
     """One MoE layer's split invoke over a ``TritonExperts`` object.
 
-    Built once per layer at attach time; :meth:`apply` replaces the experts' ``apply`` for that layer (patches.py
-    does the replacing). ``full_w1_shape``/``full_w2_shape`` are the unsplit weight shapes (``[E_local, ...]``)
-    whose tile config both calls use. ``config_fn`` and ``override_fn`` default to vLLM's and exist for tests."""
+    Built once per layer at attach time (:func:`make_split_apply`); both calls go to the experts *class's*
+    ``apply`` (the instance's is replaced by the split). ``full_w1_shape``/``full_w2_shape`` are the unsplit
+    weight shapes (``[E_local, ...]``) whose tile config both calls use. ``config_fn`` and ``override_fn`` default
+    to vLLM's (through :mod:`pinsidecar_hook.vllm_seam`) and exist for tests."""
 
     experts: Any
     row_map: torch.Tensor
@@ -182,15 +184,15 @@ class TritonExpertsSplit:
 
     def __post_init__(self) -> None:
         self.hot_map, self.cold_map = tier_expert_maps(self.row_map, self.hot_rows)
-        self.config_fn = self.config_fn or _pinned_config
-        self.override_fn = self.override_fn or _override_config
+        self.config_fn = self.config_fn or vllm_seam.triton_moe_config
+        self.override_fn = self.override_fn or vllm_seam.triton_override_config
 
     def _call(self, quant_config, sink, **kwargs) -> None:
         original = self.experts.quant_config
         self.experts.quant_config = quant_config
         try:
             with _capture_rows(self.experts, sink):
-                self.experts.apply(**kwargs)
+                type(self.experts).apply(self.experts, **kwargs)  # the class's: the instance's is the split
         finally:
             self.experts.quant_config = original
 
@@ -239,3 +241,42 @@ class TritonExpertsSplit:
         finalize(rows_hot, None, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold, weighted_rows=True,
                  out=output)
 
+
+def _tier_quant_tensors(tier: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {_QUANT_FIELD_OF[name]: t for name, t in tier.items() if name in _QUANT_FIELD_OF}
+
+
+def make_split_apply(experts: Any, layer: Any, *, config_fn: Any = None, override_fn: Any = None) -> Any:
+    """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature) that runs a
+    :class:`TritonExpertsSplit` over the layer's hot and cold tensors (``layer`` is a
+    :class:`pinsidecar_hook.backends.SplitLayer`). Not run on hardware (module docstring).
+
+    The weights vLLM passes (the layer's parameters, which now hold the hot rows) and its ``expert_map`` are
+    ignored: the layer state holds both tiers, and its row map already sends other ranks' experts to -1.
+    ``config_fn``/``override_fn`` are for tests (see :class:`TritonExpertsSplit`).
+    """
+    hot, cold = layer.hot, layer.cold
+    local = layer.hot_rows + layer.cold_rows
+    split = TritonExpertsSplit(
+        experts=experts, row_map=layer.row_map, hot_rows=layer.hot_rows,
+        global_num_experts=int(layer.row_map.shape[0]),
+        full_w1_shape=(local, *hot["w13_weight"].shape[1:]), full_w2_shape=(local, *hot["w2_weight"].shape[1:]),
+        hot_quant_config=tier_quant_config(experts.quant_config, _tier_quant_tensors(hot)),
+        cold_quant_config=tier_quant_config(experts.quant_config, _tier_quant_tensors(cold)),
+        expert_counts=layer.expert_counts, cold_counts=layer.cold_counts, config_fn=config_fn,
+        override_fn=override_fn,
+    )
+
+    def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+                    expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+                    workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+                    apply_router_weight_on_input: bool) -> None:
+        layer.token_counts.add_(topk_ids.shape[0])
+        split.apply(output, hidden_states, hot["w13_weight"], hot["w2_weight"], cold["w13_weight"],
+                    cold["w2_weight"], topk_weights, topk_ids, activation, a1q_scale, a2_scale, workspace13,
+                    workspace2, expert_tokens_meta, apply_router_weight_on_input)
+
+    split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
+    split_apply.split = split  # type: ignore[attr-defined]
+    return split_apply

@@ -7,7 +7,8 @@ environment variables:
 - :mod:`~pinsidecar_hook.contract.counts` — count mode's output (per-layer × per-expert selection counts);
 - :mod:`~pinsidecar_hook.contract.map` — pin mode's input (the row map and its fixed geometry);
 - :mod:`~pinsidecar_hook.contract.stats` — pin mode's live counters, and the fallback path they go to;
-- :mod:`~pinsidecar_hook.contract.requests` — ``flush`` / ``reset`` requests dropped beside an artifact;
+- :mod:`~pinsidecar_hook.contract.requests` — ``flush`` / ``reset`` requests dropped beside an artifact, and
+  :func:`request_and_wait`, the one client-side wait for their answer;
 - :mod:`~pinsidecar_hook.contract.env` — the ``PINSIDECAR_*`` variables and :class:`HookConfig`;
 - :mod:`~pinsidecar_hook.contract.io` — the rules every file follows (versioned, validated on read, written
   atomically).
@@ -17,7 +18,7 @@ of pinsidecar but the bind-mounted ``hook/`` folder.
 """
 
 from pinsidecar_hook.contract.counts import CountsArtifact, ModelInfo, load_counts
-from pinsidecar_hook.contract.env import ENV, MODES, HookConfig, HookConfigError
+from pinsidecar_hook.contract.env import ENV, MODES, PIN_BACKENDS, HookConfig, HookConfigError
 from pinsidecar_hook.contract.io import (
     COUNTS_FORMAT,
     MAP_FORMAT,
@@ -28,8 +29,23 @@ from pinsidecar_hook.contract.io import (
     atomic_write_json,
     utc_now,
 )
-from pinsidecar_hook.contract.map import ExpertMap, LayerPlacement, cold_selection_ratio, load_map
-from pinsidecar_hook.contract.requests import HOOK_OPS, read_hook_request, request_path, write_hook_request
+from pinsidecar_hook.contract.map import (
+    ExpertMap,
+    LayerPlacement,
+    RowMap,
+    cold_selection_ratio,
+    load_map,
+    placement_row_map,
+)
+from pinsidecar_hook.contract.requests import (
+    HOOK_OPS,
+    REQUEST_POLL_S,
+    HookRequestError,
+    read_hook_request,
+    request_and_wait,
+    request_path,
+    write_hook_request,
+)
 from pinsidecar_hook.contract.stats import StatsSnapshot, fallback_stats_path, load_stats
 
 __all__ = [
@@ -38,6 +54,8 @@ __all__ = [
     "HOOK_OPS",
     "MAP_FORMAT",
     "MODES",
+    "PIN_BACKENDS",
+    "REQUEST_POLL_S",
     "STATS_FORMAT",
     "VERSION",
     "ArtifactError",
@@ -45,8 +63,10 @@ __all__ = [
     "ExpertMap",
     "HookConfig",
     "HookConfigError",
+    "HookRequestError",
     "LayerPlacement",
     "ModelInfo",
+    "RowMap",
     "StatsSnapshot",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -55,7 +75,9 @@ __all__ = [
     "load_counts",
     "load_map",
     "load_stats",
+    "placement_row_map",
     "read_hook_request",
+    "request_and_wait",
     "request_path",
     "utc_now",
     "write_hook_request",

@@ -12,7 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENV", "HookConfig", "HookConfigError"]
+__all__ = [
+    "AUTO_BACKEND",
+    "ENV",
+    "MODES",
+    "PIN_BACKENDS",
+    "PIN_BACKEND_ALIASES",
+    "HookConfig",
+    "HookConfigError",
+    "pin_backend_name",
+]
 
 # Variable names, in one place: the daemon's launcher builds the environment from these.
 ENV = {
@@ -23,10 +32,17 @@ ENV = {
     "flush_interval_s": "PINSIDECAR_FLUSH_INTERVAL_S",
     "workload": "PINSIDECAR_WORKLOAD",
     "histogram": "PINSIDECAR_STATS_HISTOGRAM",  # 1: stats carry the full [layer][expert] histogram
-    "backend": "PINSIDECAR_PIN_BACKEND",  # auto | cpu | triton | flashinfer | torch
+    "backend": "PINSIDECAR_PIN_BACKEND",  # auto, or one of PIN_BACKENDS / PIN_BACKEND_ALIASES
 }
 
 MODES = ("off", "count", "pin")
+# Pin mode's split backends by their canonical names (one module each under pinsidecar_hook.backends; the
+# registry there asserts at import that its names are exactly these). Kept here, not imported from the registry,
+# because this module must import without torch.
+PIN_BACKENDS = ("cpu", "triton_experts", "flashinfer_trtllm", "torch_ref")
+# Short names accepted for PINSIDECAR_PIN_BACKEND, as the documentation writes them.
+PIN_BACKEND_ALIASES = {"triton": "triton_experts", "flashinfer": "flashinfer_trtllm", "torch": "torch_ref"}
+AUTO_BACKEND = "auto"
 # Periodic flush: often enough that a SIGKILLed worker loses at most a few seconds of counts, rarely enough
 # that the copy of a [layers, experts] int64 tensor is noise.
 DEFAULT_FLUSH_INTERVAL_S = 5.0
@@ -34,6 +50,18 @@ DEFAULT_FLUSH_INTERVAL_S = 5.0
 
 class HookConfigError(ValueError):
     """A hook setting that cannot work. Raised at engine boot so that the engine refuses to start."""
+
+
+def pin_backend_name(raw: str) -> str:
+    """The canonical backend name for a ``PINSIDECAR_PIN_BACKEND`` value (``auto``, a canonical name, or a short
+    alias; case and surrounding blanks ignored). Raises :class:`HookConfigError` listing the accepted names."""
+    name = raw.strip().lower() or AUTO_BACKEND
+    name = PIN_BACKEND_ALIASES.get(name, name)
+    if name != AUTO_BACKEND and name not in PIN_BACKENDS:
+        aliases = ", ".join(f"{short} (= {full})" for short, full in PIN_BACKEND_ALIASES.items())
+        raise HookConfigError(f"{ENV['backend']}={raw!r} is not a pin backend; use {AUTO_BACKEND} (pick by device "
+                              f"and experts class), one of {', '.join(PIN_BACKENDS)}, or a short name: {aliases}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -45,7 +73,10 @@ class HookConfig:
     flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
     workload: str = ""
     histogram: bool = True
-    backend: str = "auto"
+    backend: str = AUTO_BACKEND  # canonical (aliases are resolved on construction)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", pin_backend_name(self.backend))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> HookConfig:
@@ -69,7 +100,7 @@ class HookConfig:
             mode=mode, counts_path=path("counts_path"), map_path=path("map_path"), stats_path=path("stats_path"),
             flush_interval_s=interval, workload=env.get(ENV["workload"], ""),
             histogram=env.get(ENV["histogram"], "1").strip() not in ("0", "false", "no"),
-            backend=env.get(ENV["backend"], "auto").strip().lower() or "auto",
+            backend=pin_backend_name(env.get(ENV["backend"], AUTO_BACKEND)),
         )
         if mode == "count" and cfg.counts_path is None:
             raise HookConfigError(f"count mode needs {ENV['counts_path']} (where to write the counts)")

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,7 +25,45 @@ from pinsidecar_hook.contract.io import (
     atomic_write_json,
 )
 
-__all__ = ["ExpertMap", "LayerPlacement", "cold_selection_ratio", "load_map"]
+__all__ = ["ExpertMap", "LayerPlacement", "RowMap", "cold_selection_ratio", "load_map", "placement_row_map"]
+
+
+class RowMap(NamedTuple):
+    """One layer's placement as a rank sees it (see :func:`placement_row_map`)."""
+
+    rows: list[int]  # global expert id -> row: hot 0..H-1, cold H..H+C-1, -1 when not on this rank
+    hot_local: list[int]  # the rank's local expert ids in hot-row order (what re-homing copies to the hot tensor)
+    cold_local: list[int]  # the same for the cold rows
+
+
+def placement_row_map(hot: Sequence[int], cold: Sequence[int], num_experts: int,
+                      expert_map: Sequence[int] | None = None) -> RowMap:
+    """The row map of one layer: hot experts in rows ``0..H-1`` in the order given, cold ones after them.
+
+    This is the one row-map builder: the map file's :meth:`LayerPlacement.row_map`, pin mode's re-homing and the
+    test generators all call it. Experts in neither list get ``-1``. Without expert parallel (``expert_map``
+    None) every expert is local and local id == global id. With it, ``expert_map[g]`` is the local id of global
+    expert ``g`` on this rank or ``-1`` (vLLM's ``expert_map``); only local experts get rows, in the map's hot
+    then cold order, so a rank's hot tensor holds its local hot experts and its cold tensor its local cold ones
+    (``H`` and ``C`` count this rank's experts). Raises ``ValueError`` for an id listed twice or out of range.
+    """
+    listed = [*hot, *cold]
+    if len(set(listed)) != len(listed):
+        raise ValueError("an expert is listed twice across the hot and cold experts")
+    if any(not 0 <= g < num_experts for g in listed):
+        raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
+    rows = [-1] * num_experts
+    tiers: tuple[list[int], list[int]] = ([], [])
+    row = 0
+    for tier_ids, local_ids in zip((hot, cold), tiers, strict=True):
+        for g in tier_ids:
+            local = g if expert_map is None else int(expert_map[g])
+            if local < 0:
+                continue  # another rank's expert
+            rows[g] = row
+            row += 1
+            local_ids.append(local)
+    return RowMap(rows, *tiers)
 
 
 @dataclass(frozen=True)
@@ -37,12 +75,9 @@ class LayerPlacement:
     hot: tuple[int, ...]
     cold: tuple[int, ...]
 
-    def row_map(self, num_experts: int) -> list[int]:
-        """Expert id -> row in the re-homed layout (hot rows first). The hook turns this into an int32 tensor."""
-        rows = [-1] * num_experts
-        for r, e in enumerate((*self.hot, *self.cold)):
-            rows[e] = r
-        return rows
+    def row_map(self, num_experts: int, expert_map: Sequence[int] | None = None) -> RowMap:
+        """This layer's rows on one rank (:func:`placement_row_map`)."""
+        return placement_row_map(self.hot, self.cold, num_experts, expert_map)
 
 
 @dataclass(frozen=True)
@@ -92,7 +127,7 @@ class ExpertMap:
 
     def row_maps(self) -> np.ndarray:
         """int32 [num_layers, num_experts]: expert id -> row (hot rows first)."""
-        return np.asarray([lp.row_map(self.num_experts) for lp in self.layers], dtype=np.int32)
+        return np.asarray([lp.row_map(self.num_experts).rows for lp in self.layers], dtype=np.int32)
 
     def hot_mask(self) -> np.ndarray:
         """bool [num_layers, num_experts]: True where the expert is HBM-resident."""

@@ -59,6 +59,7 @@ class StatsSnapshot:
     tier_bytes: dict[str, int] = field(default_factory=dict)  # {"hbm": ..., "host": ...}
     histogram: list[list[int]] | None = None  # [layer][expert] selections, optional
     errors: dict[str, int] = field(default_factory=dict)  # e.g. {"stats_write": 3}
+    flush_token: str = ""  # the last flush/reset request served (contract.requests), echoed until the next one
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -105,7 +106,7 @@ class StatsSnapshot:
             written_at=float(doc.get("written_at", 0.0) or 0.0),
             tier_bytes={str(k): int(v) for k, v in (doc.get("tier_bytes") or {}).items()},
             histogram=hist, errors={str(k): int(v) for k, v in (doc.get("errors") or {}).items()},
-            meta=dict(doc.get("meta", {}) or {}),
+            flush_token=str(doc.get("flush_token", "") or ""), meta=dict(doc.get("meta", {}) or {}),
         )
 
 
