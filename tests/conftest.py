@@ -1,5 +1,9 @@
-"""Suite-wide pytest set-up: markers that skip where the real thing cannot run, and an offline environment.
+"""Suite-wide pytest set-up: the shared fixtures, markers that skip where the real thing cannot run, and an offline
+environment.
 
+- The engine fixtures (``demo_model_dir``, ``engine_factory``) come from :mod:`pinsidecar.testing.fixtures` as a
+  plugin, so each exists once and the demo model is built once per session. Test modules use them by name and
+  never import them (an imported fixture is a separate fixture per importing module).
 - ``gpu`` tests need CUDA; on CI (never a GPU) they are skipped with the reason, never counted as passed.
 - ``vllm`` tests need the vLLM CPU build importable; `scripts/setup.sh` installs it, so a missing vLLM is an
   error there rather than a silent skip (set PINSIDECAR_ALLOW_NO_VLLM=1 to skip them on a machine without it).
@@ -11,6 +15,8 @@ import importlib.util
 import os
 
 import pytest
+
+pytest_plugins = ["pinsidecar.testing.fixtures"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -1,4 +1,6 @@
-"""Config validation: the shipped examples load, and every kind of bad input is refused naming its key."""
+"""Config validation: the shipped examples load, every kind of bad input is refused naming its key, and the
+``[engine]`` table read alone (:func:`~pinsidecar.engine.load_engine_config`, what the count boot uses) is the
+daemon's table with the daemon's messages."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pinsidecar.daemon.config import ConfigError, load_config
+from pinsidecar.engine import load_engine_config
 from pinsidecar.testing.artifacts import write_map
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
@@ -76,6 +79,7 @@ def test_gpu_example_loads_with_local_paths(model_dir: Path, token_file: Path, t
     assert spec.env["PINSIDECAR_MAP_PATH"] == str(mp)
     assert spec.env["PINSIDECAR_STATS_PATH"] == str(state / "stats.json")
     assert spec.dtype == "auto" and "--dtype" not in spec.argv()
+    assert spec.env["PINSIDECAR_PIN_BACKEND"] == "auto"
 
 
 def test_relative_paths_are_relative_to_the_config_file(tmp_path: Path, token_file: Path) -> None:
@@ -96,6 +100,7 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path: Path, token_fi
     ('map = "/nonexistent/map.json"', r"engine\.map: /nonexistent/map\.json does not exist"),
     ('hook_mode = "pin"', r"engine\.map: required when engine\.hook_mode = \"pin\""),
     ("ready_timeout_s = 0", r"engine\.ready_timeout_s: must be > 0"),
+    ('pin_backend = "fast"', r"engine\.pin_backend: PINSIDECAR_PIN_BACKEND='fast' is not a pin backend; use auto"),
     ('launcher = "container"', r"container\.image: required"),
 ])
 def test_bad_engine_values_name_the_key(tmp_path: Path, model_dir: Path, token_file: Path, engine_extra: str,
@@ -170,3 +175,42 @@ def test_clients_skip_file_checks_but_not_the_rest(tmp_path: Path) -> None:
     p = _write(tmp_path, '[engine]\nmodel = "/nowhere"\nport = "abc"\n[control]\ntoken_file = "/nope"\n')
     with pytest.raises(ConfigError, match=r"engine\.port: expected an integer 1-65535"):
         load_config(p, check_paths=False)
+
+
+def test_engine_table_alone_from_both_examples(model_dir: Path, tmp_path: Path) -> None:
+    cpu = load_engine_config(EXAMPLES / "cpu-demo.toml", {"model": model_dir})
+    assert cpu == load_config(EXAMPLES / "cpu-demo.toml", {"engine.model": str(model_dir)}).engine  # one schema
+    assert cpu.served_model_name == "demo" and cpu.enforce_eager and cpu.dtype == "float32"
+    gpu = load_engine_config(EXAMPLES / "gpu-container.toml", check_paths=False)  # paths of the GPU host
+    assert gpu.launcher == "container" and gpu.hook_mode == "pin" and gpu.dtype == "auto" and gpu.kv_cache_bytes == 0
+    assert gpu.extra_args == ["--gpu-memory-utilization", "0.92", "--trust-remote-code"]
+    mp = write_map(tmp_path / "agent.json", label="agent")
+    gpu = load_engine_config(EXAMPLES / "gpu-container.toml", {"engine.model": str(model_dir), "engine.map": str(mp)})
+    assert gpu.model == model_dir and gpu.map == mp
+    with pytest.raises(ConfigError, match=r"gpu-container\.toml: engine\.model: /srv/models/.* does not exist"):
+        load_engine_config(EXAMPLES / "gpu-container.toml")
+
+
+def test_engine_table_defaults_lose_to_the_file_and_overrides_win(model_dir: Path, tmp_path: Path) -> None:
+    p = _write(tmp_path, f'[engine]\nmodel = "{model_dir}"\nmax_model_len = 512\n')
+    cfg = load_engine_config(p, {"port": 9001}, defaults={"max_model_len": 64, "enforce_eager": True})
+    assert (cfg.max_model_len, cfg.enforce_eager, cfg.port) == (512, True, 9001)
+    with pytest.raises(ConfigError, match=r"engine\.port: expected an integer 1-65535, got 'x'"):
+        load_engine_config(p, {"port": "x"})  # an override is checked like the file
+    assert load_engine_config(None, {"model": model_dir}).model == model_dir  # no file at all
+    with pytest.raises(ConfigError, match=r"^engine\.model: required"):
+        load_engine_config(None)
+
+
+@pytest.mark.parametrize("engine_extra", [
+    'port = "abc"', "kv_cache_bytes = -1", 'enforce_eager = "yes"', "extra_args = [1, 2]", 'launcher = "k8s"',
+    "colour = 1", 'map = "/nonexistent/map.json"', 'hook_mode = "pin"', 'pin_backend = "fast"',
+])
+def test_engine_table_alone_gives_the_daemons_messages(tmp_path: Path, model_dir: Path, token_file: Path,
+                                                       engine_extra: str) -> None:
+    p = _write(tmp_path, _minimal(model_dir, token_file, engine_extra=engine_extra))
+    with pytest.raises(ConfigError) as daemon:
+        load_config(p)
+    with pytest.raises(ConfigError) as alone:
+        load_engine_config(p)
+    assert str(alone.value) == str(daemon.value)

@@ -1,5 +1,6 @@
-"""``pinsidecar profile`` end to end against the real vLLM CPU server, and its bad-input paths: nothing is ever
-written to --out unless the whole count boot succeeded."""
+"""The count boot (``pinsidecar profile``) end to end against the real vLLM CPU server, driven by the daemon's own
+example config; its engine table (the one ``[engine]`` schema, the count boot's defaults and the command line on
+top); and its bad-input paths: nothing is ever written to --out unless the whole count boot succeeded."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from click.testing import CliRunner
 from pinsidecar_hook.contract import load_counts
 
 from pinsidecar.cli import main
-from pinsidecar.runs.count_boot import load_engine_options
-from pinsidecar.testing.engine import demo_model_dir, free_port  # noqa: F401 (fixture)
+from pinsidecar.engine import hooked_spec
+from pinsidecar.runs.count_boot import count_boot_config
+from pinsidecar.schema import ConfigError
+from pinsidecar.testing import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:
@@ -32,12 +37,14 @@ def workload(tmp_path: Path, n: int = 6) -> Path:
 
 
 @pytest.mark.vllm
-def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, demo_model_dir: Path) -> None:  # noqa: F811
+def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, demo_model_dir: Path) -> None:
+    # The daemon's CPU example config as is: its [engine] table describes the engine, --model and --port go over it.
     out_dir = tmp_path / "out"
     out = out_dir / "code.counts.json"
     wl = workload(tmp_path)
-    code, stdout, stderr = run_cli("profile", "--model", str(demo_model_dir), "--workload", str(wl), "--out", str(out),
-                                   "--concurrency", "3", "--port", str(free_port()), "--label", "code", "--json")
+    code, stdout, stderr = run_cli("profile", "--config", str(EXAMPLES / "cpu-demo.toml"), "--model",
+                                   str(demo_model_dir), "--workload", str(wl), "--out", str(out), "--concurrency", "3",
+                                   "--port", str(free_port()), "--label", "code", "--json")
     assert code == 0, stderr
     summary = json.loads(stdout)
     counts = load_counts(out)
@@ -51,6 +58,8 @@ def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, dem
     assert counts.workload == "code" and counts.flush_token == ""
     assert counts.model.path == str(demo_model_dir)
     assert sorted(p.name for p in out_dir.iterdir()) == [out.name]  # no temp or request files left behind
+    argv = " ".join(meta["engine_argv"])  # the example's engine table reached the engine
+    assert "--served-model-name demo" in argv and "--shutdown-timeout 10" in argv and "--enforce-eager" in argv
 
 
 def test_port_in_use_fails_before_starting_anything(tmp_path: Path) -> None:
@@ -94,19 +103,48 @@ def test_engine_boot_failure_shows_its_last_log_lines(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".c.json")] == []
 
 
-def test_engine_table_from_toml(tmp_path: Path) -> None:
+def test_engine_table_is_the_daemons_schema_with_count_boot_defaults(tmp_path: Path) -> None:
     cfg = tmp_path / "p.toml"
-    cfg.write_text('[engine]\nextra_args = ["--seed", 7]\nenv = {OMP_NUM_THREADS = "1"}\nkv_cache_bytes = 1024\n'
-                   'enforce_eager = false\n[daemon]\nwhatever = 1\n')
-    opts = load_engine_options(cfg)
-    assert opts.extra_args == ["--seed", "7"] and opts.env == {"OMP_NUM_THREADS": "1"}
-    assert opts.kv_cache_bytes == 1024 and opts.enforce_eager is False
-    spec = opts.spec(tmp_path, 8199, {"PINSIDECAR_HOOK_MODE": "count"}, None)
-    assert spec.argv()[-2:] == ["--seed", "7"] and "--enforce-eager" not in spec.argv()
+    cfg.write_text(f'[engine]\nmodel = "{tmp_path}"\nextra_args = ["--seed", "7"]\nenv = {{OMP_NUM_THREADS = "1"}}\n'
+                   'kv_cache_bytes = 1024\nhook_mode = "off"\nport = 8123\n[daemon]\nwhatever = 1\n')
+    engine = count_boot_config(cfg)
+    assert engine.extra_args == ["--seed", "7"] and engine.env == {"OMP_NUM_THREADS": "1"}
+    assert engine.kv_cache_bytes == 1024 and engine.port == 8123
+    assert engine.enforce_eager is True  # the count boot's default, where the file says nothing
+    spec = hooked_spec(engine)
+    assert spec.argv()[-2:] == ["--seed", "7"] and "--enforce-eager" in spec.argv()
     assert spec.full_env()["OMP_NUM_THREADS"] == "1"
+    cfg.write_text(f'[engine]\nmodel = "{tmp_path}"\nenforce_eager = false\n')
+    assert count_boot_config(cfg).enforce_eager is False  # the file wins over the count boot's default
+    (tmp_path / "other").mkdir()
+    assert count_boot_config(cfg, model=tmp_path / "other", port=9).model == tmp_path / "other"
+    assert count_boot_config(cfg, port=9).port == 9
+    # The daemon's own messages, naming the file and the key.
     cfg.write_text("[engine]\nkv_cache_byte = 1\n")
-    with pytest.raises(ValueError, match=r"p.toml: unknown key\(s\) engine.kv_cache_byte"):
-        load_engine_options(cfg)
+    with pytest.raises(ConfigError, match=r"p\.toml: engine\.kv_cache_byte: unknown key \(allowed in \[engine\]"):
+        count_boot_config(cfg, model=tmp_path)
     cfg.write_text("[engine]\nenforce_eager = 'yes'\n")
-    with pytest.raises(ValueError, match=r"engine\.enforce_eager should be a bool"):
-        load_engine_options(cfg)
+    with pytest.raises(ConfigError, match=r"engine\.enforce_eager: expected true or false, got 'yes'"):
+        count_boot_config(cfg, model=tmp_path)
+    cfg.write_text("[engine]\nport = 1\n")
+    with pytest.raises(ConfigError, match=r"p\.toml: engine\.model: required .*pass --model"):
+        count_boot_config(cfg)
+
+
+def test_cli_without_any_model_is_a_clear_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("[engine]\nport = 8123\n")
+    out = tmp_path / "c.json"
+    code, _, stderr = run_cli("profile", "--config", str(cfg), "--workload", str(workload(tmp_path, 2)),
+                              "--out", str(out))
+    assert code == 2
+    assert "engine.model: required" in stderr and "--model" in stderr
+    assert not out.exists()
+
+
+def test_container_launcher_config_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(f'[engine]\nlauncher = "container"\nmodel = "{tmp_path}"\n[container]\nimage = "img"\n')
+    code, _, stderr = run_cli("profile", "--config", str(cfg), "--workload", str(workload(tmp_path, 2)),
+                              "--out", str(tmp_path / "c.json"), "--port", str(free_port()))
+    assert code == 2 and "engine.launcher = 'container'" in stderr

@@ -33,8 +33,6 @@ import httpx
 import psutil
 import pytest
 
-from pinsidecar.testing.engine import demo_model_dir  # noqa: F401  (session fixture: the demo model)
-
 pytestmark = pytest.mark.vllm
 
 GATE, ENGINE, CONTROL, METRICS = 8284, 8285, 8286, 8287

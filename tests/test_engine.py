@@ -1,13 +1,17 @@
-"""The launcher: command line and environment, port-in-use refused before start, boot failure carries log lines,
-stop takes the whole process group down. These run without vLLM (a stand-in interpreter plays the engine), so
-they are cheap; booting the real engine is covered by test_count_mode and test_profile."""
+"""The launcher: command line and environment, the one hooked-engine builder, ports, port-in-use refused before
+start, boot failure and boot timeout carry log lines, stop takes the whole process group down; and the testing
+package itself (imports without pytest, fixtures loaded once). These run without vLLM (a stand-in interpreter plays
+the engine), so they are cheap; booting the real engine is covered by test_count_mode and test_count_boot."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import os
+import pkgutil
 import socket
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,8 +20,19 @@ import psutil
 import pytest
 from pinsidecar_hook.contract.env import HookConfig
 
-from pinsidecar.engine import EngineBootError, EngineProcess, EngineSpec, Launcher, PortInUseError, port_in_use
-from pinsidecar.testing.engine import free_port
+import pinsidecar.testing
+from pinsidecar.engine import (
+    EngineBootError,
+    EngineConfig,
+    EngineProcess,
+    EngineSpec,
+    Launcher,
+    PortInUseError,
+    free_port,
+    hooked_spec,
+    port_in_use,
+)
+from pinsidecar.engine.ports import PORT_RANGE_ENV
 
 
 def model_dir(tmp_path: Path) -> Path:
@@ -106,3 +121,75 @@ def test_stop_terminates_the_whole_process_group(tmp_path: Path) -> None:
     assert not alive, f"left behind: {alive}"
     assert "serving" in "\n".join(eng.last_log_lines())
     assert not os.path.exists(f"/proc/{eng.pid}")
+
+
+def test_boot_timeout_carries_last_log_lines(tmp_path: Path) -> None:
+    py = fake_python(tmp_path, "import time\nprint('compiling graphs', flush=True)\ntime.sleep(600)")
+    with EngineProcess(EngineSpec(model=model_dir(tmp_path), port=free_port(), python=py,
+                                  log_path=tmp_path / "e.log")) as eng:
+        with pytest.raises(EngineBootError) as err:
+            eng.wait_ready(timeout_s=1)
+        assert eng.alive()  # a timeout leaves stopping to the caller (here: the context manager)
+    assert "engine not ready after 1 s" in str(err.value)
+    assert err.value.log_tail == ["compiling graphs"] and err.value.log_path == tmp_path / "e.log"
+
+
+def test_hooked_spec_puts_the_hook_after_the_table_env(tmp_path: Path) -> None:
+    cfg = EngineConfig(model=model_dir(tmp_path), port=8123, served_model_name="demo", enforce_eager=True,
+                       env={"OMP_NUM_THREADS": "1", "PINSIDECAR_HOOK_MODE": "pin"}, log_path=tmp_path / "table.log")
+    hook = HookConfig(mode="count", counts_path=tmp_path / "c.json", workload="code")
+    spec = hooked_spec(cfg, hook, port=8124)
+    assert spec.port == 8124 and spec.model_name == "demo" and "--enforce-eager" in spec.argv()
+    assert spec.env["OMP_NUM_THREADS"] == "1"
+    assert spec.env["PINSIDECAR_HOOK_MODE"] == "count"  # the hook's own variables win over the table's env
+    assert spec.env["PINSIDECAR_COUNTS_PATH"] == str(tmp_path / "c.json")
+    assert spec.log_path == tmp_path / "table.log"
+    assert hooked_spec(cfg, hook, log_path=tmp_path / "mine.log").log_path == tmp_path / "mine.log"
+    bare = hooked_spec(EngineConfig(model=tmp_path, dtype="auto"))
+    assert not any(k.startswith("PINSIDECAR_") for k in bare.env) and "--dtype" not in bare.argv()
+    assert bare.port == 8000 and "--enforce-eager" not in bare.argv()
+
+
+def test_free_port_from_the_os_from_a_range_and_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
+    assert not port_in_use("127.0.0.1", free_port())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        assert free_port(busy, busy + 50) != busy
+        with pytest.raises(RuntimeError, match=f"no free port in {busy}-{busy}"):
+            free_port(busy, busy)
+        monkeypatch.setenv(PORT_RANGE_ENV, f"{busy}-{busy + 50}")
+        assert busy < free_port() <= busy + 50
+    monkeypatch.setenv(PORT_RANGE_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{PORT_RANGE_ENV}='lots' is not a port range"):
+        free_port()
+
+
+def test_testing_package_imports_without_pytest() -> None:
+    """Like ``structlog.testing``: every module of pinsidecar.testing but the fixtures plugin imports with pytest
+    unavailable (a test helper in a benchmark or a notebook must not need pytest)."""
+    names = sorted(m.name for m in pkgutil.iter_modules(pinsidecar.testing.__path__) if m.name != "fixtures")
+    assert "engine" in names and "prometheus" in names
+    code = ("import sys\nsys.modules['pytest'] = None\nimport pinsidecar.testing\n"
+            + "".join(f"import pinsidecar.testing.{n}\n" for n in names)
+            + "try:\n    import pinsidecar.testing.fixtures\nexcept ImportError:\n    print('fixtures need pytest')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "fixtures need pytest"  # the block works: the one pytest module did not import
+
+
+def test_no_test_module_imports_the_shared_fixtures() -> None:
+    """The engine fixtures come from conftest's ``pytest_plugins``; a module that imports one by name gets its own
+    copy of it, and a session fixture would be built again for that module (another demo model, more engines)."""
+    from pinsidecar.testing import fixtures
+
+    tests = Path(__file__).parent
+    offenders = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                offenders += [f"{path.name}: {a.name}" for a in node.names if a.name in fixtures.__all__]
+    assert not offenders
+    assert "pinsidecar.testing.fixtures" in (tests / "conftest.py").read_text()

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
+import stat
+import sys
 from pathlib import Path
 
 import pytest
 
-from pinsidecar.daemon.config import ContainerConfig
-from pinsidecar.engine import EngineError, EngineSpec, Launcher
-from pinsidecar.engine.container import ContainerEngine, build_run_argv, hook_overlay
+from pinsidecar.engine import EngineBootError, EngineError, EngineSpec, Launcher, free_port
+from pinsidecar.engine.container import ContainerConfig, ContainerEngine, build_run_argv, hook_overlay
 
 
 @pytest.fixture
@@ -118,3 +119,44 @@ def test_container_engine_is_a_launcher_and_reports_runtime_problems(model: Path
     else:  # a real docker daemon: the bogus image cannot have started an engine
         eng.stop(5)
         pytest.fail("a container started from image 'img'")
+
+
+# A stand-in for the docker CLI: `run` prints an id, `logs --follow` writes the engine's log and marks it written,
+# `inspect` says the container runs until then and exited with code 3 after.
+_FAKE_RUNTIME = """
+import pathlib, sys
+here = pathlib.Path(sys.argv[0]).parent
+args = sys.argv[1:]
+if args[0] == "run":
+    print("c0ffee")
+elif args[0] == "logs":
+    for i in range(40):
+        print(f"engine line {i}")
+    print("RuntimeError: CUDA out of memory", flush=True)
+    (here / "logged").touch()
+elif args[0] == "inspect":
+    fmt = args[2]
+    if "Pid" in fmt:
+        print(4242)
+    elif "Running" in fmt:
+        print("false" if (here / "logged").exists() else "true")
+    else:
+        print(3)
+"""
+
+
+def test_container_dying_while_booting_gives_the_log_tail(model: Path, state: Path, tmp_path: Path) -> None:
+    runtime = tmp_path / "bin" / "fake-docker"
+    runtime.parent.mkdir()
+    runtime.write_text(f"#!{sys.executable}\n{_FAKE_RUNTIME}")
+    runtime.chmod(runtime.stat().st_mode | stat.S_IEXEC)
+    spec = EngineSpec(model=model, port=free_port(), log_path=tmp_path / "container.log")
+    eng = ContainerEngine(spec, ContainerConfig(runtime=str(runtime), image="img"), state)
+    eng.start()
+    assert eng.container_id == "c0ffee" and eng.pid == 4242
+    with pytest.raises(EngineBootError) as err:
+        eng.wait_ready(timeout_s=60)
+    assert "container pinsidecar-engine exited with code 3 while booting" in str(err.value)
+    assert err.value.log_tail[-1] == "RuntimeError: CUDA out of memory" and len(err.value.log_tail) == 30
+    assert eng.returncode == 3
+    eng.stop(1)

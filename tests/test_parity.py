@@ -19,7 +19,7 @@ from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 
 from pinsidecar.cli import main
 from pinsidecar.runs.parity import ParityError, ParityRef, PromptOutput, compare, load_ref
-from pinsidecar.testing.engine import demo_model_dir, engine_factory  # noqa: F401 (fixtures)
+from pinsidecar.testing import free_port
 
 PROMPTS = [
     {"prompt": "def parse_rows(items, node):\n    total = 0\n", "max_tokens": 10},
@@ -100,7 +100,7 @@ def _map(path: Path, model_dir: Path, hot_rows: int, seed: int) -> Path:
 
 
 @pytest.mark.vllm
-def test_parity_record_then_check_across_maps(engine_factory: Any, demo_model_dir: Path,  # noqa: F811
+def test_parity_record_then_check_across_maps(engine_factory: Any, demo_model_dir: Path,
                                               tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
@@ -130,12 +130,12 @@ def test_parity_record_then_check_across_maps(engine_factory: Any, demo_model_di
 
     # A full boot through the CLI with a skewed map: placement must not change a single token or logprob.
     out = runner.invoke(main, ["parity", "check", "--model", str(demo_model_dir), "--map", str(skew),
-                               "--prompts", str(prompts), "--ref", str(ref), "--port", "8231", "--json"])
+                               "--prompts", str(prompts), "--ref", str(ref), "--port", str(free_port()), "--json"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["ok"] is True
 
     # Count mode runs the unsplit kernel. On the engine's float32 default the CPU split reproduces its arithmetic
     # (rows in fp32, the kernel's FMA reduction order), so the outputs are identical here too.
     out = runner.invoke(main, ["parity", "check", "--model", str(demo_model_dir), "--mode", "count",
-                               "--prompts", str(prompts), "--ref", str(ref), "--port", "8232", "--json"])
+                               "--prompts", str(prompts), "--ref", str(ref), "--port", str(free_port()), "--json"])
     assert out.exit_code == 0, out.output

@@ -25,36 +25,41 @@ def _human(summary: dict[str, Any]) -> str:
 
 
 @click.command("profile")
-@click.option("--model", "model", required=True, type=click.Path(path_type=Path), help="Model folder to serve.")
+@click.option("--model", "model", type=click.Path(path_type=Path), default=None,
+              help="Model folder to serve (overrides engine.model of --config; one of the two is required).")
 @click.option("--workload", "workloads", required=True, multiple=True, type=click.Path(path_type=Path),
               help="JSONL file of completion ({\"prompt\"}) or chat ({\"messages\"}) requests; repeatable.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Where to write the counts artifact.")
 @click.option("--concurrency", default=4, show_default=True, type=int, help="Requests in flight at once.")
 @click.option("--max-tokens", type=int, default=None, help="Override every request's max_tokens.")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port for the count engine.")
+@click.option("--port", default=None, type=int,
+              help="Port for the count engine (overrides engine.port of --config; default 8000).")
 @click.option("--label", default=None, help="Workload label stored in the counts (default: the workload file names).")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-              help="TOML file whose [engine] table sets extra_args, env, kv_cache_bytes, enforce_eager, ...")
+              help="Config file whose [engine] table describes the engine (the daemon's config as is; other "
+                   "tables are not read). The count boot runs eager unless the table sets enforce_eager.")
 @click.option("--engine-log", type=click.Path(path_type=Path), default=None,
               help="Keep the engine's log here (default: a temp file).")
 @json_option
 @handle_errors
-def profile_cmd(model: Path, workloads: tuple[Path, ...], out: Path, concurrency: int, max_tokens: int | None,
-                port: int, label: str | None, config_path: Path | None, engine_log: Path | None,
-                as_json: bool) -> None:
+def profile_cmd(model: Path | None, workloads: tuple[Path, ...], out: Path, concurrency: int,
+                max_tokens: int | None, port: int | None, label: str | None, config_path: Path | None,
+                engine_log: Path | None, as_json: bool) -> None:
     """Count boot: start vLLM with the hook counting, replay the workload, write the counts to OUT.
 
-    Nothing is written to OUT unless the whole boot succeeds.
+    The engine is the [engine] table of --config (the daemon's config file as is), with --model and --port over
+    it. Nothing is written to OUT unless the whole boot succeeds.
     """
-    import logging
-
+    from pinsidecar.cli._terminal import Terminal
     from pinsidecar.runs import count_boot as profile
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per replayed request is noise
+    term = Terminal.silent() if as_json else Terminal()
     try:
-        opts = profile.load_engine_options(config_path)
-        result = profile.run_profile(model, list(workloads), out, concurrency=concurrency, max_tokens=max_tokens,
-                                     port=port, label=label, engine=opts, engine_log=engine_log)
+        engine = profile.count_boot_config(config_path, model=model, port=port)
+        with term.engine_boot(f"http://127.0.0.1:{engine.port}", "count engine booting"):
+            result = profile.run_profile(None, list(workloads), out, concurrency=concurrency,
+                                         max_tokens=max_tokens, label=label, engine=engine,
+                                         engine_log=engine_log, progress=term.bars)
     except profile.USER_ERRORS as exc:
         raise UserError(str(exc)) from None
     except profile.RUN_ERRORS as exc:

@@ -21,35 +21,50 @@ What it guarantees, mirroring :class:`~pinsidecar.engine.EngineProcess`:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import tempfile
-import time
-from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import structlog
 
-from pinsidecar.daemon.config import ContainerConfig
-from pinsidecar.engine.process import (
-    BOOT_LOG_LINES,
-    EngineBootError,
-    EngineError,
-    EngineSpec,
-    probe_health,
-    probe_ready,
-)
+from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineError
+from pinsidecar.engine.readiness import log_tail, probe_health, wait_until_ready
+from pinsidecar.engine.spec import EngineSpec
+from pinsidecar.schema import CHOICES
 
-__all__ = ["ContainerEngine", "build_run_argv", "hook_overlay"]
+__all__ = ["ContainerConfig", "ContainerEngine", "build_run_argv", "container_env", "hook_overlay"]
 
 log = structlog.get_logger(__name__)
 
 _CLI_TIMEOUT_S = 30.0
-_POLL_S = 0.5
 # Variables from the engine environment that a container needs; the host's own PATH, HOME etc. stay outside.
 _VLLM_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                   "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass(frozen=True)
+class ContainerConfig:
+    """The ``[container]`` table (with ``engine.launcher = "container"``): docker or podman, driven through its
+    CLI. Validated by :mod:`pinsidecar.schema` like every table."""
+
+    runtime: str = field(default="docker", metadata={CHOICES: ("docker", "podman")})
+    image: str = ""  # e.g. "vllm/vllm-openai:v0.33.0" (required for the container launcher)
+    name: str = "pinsidecar-engine"
+    gpus: str = "all"  # "all", "0", "0,1" (docker --gpus / podman CDI nvidia.com/gpu=...); "" = no GPU
+    python: str = "python3"  # the interpreter inside the image
+    model_mount: str = "/model"  # where engine.model is mounted (read-only) inside the container
+    hook_mount: str = "/opt/pinsidecar/hook"  # where the hook package is mounted and put on PYTHONPATH
+    state_mount: str = "/var/lib/pinsidecar"  # maps (read-only), stats and counts live under here
+    cache_dir: Path | None = None  # host folder for compile/autotune caches; default <daemon.state_dir>/cache
+    cache_mount: str = "/root/.cache"
+    network: str = field(default="host", metadata={CHOICES: ("host", "bridge")})
+    shm_size: str = "16g"
+    ipc_host: bool = True
+    extra_args: list[str] = field(default_factory=list)  # more `docker run` arguments, before the image
+    mounts: list[str] = field(default_factory=list)  # more "host:container[:ro]" bind mounts
 
 
 def hook_overlay(dest: Path) -> Path:
@@ -104,13 +119,10 @@ def build_run_argv(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path, hook
     the ``-e NAME`` variables). Pure: no runtime is called."""
     env = container_env(spec, cfg, state_dir)
     host = "0.0.0.0" if cfg.network == "bridge" else spec.host  # inside a bridge, loopback is unreachable
-    inner = EngineSpec(
-        model=Path(cfg.model_mount), host=host, port=spec.port, served_model_name=spec.served_model_name
-        or str(spec.model), extra_args=spec.extra_args, python=cfg.python, kv_cache_bytes=spec.kv_cache_bytes,
-        enforce_eager=spec.enforce_eager, max_model_len=spec.max_model_len,
-        enable_prefix_caching=spec.enable_prefix_caching, shutdown_timeout_s=spec.shutdown_timeout_s,
-        dtype=spec.dtype,
-    ).argv()
+    # The same engine, as seen from inside: the model at its mount, the image's interpreter, and the host model
+    # path as the served name (so clients use the same name under either launcher).
+    inner = dataclasses.replace(spec, model=Path(cfg.model_mount), host=host, python=cfg.python,
+                                served_model_name=spec.served_model_name or str(spec.model)).argv()
     argv = [cfg.runtime, "run", "--detach", "--name", cfg.name, "--init",
             "--label", "org.pinsidecar.engine=1",
             "--stop-timeout", str(max(1, int(spec.shutdown_timeout_s) + 10))]
@@ -228,24 +240,19 @@ class ContainerEngine:
         return probe_health(self.base_url)
 
     def wait_ready(self, timeout_s: float = 600.0) -> float:
+        """Block until the container's engine serves a real generation; return the seconds waited."""
         if self.container_id is None:
             raise EngineError("wait_ready() before start()")
-        t0 = time.monotonic()
-        last_problem = "no answer yet"
-        with httpx.Client(timeout=30.0) as client:
-            while True:
-                if not self.alive():
-                    code = self._inspect("{{.State.ExitCode}}")
-                    self.returncode = int(code) if code and code.lstrip("-").isdigit() else None
-                    raise EngineBootError(f"container {self.cfg.name} exited with code {code} while booting",
-                                          self.last_log_lines(BOOT_LOG_LINES), self.log_path)
-                ok, last_problem = probe_ready(client, self.base_url, self.spec.model_name)
-                if ok:
-                    return time.monotonic() - t0
-                if time.monotonic() - t0 >= timeout_s:
-                    raise EngineBootError(f"container not ready after {timeout_s:.0f} s ({last_problem})",
-                                          self.last_log_lines(BOOT_LOG_LINES), self.log_path)
-                time.sleep(_POLL_S)
+
+        def exited() -> str | None:
+            if self.alive():
+                return None
+            code = self._inspect("{{.State.ExitCode}}")
+            self.returncode = int(code) if code and code.lstrip("-").isdigit() else None
+            return f"container {self.cfg.name} exited with code {code} while booting"
+
+        return wait_until_ready(self.base_url, self.spec.model_name, timeout_s, exited=exited,
+                                log_path=self.log_path, what="container")
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         if self.container_id is None:
@@ -264,18 +271,7 @@ class ContainerEngine:
         return self.returncode
 
     def last_log_lines(self, n: int = BOOT_LOG_LINES) -> list[str]:
-        try:
-            with open(self.log_path, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, fh.tell() - 64 * 1024))
-                tail = fh.read().decode("utf-8", "replace")
-        except OSError:
-            return []
-        lines: deque[str] = deque(maxlen=n)
-        for line in tail.splitlines():
-            if line.strip():
-                lines.append(line.rstrip())
-        return list(lines)
+        return log_tail(self.log_path, n)
 
     def __repr__(self) -> str:
         return f"ContainerEngine(image={self.cfg.image}, name={self.cfg.name}, url={self.base_url})"

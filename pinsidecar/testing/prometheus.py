@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,22 +26,13 @@ from typing import Any
 
 import httpx
 
+from pinsidecar.engine.ports import free_port
+
 __all__ = ["PORT_RANGE", "PrometheusServer", "free_port", "prometheus_binary"]
 
-# The ports this project's tests may bind to (a fixed range, so parallel helpers' suites never collide).
+# The ports Prometheus and its scrape targets take in these tests (``free_port(*PORT_RANGE)``): a fixed range
+# away from the engines' ports. ``free_port`` is :func:`pinsidecar.engine.ports.free_port`, re-exported here.
 PORT_RANGE = (8300, 8349)
-
-
-def free_port(lo: int = PORT_RANGE[0], hi: int = PORT_RANGE[1], host: str = "127.0.0.1") -> int:
-    """A port in ``lo..hi`` that nothing listens on right now."""
-    for port in range(lo, hi + 1):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {lo}..{hi} on {host}")
 
 
 def prometheus_binary() -> str | None:
@@ -87,7 +77,7 @@ class PrometheusServer:
             raise FileNotFoundError("prometheus binary not found; apt-get install -y prometheus")
         self._dir = Path(tempfile.mkdtemp(prefix="pinsidecar-prom-"))
         if self.port is None:
-            self.port = free_port()
+            self.port = free_port(*PORT_RANGE)
         config = self._dir / "prometheus.yml"
         config.write_text(self.config_text())
         with open(self.log_path, "wb") as log:
