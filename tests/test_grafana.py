@@ -4,6 +4,7 @@ exporter exports or a rule records)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import re
@@ -21,6 +22,7 @@ import yaml
 
 from pinsidecar.daemon.gate import Gate
 from pinsidecar.metrics import Exporter
+from pinsidecar.testing import make_map
 from pinsidecar.testing.metrics import (
     FakeEngineMetrics,
     FakeNvml,
@@ -46,13 +48,12 @@ def exported_names(tmp_path: Path) -> set[str]:
     make_stats().save(tmp_path / "stats.json")
     with FakeEngineMetrics() as engine:
         now = [0.0]
-        exp = Exporter(stats_path=tmp_path / "stats.json", engine_metrics_url=engine.url,
-                       cgroup_root=tmp_path / "cgroup", proc_root=write_proc_cgroup(tmp_path / "proc", 5),
-                       nvml=FakeNvml(), clock=lambda: now[0])
-        exp.set_engine_pid(5)
-        exp.attach_gate(Gate("127.0.0.1", 0, "http://127.0.0.1:1"))
-        exp.record_boot("start", 10.0, "h", False)
-        exp.set_map("h", "l", "2026-01-01T00:00:00Z", 0.01)
+        emap = dataclasses.replace(make_map(label="l"), predicted_cold_rate=0.01)
+        exp = Exporter(stats_path=tmp_path / "stats.json", engine_url=engine.url, engine_pid=5,
+                       gate=Gate("127.0.0.1", 0, "http://127.0.0.1:1"), cgroup_root=tmp_path / "cgroup",
+                       proc_root=write_proc_cgroup(tmp_path / "proc", 5), nvml=FakeNvml(), clock=lambda: now[0])
+        exp.on_boot(reason="start", seconds=10.0, map_hash="h", cache_miss=False)
+        exp.on_map(emap)
         exp.record_remap("activated")
         exp.render()
         now[0] = 5.0

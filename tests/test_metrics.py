@@ -1,9 +1,12 @@
 """The exporter's collectors against fixture trees: cgroup files, /proc/<pid>/cgroup, a stats file, an engine
-/metrics served over real HTTP, and a fake NVML. Plus: promtool accepts the whole output, and a broken source only
-drops its own metrics (and is logged once)."""
+/metrics served over real HTTP, and a fake NVML. Plus: live inputs are read at scrape time, the real hook writer's
+fallback is followed, promtool accepts the whole output, and a broken source only drops its own metrics (and is
+logged once)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -16,15 +19,23 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from pinsidecar.live_stats import StatsReader
 from pinsidecar.metrics import (
     ENGINE_STATES,
     Exporter,
     GpuMemoryCollector,
-    StatsTotals,
-    accumulate_stats,
+    RoutingTotals,
     cgroup_path_for_pid,
 )
-from pinsidecar.testing.metrics import FakeEngineMetrics, FakeNvml, make_stats, write_cgroup_tree, write_proc_cgroup
+from pinsidecar.testing import make_map
+from pinsidecar.testing.metrics import (
+    FakeEngineMetrics,
+    FakeNvml,
+    LiveValue,
+    make_stats,
+    write_cgroup_tree,
+    write_proc_cgroup,
+)
 from pinsidecar.testing.prometheus import free_port
 
 
@@ -62,13 +73,13 @@ def names(exp_samples: dict) -> set[str]:
 
 
 def full_exporter(tmp_path: Path, engine: FakeEngineMetrics, **kw: Any) -> Exporter:
+    """Every source present: engine pid 4242 (its cgroup tree), the stats file, the engine, a fake NVML."""
     make_cgroup(tmp_path)
-    proc = make_proc(tmp_path, 4242)
     stats().save(tmp_path / "stats.json")
-    exp = Exporter(stats_path=tmp_path / "stats.json", engine_metrics_url=engine.url, cgroup_root=tmp_path / "cgroup",
-                   proc_root=proc, nvml=FakeNvml(), wall_clock=lambda: 1030.0, **kw)
-    exp.set_engine_pid(4242)
-    return exp
+    args: dict[str, Any] = {"stats_path": tmp_path / "stats.json", "engine_url": engine.url, "engine_pid": 4242,
+                            "cgroup_root": tmp_path / "cgroup", "proc_root": make_proc(tmp_path, 4242),
+                            "nvml": FakeNvml(), "wall_clock": lambda: 1030.0}
+    return Exporter(**(args | kw))
 
 
 # ------------------------------------------------------------------------------------------------ collectors
@@ -88,12 +99,12 @@ def test_cgroup_memory_from_the_engine_pid(tmp_path: Path, engine: FakeEngineMet
 
 def test_cgroup_unlimited_max_is_left_out_and_no_pid_turns_the_source_off(tmp_path: Path) -> None:
     make_cgroup(tmp_path, maxv="max")
-    exp = Exporter(stats_path=None, engine_metrics_url=None, cgroup_root=tmp_path / "cgroup",
-                   proc_root=make_proc(tmp_path, 7), nvml=None)
+    pid: LiveValue[int] = LiveValue()
+    exp = Exporter(engine_pid=pid, cgroup_root=tmp_path / "cgroup", proc_root=make_proc(tmp_path, 7), nvml=None)
     s = samples(exp)
     assert "pinsidecar_engine_cgroup_memory_current_bytes" not in names(s)
     assert ("pinsidecar_exporter_source_up", (("source", "cgroup"),)) not in s  # not configured is not down
-    exp.set_engine_pid(7)
+    pid.value = 7  # the engine started: read at the next scrape, nobody tells the exporter
     s = samples(exp)
     assert "pinsidecar_engine_cgroup_memory_current_bytes" in names(s)
     assert "pinsidecar_engine_cgroup_memory_max_bytes" not in names(s)
@@ -102,9 +113,8 @@ def test_cgroup_unlimited_max_is_left_out_and_no_pid_turns_the_source_off(tmp_pa
 def test_cgroup_from_a_container_id(tmp_path: Path) -> None:
     cid = "3f5a9c0e1b2d" + "0" * 52
     make_cgroup(tmp_path, rel=f"system.slice/docker-{cid}.scope")
-    exp = Exporter(stats_path=None, engine_metrics_url=None, cgroup_root=tmp_path / "cgroup",
-                   proc_root=tmp_path / "proc", nvml=None)
-    exp.set_container(cid[:12])
+    exp = Exporter(engine_container_id=cid[:12], cgroup_root=tmp_path / "cgroup", proc_root=tmp_path / "proc",
+                   nvml=None)
     assert value(samples(exp), "pinsidecar_engine_cgroup_memory_current_bytes") == 4294967296
 
 
@@ -117,9 +127,7 @@ def test_cgroup_v1_memory_controller_on_a_hybrid_host(tmp_path: Path) -> None:
     proc = tmp_path / "proc" / "8"
     proc.mkdir(parents=True)
     (proc / "cgroup").write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
-    exp = Exporter(stats_path=None, engine_metrics_url=None, cgroup_root=tmp_path / "cgroup",
-                   proc_root=tmp_path / "proc", nvml=None)
-    exp.set_engine_pid(8)
+    exp = Exporter(engine_pid=8, cgroup_root=tmp_path / "cgroup", proc_root=tmp_path / "proc", nvml=None)
     s = samples(exp)
     assert value(s, "pinsidecar_engine_cgroup_memory_current_bytes") == 5000
     assert "pinsidecar_engine_cgroup_memory_max_bytes" not in names(s)
@@ -131,10 +139,7 @@ def test_cgroup_v1_memory_controller_on_a_hybrid_host(tmp_path: Path) -> None:
 
 
 def test_cgroup_memory_of_a_real_process_on_this_host() -> None:
-    import os
-
-    exp = Exporter(stats_path=None, engine_metrics_url=None, nvml=None)
-    exp.set_engine_pid(os.getpid())
+    exp = Exporter(engine_pid=os.getpid(), nvml=None)
     s = samples(exp)
     if value(s, "pinsidecar_exporter_source_up", source="cgroup") == 0:
         pytest.skip("this host exposes no readable memory cgroup for our process")
@@ -152,8 +157,7 @@ def test_cgroup_path_for_pid_rejects_a_v1_only_host(tmp_path: Path) -> None:
 
 
 def test_engine_pid_gone_drops_cgroup_metrics_logged_once(tmp_path: Path, engine: FakeEngineMetrics) -> None:
-    exp = full_exporter(tmp_path, engine)
-    exp.set_engine_pid(999999)
+    exp = full_exporter(tmp_path, engine, engine_pid=999999)
     with capture_logs() as logs:
         for _ in range(3):
             s = samples(exp)
@@ -180,18 +184,28 @@ def test_stats_ratios_counters_tiers_and_errors(tmp_path: Path, engine: FakeEngi
     assert value(s, "pinsidecar_engine_map_info", map_hash="sha256:feed", map_label="code") == 1
 
 
-def test_stats_totals_stay_monotonic_over_engine_restarts_and_resets() -> None:
-    t = StatsTotals()
-    t = accumulate_stats(t, stats("b1", 1, (10, 20), (1, 2)))
-    t = accumulate_stats(t, stats("b1", 2, (100, 200), (2, 10)))
-    assert sum(t.selections().values()) == 300 and t.restarts == 0
-    t = accumulate_stats(t, stats("b2", 1, (5, 5), (1, 1)))  # engine rebooted: counters restarted
-    assert t.selections() == {0: 105, 3: 205}
-    assert t.cold_selections() == {0: 3, 3: 11}
-    t = accumulate_stats(t, stats("b2", 2, (1, 1), (0, 0), errors={}))  # hook reset within one boot
-    assert t.selections() == {0: 106, 3: 206}
-    assert t.errors() == {"stats_write": 2}
-    assert t.restarts == 2
+def test_routing_totals_stay_monotonic_over_engine_restarts_and_resets(tmp_path: Path) -> None:
+    path = tmp_path / "stats.json"
+    reader, totals = StatsReader(path, use_fallback=False), RoutingTotals()
+
+    def fold(snap: Any) -> None:
+        snap.save(path)
+        reading = reader.read()
+        assert reading is not None
+        totals.add(reading)
+
+    fold(stats("b1", 1, (10, 20), (1, 2)))
+    fold(stats("b1", 2, (100, 200), (2, 10)))
+    assert sum(totals.selections.values()) == 300 and totals.restarts == 0
+    fold(stats("b2", 1, (5, 5), (1, 1)))  # engine rebooted: counters restarted
+    assert totals.selections == {0: 105, 3: 205}
+    assert totals.cold_selections == {0: 3, 3: 11}
+    fold(stats("b2", 2, (1, 1), (0, 0), errors={}))  # hook reset within one boot; errors never go negative
+    assert totals.selections == {0: 106, 3: 206}
+    assert totals.errors == {"stats_write": 2}
+    assert totals.restarts == 1 and totals.resets == 1
+    fold(stats("b2", 2, (1, 1), (0, 0), errors={}))  # no new write: nothing added
+    assert totals.selections == {0: 106, 3: 206}
 
 
 def test_stats_file_rewritten_by_a_new_boot_keeps_counters_monotonic(tmp_path: Path, engine: FakeEngineMetrics) -> None:
@@ -240,7 +254,8 @@ def test_engine_tokens_raw_and_rate_between_scrapes(tmp_path: Path, engine: Fake
 
 
 def test_engine_unreachable_or_erroring_drops_engine_metrics(tmp_path: Path, engine: FakeEngineMetrics) -> None:
-    exp = full_exporter(tmp_path, engine)
+    url = LiveValue(engine.url)
+    exp = full_exporter(tmp_path, engine, engine_url=url)
     engine.status = 500
     with capture_logs() as logs:
         s = samples(exp)
@@ -248,7 +263,7 @@ def test_engine_unreachable_or_erroring_drops_engine_metrics(tmp_path: Path, eng
     assert "pinsidecar_engine_generation_tokens_total" not in names(s)
     assert value(s, "pinsidecar_exporter_source_up", source="engine") == 0
     assert len([e for e in logs if e.get("source") == "engine"]) == 1
-    exp.set_engine_metrics_url(f"http://127.0.0.1:{free_port()}")
+    url.value = f"http://127.0.0.1:{free_port()}"  # the engine moved (nothing listens there)
     s = samples(exp)
     assert value(s, "pinsidecar_exporter_source_up", source="engine") == 0
     assert "pinsidecar_host_memory_total_bytes" in names(s)
@@ -274,7 +289,7 @@ def test_nvml_missing_means_absent_metrics_and_one_log_line() -> None:
 
 
 def test_nvml_on_this_machine_is_absent_without_failing_the_scrape() -> None:
-    exp = Exporter(stats_path=None, engine_metrics_url=None)  # the real pynvml loader
+    exp = Exporter()  # the real pynvml loader
     s = samples(exp)
     assert "pinsidecar_gpu_memory_used_bytes" not in names(s)
     assert "pinsidecar_host_memory_total_bytes" in names(s)
@@ -295,23 +310,140 @@ def test_host_memory_from_psutil(tmp_path: Path, engine: FakeEngineMetrics) -> N
     assert 0 < value(s, "pinsidecar_host_memory_available_bytes") <= psutil.virtual_memory().total
 
 
+def test_live_inputs_are_read_at_every_scrape(tmp_path: Path, engine: FakeEngineMetrics) -> None:
+    from pinsidecar.daemon.gate import Gate
+
+    pid, gate = LiveValue(4242), LiveValue[Gate]()
+    exp = full_exporter(tmp_path, engine, engine_pid=pid, gate=gate)
+    s = samples(exp)
+    assert value(s, "pinsidecar_engine_cgroup_memory_current_bytes") == 4294967296
+    assert "pinsidecar_gate_holding" not in names(s)  # no gate configured: nothing, not zeros
+    write_cgroup_tree(tmp_path / "cgroup", "system.slice/engine2.scope", current=123)
+    make_proc(tmp_path, 5151, "/system.slice/engine2.scope")
+    pid.value = 5151  # the engine restarted as another process, in another cgroup
+    gate.value = Gate("127.0.0.1", 0, "http://127.0.0.1:1")
+    s = samples(exp)
+    assert value(s, "pinsidecar_engine_cgroup_memory_current_bytes") == 123
+    assert value(s, "pinsidecar_gate_holding") == 0
+    pid.value = None  # stopped: the source is off, not down
+    assert ("pinsidecar_exporter_source_up", (("source", "cgroup"),)) not in samples(exp)
+
+
+def test_a_collector_that_raises_is_left_out_and_logged_once(tmp_path: Path, engine: FakeEngineMetrics,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    exp = full_exporter(tmp_path, engine)
+
+    def broken() -> Any:
+        raise ZeroDivisionError("a bug, not an OSError")
+
+    monkeypatch.setattr(exp.host, "_virtual_memory", broken)
+    with capture_logs() as logs:
+        for _ in range(3):
+            s = samples(exp)
+    assert value(s, "pinsidecar_exporter_source_up", source="host") == 0
+    assert "pinsidecar_host_memory_total_bytes" not in names(s)
+    assert value(s, "pinsidecar_expert_selections_total") == 300
+    assert len([e for e in logs if e.get("source") == "host"]) == 1
+
+
+def test_stats_in_the_fallback_file_and_two_readers_of_one_file(tmp_path: Path) -> None:
+    from pinsidecar_hook.contract import fallback_stats_path
+
+    configured = tmp_path / "stats.json"
+    fallback = fallback_stats_path(configured)
+    try:
+        stats("b1", 1, errors={"stats_write": 3}).save(fallback)
+        first, second = Exporter(stats_path=configured, nvml=None), Exporter(stats_path=configured, nvml=None)
+        for exp in (first, second, first):  # each exporter's reader keeps its own previous reading
+            s = samples(exp)
+            assert value(s, "pinsidecar_exporter_source_up", source="stats") == 1
+            assert value(s, "pinsidecar_expert_selections_total") == 300
+            assert value(s, "pinsidecar_hook_errors_total", kind="stats_write") == 3
+    finally:
+        fallback.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------ the real hook
+
+
+def _hook_stats_writer(tmp_path: Path, stats_path: Path) -> tuple[Any, Any]:
+    """Pin mode's real stats writer (its :class:`PinState` as the source of the hook's flusher) over real counter
+    tensors, the ones the split invoke fills, without an engine: two MoE layers of 8 experts, 6 hot.
+    Returns (flusher, pin state)."""
+    import torch
+    from pinsidecar_hook.contract import load_map
+    from pinsidecar_hook.contract.env import HookConfig
+    from pinsidecar_hook.pin import LayerPin, PinState
+
+    from pinsidecar.testing import write_map
+
+    map_path = write_map(tmp_path / "map.json", num_layers=2, num_experts=8, hot_rows=6, top_k=2, label="t")
+    layers = [LayerPin(layer_id=lid, name=f"layers.{lid}", row_map=torch.arange(8, dtype=torch.int32), hot_rows=6,
+                       cold_rows=2, hot={}, cold={}, expert_counts=torch.zeros(8, dtype=torch.int64),
+                       cold_counts=torch.zeros(1, dtype=torch.int64), token_counts=torch.zeros(1, dtype=torch.int64))
+              for lid in (0, 1)]
+    cfg = HookConfig(mode="pin", map_path=map_path, stats_path=stats_path, flush_interval_s=60.0)
+    state = PinState(emap=load_map(map_path), layers=layers, backend="cpu", rank=0, tp_size=1, cfg=cfg,
+                     summary={"tier_bytes": {"hbm": 6 * 1024, "host": 2 * 1024}, "peak_extra_total_bytes": 0})
+    return state.make_flusher(), state
+
+
+def _route(state: Any, tokens: int) -> None:
+    """``tokens`` tokens through every layer, top-2: one selection on hot expert 0, one on cold expert 7."""
+    for layer in state.layers:
+        layer.expert_counts[0] += tokens
+        layer.expert_counts[7] += tokens
+        layer.cold_counts += tokens
+        layer.token_counts += tokens
+
+
+def test_exporter_exports_the_hooks_stats_write_error_when_the_hook_falls_back(tmp_path: Path) -> None:
+    from pinsidecar_hook.contract import fallback_stats_path
+
+    blocker = tmp_path / "not-a-dir"  # a file where the stats directory should be: unwritable even for root
+    blocker.write_text("")
+    stats_path = blocker / "stats.json"
+    fallback = fallback_stats_path(stats_path)
+    fallback.unlink(missing_ok=True)
+    writer, state = _hook_stats_writer(tmp_path, stats_path)
+    try:
+        _route(state, 5)
+        assert writer.flush() == fallback  # the hook could not write its path, and fell back
+        exp = Exporter(stats_path=stats_path, nvml=None)
+        s = samples(exp)
+        assert value(s, "pinsidecar_exporter_source_up", source="stats") == 1
+        assert value(s, "pinsidecar_hook_errors_total", kind="stats_write") == 1
+        assert value(s, "pinsidecar_expert_selections_total") == 2 * 5 * 2
+        assert value(s, "pinsidecar_expert_cold_selections_total") == 2 * 5
+        assert value(s, "pinsidecar_layer_expert_cold_selections_total", layer="1") == 5
+        assert value(s, "pinsidecar_cold_selection_ratio") == pytest.approx(0.5)
+        _route(state, 3)
+        writer.flush()
+        s = samples(exp)
+        assert value(s, "pinsidecar_hook_errors_total", kind="stats_write") == 2
+        assert value(s, "pinsidecar_expert_cold_selections_total") == 2 * 8
+    finally:
+        fallback.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------------------------------ daemon state
 
 
 def test_engine_state_is_an_enum_gauge() -> None:
-    exp = Exporter(stats_path=None, engine_metrics_url=None, nvml=None)
-    exp.set_engine_state("draining")
+    exp = Exporter(nvml=None)
+    exp.on_state("draining")
     s = samples(exp)
     assert [st for st in ENGINE_STATES if value(s, "pinsidecar_engine_state", state=st) == 1] == ["draining"]
     with pytest.raises(ValueError, match="unknown engine state 'bogus'"):
-        exp.set_engine_state("bogus")
+        exp.on_state("bogus")
 
 
 def test_boots_map_and_remaps(tmp_path: Path) -> None:
-    exp = Exporter(stats_path=None, engine_metrics_url=None, nvml=None, wall_clock=lambda: 1_800_000_000.0)
-    exp.record_boot("start", 21.5, "sha256:aa", False)
-    exp.record_boot("drain-reboot", 95.0, "sha256:bb", True)
-    exp.set_map("sha256:bb", "code", "2027-01-15T07:00:00Z", predicted_cold_ratio=0.0155)
+    exp = Exporter(nvml=None, wall_clock=lambda: 1_800_000_000.0)
+    exp.on_boot(reason="start", seconds=21.5, map_hash="sha256:aa", cache_miss=False)
+    exp.on_boot(reason="drain-reboot", seconds=95.0, map_hash="sha256:bb", cache_miss=True)
+    emap = dataclasses.replace(make_map(label="code"), created_at="2027-01-15T07:00:00Z", predicted_cold_rate=0.0155)
+    exp.on_map(emap)
     exp.record_remap("activated")
     exp.record_remap("activated")
     exp.record_remap("rejected_worse")
@@ -325,14 +457,14 @@ def test_boots_map_and_remaps(tmp_path: Path) -> None:
     assert value(s, "pinsidecar_engine_last_boot_duration_seconds") == 95.0
     assert value(s, "pinsidecar_engine_last_boot_info", reason="drain-reboot", map_hash="sha256:bb",
                  cache_miss="true") == 1
-    assert value(s, "pinsidecar_map_info", hash="sha256:bb", label="code") == 1
+    assert value(s, "pinsidecar_map_info", hash=emap.content_hash, label="code") == 1
     assert value(s, "pinsidecar_map_created_timestamp_seconds") == 1_800_000_000.0 - 3600
     assert value(s, "pinsidecar_map_age_seconds") == 3600
     assert value(s, "pinsidecar_map_predicted_cold_selection_ratio") == 0.0155
     assert value(s, "pinsidecar_remaps_total", outcome="activated") == 2
     assert value(s, "pinsidecar_remaps_total", outcome="rejected_worse") == 1
     with pytest.raises(ValueError, match="boot seconds"):
-        exp.record_boot("start", -1.0, "", False)
+        exp.on_boot(reason="start", seconds=-1.0, map_hash="", cache_miss=False)
 
 
 # ------------------------------------------------------------------------------------------------ exposition
@@ -342,11 +474,10 @@ def test_boots_map_and_remaps(tmp_path: Path) -> None:
 def test_promtool_check_metrics_is_clean(tmp_path: Path, engine: FakeEngineMetrics) -> None:
     from pinsidecar.daemon.gate import Gate
 
-    exp = full_exporter(tmp_path, engine)
-    exp.attach_gate(Gate("127.0.0.1", 0, "http://127.0.0.1:1"))
-    exp.set_engine_state("ready")
-    exp.record_boot("start", 12.0, "sha256:aa", False)
-    exp.set_map("sha256:aa", "code", "2026-11-29T10:00:00Z", 0.02)
+    exp = full_exporter(tmp_path, engine, gate=Gate("127.0.0.1", 0, "http://127.0.0.1:1"))
+    exp.on_state("ready")
+    exp.on_boot(reason="start", seconds=12.0, map_hash="sha256:aa", cache_miss=False)
+    exp.on_map(make_map(label="code"))
     exp.record_remap("activated")
     samples(exp)
     engine.tokens = 2000.0

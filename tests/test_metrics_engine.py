@@ -7,18 +7,18 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pinsidecar_hook.contract import ArtifactError, load_map, load_stats
+from pinsidecar_hook.contract import load_map
 from prometheus_client.parser import text_string_to_metric_families
 
+from pinsidecar.live_stats import request_stats
 from pinsidecar.metrics import Exporter
 from pinsidecar.testing import write_map
-from pinsidecar.testing.engine import HookedEngine, demo_model_dir, engine_factory  # noqa: F401 (fixtures)
+from pinsidecar.testing.engine import HookedEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -26,7 +26,7 @@ PROMPTS = ["def parse_args(items, node):", "The river was quiet in the early mor
 
 
 @pytest.fixture(scope="module")
-def pin_engine(engine_factory: Any, demo_model_dir: Path,  # noqa: F811
+def pin_engine(engine_factory: Any, demo_model_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HookedEngine, Path]]:
     cfg = json.loads((demo_model_dir / "config.json").read_text())
     tmp = tmp_path_factory.mktemp("exporter-pin")
@@ -50,23 +50,11 @@ def test_exporter_reads_a_real_pin_mode_engine(pin_engine: tuple[HookedEngine, P
         generated += engine.complete(prompt, max_tokens=16, ignore_eos=True)["usage"]["completion_tokens"]
     stats_path = engine.hook.stats_path
     assert stats_path is not None
-    # wait until the hook's side thread has written stats covering the traffic, and they stopped moving
-    deadline, last, snap = time.monotonic() + 60, None, None
-    while time.monotonic() < deadline:
-        try:
-            snap = load_stats(stats_path)
-        except ArtifactError:
-            snap = None
-        if snap is not None and snap.total_selections > 0 and last is not None \
-                and snap.total_selections == last.total_selections:
-            break
-        last = snap
-        time.sleep(1.5)
-    assert snap is not None and snap.total_selections > 0, "the hook wrote no stats"
+    snap = request_stats(stats_path, "flush", alive=engine.alive)  # the counters after the traffic, written now
+    assert snap.total_selections > 0, "the hook counted nothing"
 
-    exp = Exporter(stats_path=stats_path, engine_metrics_url=engine.base_url, nvml=None)
-    exp.set_engine_pid(engine.pid)
-    exp.set_engine_state("ready")
+    exp = Exporter(stats_path=stats_path, engine_url=engine.base_url, engine_pid=engine.pid, nvml=None)
+    exp.on_state("ready")
     text = exp.render().decode()
     s = _samples(text)
     assert s[("pinsidecar_exporter_source_up", (("source", "stats"),))] == 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from pinsidecar.metrics import Exporter
+from pinsidecar.testing import make_map
 from pinsidecar.testing.metrics import (
     FakeEngineMetrics,
     FakeNvml,
@@ -21,6 +23,7 @@ from pinsidecar.testing.metrics import (
 from pinsidecar.testing.prometheus import PrometheusServer, free_port, prometheus_binary
 
 GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
+MAP = dataclasses.replace(make_map(label="code"), created_at="2026-11-29T10:00:00Z", predicted_cold_rate=0.02)
 
 pytestmark = pytest.mark.skipif(prometheus_binary() is None, reason="prometheus missing (apt-get install prometheus)")
 
@@ -33,12 +36,11 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     # cold is 5 % from the start, so rate() extrapolates numerator and denominator alike
     make_stats("b1", 1, (100, 200), (5, 10)).save(stats_path)
     with FakeEngineMetrics() as engine:
-        exp = Exporter(stats_path=stats_path, engine_metrics_url=engine.url, cgroup_root=tmp / "cgroup",
+        exp = Exporter(stats_path=stats_path, engine_url=engine.url, engine_pid=77, cgroup_root=tmp / "cgroup",
                        proc_root=write_proc_cgroup(tmp / "proc", 77), nvml=FakeNvml())
-        exp.set_engine_pid(77)
-        exp.set_engine_state("ready")
-        exp.record_boot("start", 14.2, "sha256:feed", False)
-        exp.set_map("sha256:feed", "code", "2026-11-29T10:00:00Z", 0.02)
+        exp.on_state("ready")
+        exp.on_boot(reason="start", seconds=14.2, map_hash="sha256:feed", cache_miss=False)
+        exp.on_map(MAP)
         port = free_port()
         exp.start_http("127.0.0.1", port)
         try:
@@ -59,7 +61,7 @@ def test_prometheus_scrapes_and_answers_for_pinsidecar_metrics(scraped: tuple) -
     assert float(gpu[0]["value"][1]) == 20_000_000_000
     assert prom.targets_health()[0][1] == "up"
     info = prom.wait_for("pinsidecar_map_info")
-    assert info[0]["metric"]["hash"] == "sha256:feed" and info[0]["metric"]["label"] == "code"
+    assert info[0]["metric"]["hash"] == MAP.content_hash and info[0]["metric"]["label"] == "code"
 
 
 def test_recording_rule_gives_the_windowed_cold_selection_ratio(scraped: tuple) -> None:

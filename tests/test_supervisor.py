@@ -1,14 +1,18 @@
 """Supervisor faults that need no vLLM: an engine that never becomes ready, one that exits while booting, the
-backoff and crash-loop limit, the cache-miss rule. (The engine killed from outside is tested against the real
-vLLM engine in test_daemon_drain.py, which shares that boot.)
+backoff and crash-loop limit, the cache-miss rule; and how the supervisor and the daemon feed the exporter (the
+``BootObserver`` protocol, and the live inputs read at scrape time). (The engine killed from outside is tested
+against the real vLLM engine in test_daemon_drain.py, which shares that boot.)
 
-The "engines" here are real processes started by the real :class:`~pinsidecar.engine.EngineProcess` with
+The failing "engines" are real processes started by the real :class:`~pinsidecar.engine.EngineProcess` with
 ``engine.python`` pointing at a small script, exactly how a broken interpreter or a hung vLLM looks to the daemon.
+The wiring tests use an engine that is ready at once (:class:`InstantEngine`): they are about bookkeeping, not
+about processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import stat
 from collections.abc import Callable
@@ -18,10 +22,17 @@ import psutil
 import pytest
 
 from pinsidecar.daemon.config import SupervisorConfig
-from pinsidecar.daemon.supervisor import BootRecord, EngineState, Supervisor, geometry_key, is_cache_miss
-from pinsidecar.engine import EngineProcess, EngineSpec
+from pinsidecar.daemon.supervisor import (
+    BootObserver,
+    BootRecord,
+    EngineState,
+    Supervisor,
+    geometry_key,
+    is_cache_miss,
+)
+from pinsidecar.engine import EngineProcess, EngineSpec, Launcher
 from pinsidecar.metrics import Exporter
-from pinsidecar.testing.artifacts import make_map
+from pinsidecar.testing.artifacts import make_map, write_map
 
 PORT = 8270
 
@@ -42,7 +53,7 @@ def _supervisor(tmp_path: Path, script: Path, cfg: SupervisorConfig, states: lis
         return EngineSpec(model=model, port=PORT, python=str(script), log_path=tmp_path / "engine.log")
 
     return Supervisor(spec_for, EngineProcess, cfg, ready_timeout_s=ready_timeout_s, stop_timeout_s=5.0,
-                      exporter=exporter, on_state=lambda s, d: states.append((s, d)))
+                      observer=exporter, on_state=lambda s, d: states.append((s, d)))
 
 
 async def _until(cond: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
@@ -67,7 +78,7 @@ def test_engine_never_ready_bounded_wait_log_lines_failed_state(tmp_path: Path) 
     script = _script(tmp_path, 'echo "INFO loading weights: shard 1/1"\necho "INFO capturing graphs for batch 512"\n'
                                "exec sleep 600\n")
     states: list[tuple[str, str]] = []
-    exporter = Exporter(stats_path=None, engine_metrics_url=None, nvml=None, process_metrics=False)
+    exporter = Exporter(nvml=None, process_metrics=False)
     cfg = SupervisorConfig(health_interval_s=0.2, backoff_initial_s=0.1, backoff_max_s=0.2, crash_loop_limit=2)
     sup = _supervisor(tmp_path, script, cfg, states, exporter)
 
@@ -160,3 +171,155 @@ def test_cache_miss_rule_and_geometry_key() -> None:
 def _no_stray_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert os.environ.get("NOTIFY_SOCKET") is None
+
+
+# ---------------------------------------------------------------------------------------------------- the exporter
+
+
+class InstantEngine:
+    """A :class:`~pinsidecar.engine.Launcher` whose "engine" is this test process, ready at once."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.running = False
+
+    @property
+    def pid(self) -> int | None:
+        return os.getpid() if self.running else None
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    def start(self) -> None:
+        self.running = True
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        return 0.0
+
+    def alive(self) -> bool:
+        return self.running
+
+    def health(self) -> bool:
+        return self.running
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        self.running = False
+        return 0
+
+    def last_log_lines(self, n: int = 40) -> list[str]:
+        return []
+
+
+def _render(exporter: Exporter) -> str:
+    return exporter.render().decode()
+
+
+def test_the_exporter_is_a_boot_observer_and_the_supervisor_drives_it(tmp_path: Path) -> None:
+    assert isinstance(InstantEngine(EngineSpec(model=tmp_path)), Launcher)
+    exporter = Exporter(nvml=None, process_metrics=False)
+    assert isinstance(exporter, BootObserver)
+    map_path = write_map(tmp_path / "map.json", label="served")
+    sup = Supervisor(lambda mp: EngineSpec(model=tmp_path, port=PORT), InstantEngine, SupervisorConfig(),
+                     ready_timeout_s=5.0, stop_timeout_s=5.0, map_path=map_path, observer=exporter)
+
+    async def scenario() -> None:
+        async with sup.lock:
+            await sup.boot("start")
+            text = _render(exporter)
+            assert 'pinsidecar_engine_state{state="ready"} 1.0' in text
+            assert 'pinsidecar_engine_boots_total{reason="start"} 1.0' in text
+            assert sup.map is not None
+            assert f'pinsidecar_map_info{{hash="{sup.map.content_hash}",label="served"}} 1.0' in text
+            sup._set_state(EngineState.UNHEALTHY)  # not an exported state: folded into "restarting"
+            assert 'pinsidecar_engine_state{state="restarting"} 1.0' in _render(exporter)
+            await sup.stop_engine()
+        assert 'pinsidecar_engine_state{state="stopped"} 1.0' in _render(exporter)
+
+    asyncio.run(scenario())
+
+
+def test_the_exporters_observer_methods_have_the_protocols_signatures() -> None:
+    """isinstance() checks only the names; a renamed or reordered parameter must fail here too, not only in a
+    type checker."""
+    for name in ("on_state", "on_boot", "on_map"):
+        assert inspect.signature(getattr(Exporter, name)) == inspect.signature(getattr(BootObserver, name)), name
+
+
+def test_an_observer_that_raises_does_not_stop_the_supervisor(tmp_path: Path) -> None:
+    class Broken:
+        def on_state(self, state: str) -> None:
+            raise RuntimeError("observer bug")
+
+        def on_boot(self, *, reason: str, seconds: float, map_hash: str, cache_miss: bool) -> None:
+            raise RuntimeError("observer bug")
+
+        def on_map(self, emap: object) -> None:
+            raise RuntimeError("observer bug")
+
+    sup = Supervisor(lambda mp: EngineSpec(model=tmp_path, port=PORT), InstantEngine, SupervisorConfig(),
+                     ready_timeout_s=5.0, stop_timeout_s=5.0, observer=Broken())
+
+    async def scenario() -> None:
+        async with sup.lock:
+            rec = await sup.boot("start")
+            assert rec.ok and sup.state == EngineState.READY
+            await sup.stop_engine()
+
+    asyncio.run(scenario())
+
+
+def test_the_daemon_hands_the_exporter_the_running_engine(tmp_path: Path) -> None:
+    """The daemon's exporter reads the supervisor's engine at scrape time: its pid while it runs, none after;
+    the gate's counters; the configured URL when no engine runs (reported down, not off)."""
+    from pinsidecar.daemon.config import load_config
+    from pinsidecar.daemon.service import Daemon
+    from pinsidecar.testing.prometheus import PORT_RANGE, free_port
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    ports: list[int] = []
+    for _ in range(4):  # four distinct free ports
+        ports.append(free_port(ports[-1] + 1 if ports else PORT_RANGE[0]))
+    engine_port, gate, control, metrics = ports
+    cfg_path = tmp_path / "pinsidecar.toml"
+    cfg_path.write_text(f'''[engine]
+model = "{model}"
+port = {engine_port}
+[gate]
+port = {gate}
+[control]
+port = {control}
+token_file = "{tmp_path}/token"
+create_token = true
+[metrics]
+port = {metrics}
+nvml = false
+[daemon]
+state_dir = "{tmp_path}/state"
+''')
+    daemon = Daemon(load_config(cfg_path), launcher_factory=InstantEngine)
+
+    async def scenario() -> None:
+        await daemon.start()
+        try:
+            await _until(lambda: daemon.supervisor is not None and daemon.supervisor.state == EngineState.READY,
+                         "engine ready")
+            exporter = daemon.exporter
+            assert exporter is not None
+            assert exporter.cgroup.pid() == os.getpid() and exporter.cgroup.container_id() is None
+            assert exporter.engine.url() == f"http://127.0.0.1:{engine_port}"
+            text = _render(exporter)
+            assert 'pinsidecar_engine_state{state="ready"} 1.0' in text
+            assert "pinsidecar_gate_holding 0.0" in text
+            assert 'pinsidecar_exporter_source_up{source="engine"} 0.0' in text  # nothing serves /metrics there
+            assert daemon.supervisor is not None
+            async with daemon.supervisor.lock:
+                await daemon.supervisor.stop_engine()
+            assert exporter.cgroup.pid() is None
+            assert exporter.engine.url() == f"http://127.0.0.1:{engine_port}"
+        finally:
+            await daemon.shutdown()
+
+    asyncio.run(scenario())

@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from pinsidecar_hook.contract import ArtifactError, atomic_write_json, load_map, utc_now
@@ -41,7 +41,10 @@ from pinsidecar.daemon.control import ControlError, ControlServer, read_token
 from pinsidecar.daemon.map_library import MapLibrary, MapNotFound
 from pinsidecar.daemon.sdnotify import Notifier
 from pinsidecar.daemon.supervisor import EngineState, Supervisor
-from pinsidecar.engine import EngineError, EngineProcess, EngineSpec
+from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
+
+if TYPE_CHECKING:
+    from pinsidecar.metrics import Exporter
 
 __all__ = ["Daemon", "run_daemon"]
 
@@ -68,7 +71,7 @@ class Daemon:
         self.state_dir = cfg.daemon.state_dir
         self.launcher_factory = launcher_factory or make_launcher_factory(cfg)
         self.started_at = time.time()
-        self.exporter: Any = None
+        self.exporter: Exporter | None = None
         self.gate: Any = None
         self.control: ControlServer | None = None
         self.maps = MapLibrary(cfg.maps_dir, watch=cfg.maps.watch)
@@ -108,6 +111,19 @@ class Daemon:
             log.info("active_map_from_state", path=str(path), hash=want, configured=str(configured))
         return path
 
+    # What the exporter reads at every scrape: the engine the supervisor runs now, so a restarted engine (a new
+    # pid, container or URL) is followed without telling the exporter anything.
+
+    def _launcher(self) -> Launcher | None:
+        return self.supervisor.launcher if self.supervisor is not None else None
+
+    def _engine_pid(self) -> int | None:
+        launcher = self._launcher()
+        return launcher.pid if launcher is not None else None
+
+    def _engine_container_id(self) -> str | None:
+        return getattr(self._launcher(), "container_id", None)  # only the container launcher has one
+
     def _on_state(self, state: str, detail: str) -> None:
         text = f"engine {state}" + (f": {detail}" if detail else "")
         if not self._ready_sent and state in (EngineState.READY, EngineState.FAILED):
@@ -128,11 +144,16 @@ class Daemon:
             from pinsidecar.metrics import Exporter
 
             stats_path = Path(spec.env["PINSIDECAR_STATS_PATH"]) if "PINSIDECAR_STATS_PATH" in spec.env else None
-            kwargs: dict[str, Any] = {"stats_path": stats_path, "engine_metrics_url": spec.base_url,
-                                      "cgroup_root": cfg.metrics.cgroup_root}
-            if not cfg.metrics.nvml:
-                kwargs["nvml"] = None
-            self.exporter = Exporter(**kwargs)
+            configured_url = spec.base_url
+
+            def engine_url() -> str:  # the running engine's, else the configured one (reported down, not off)
+                launcher = self._launcher()
+                return launcher.base_url if launcher is not None else configured_url
+
+            kwargs: dict[str, Any] = {} if cfg.metrics.nvml else {"nvml": None}
+            self.exporter = Exporter(stats_path=stats_path, engine_url=engine_url, engine_pid=self._engine_pid,
+                                     engine_container_id=self._engine_container_id, gate=lambda: self.gate,
+                                     cgroup_root=cfg.metrics.cgroup_root, **kwargs)
             self.exporter.start_http(cfg.metrics.host, cfg.metrics.port)
         if cfg.gate.enabled:
             from pinsidecar.daemon.gate import Gate
@@ -144,15 +165,13 @@ class Daemon:
                              max_hold_s=cfg.gate.max_hold_s, max_body_bytes=cfg.gate.max_body_bytes,
                              capture=capture)
             await self.gate.start()
-            if self.exporter is not None and hasattr(self.exporter, "attach_gate"):
-                self.exporter.attach_gate(self.gate)
         self.control = ControlServer(self, token, host=cfg.control.host, port=cfg.control.port,
                                      unix_socket=cfg.control.unix_socket, max_body_bytes=cfg.control.max_body_bytes)
         await self.control.start()
         await self.maps.start()
         self.supervisor = Supervisor(
             self._spec_for, self.launcher_factory, cfg.supervisor, ready_timeout_s=cfg.engine.ready_timeout_s,
-            stop_timeout_s=cfg.engine.stop_timeout_s, map_path=self._initial_map(), exporter=self.exporter,
+            stop_timeout_s=cfg.engine.stop_timeout_s, map_path=self._initial_map(), observer=self.exporter,
             on_state=self._on_state)
         self._tasks.append(asyncio.create_task(self.supervisor.run(), name="supervisor"))
         log.info("daemon_started", version=__version__, config=str(cfg.path), control=self.control.address,
@@ -300,8 +319,6 @@ class Daemon:
                     if self.gate is not None:
                         if sup.launcher is not None:
                             self.gate.set_upstream(sup.launcher.base_url)
-                            if self.exporter is not None:
-                                self.exporter.set_engine_metrics_url(sup.launcher.base_url)
                         result["held_at_release"] = self.gate.held  # requests that waited out the reboot
                         self.gate.release()
                         result["hold_s"] = round(time.monotonic() - hold_t0, 3)

@@ -15,8 +15,10 @@ The supervisor owns the engine's lifecycle and nothing else; the daemon drives d
   stays ready ``stable_after_s`` resets the count. A drain-reboot (an operator asking) clears ``failed``.
 - **Every boot is recorded**: reason, seconds from start to ready, the map hash and its geometry. A boot much
   slower than the last successful one with the same geometry (``cache_miss_factor`` times and at least
-  ``cache_miss_min_s`` longer) is flagged as a compile-cache miss: a remap must keep kernel shapes, so a slow
-  reboot means something fed the cache key that should not have (DESIGN.md section 1).
+  ``cache_miss_min_s`` longer) is flagged as a compile-cache miss: a remap keeps the map's geometry and so the
+  kernel shapes, so a slow reboot means something fed the compile caches' key that should not have.
+- **Observers** hear every state change and every boot that reached ready through :class:`BootObserver` (the
+  exporter implements it): typed calls, so a renamed method fails the type check and the tests, not a log line.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import aiohttp
 import structlog
@@ -37,7 +39,7 @@ from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
 from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 
-__all__ = ["BootRecord", "EngineState", "Supervisor", "geometry_key", "is_cache_miss"]
+__all__ = ["BootObserver", "BootRecord", "EngineState", "Supervisor", "geometry_key", "is_cache_miss"]
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +60,25 @@ class EngineState:
     # The exporter's state set (pinsidecar.metrics.ENGINE_STATES) has no separate unhealthy/stopping: an
     # unhealthy engine is about to be restarted, a stopping one is about to be stopped.
     EXPORTED: ClassVar[dict[str, str]] = {UNHEALTHY: BACKOFF, STOPPING: STOPPED}
+
+
+@runtime_checkable
+class BootObserver(Protocol):
+    """Who hears what the supervisor does to the engine (:class:`pinsidecar.metrics.Exporter` implements it).
+
+    Called on the daemon's event loop: return at once. An exception is logged and ignored: metrics must never take
+    the supervisor down. The engine's pid, container and URL are not pushed: the observer reads them when it needs
+    them (the exporter at scrape time, from :attr:`Supervisor.launcher`).
+    """
+
+    def on_state(self, state: str) -> None:
+        """The engine's state changed; ``state`` is an exported one (:attr:`EngineState.EXPORTED` applied)."""
+
+    def on_boot(self, *, reason: str, seconds: float, map_hash: str, cache_miss: bool) -> None:
+        """A boot reached ready after ``seconds`` (``cache_miss``: much slower than the last like it)."""
+
+    def on_map(self, emap: ExpertMap) -> None:
+        """The engine that just booted serves ``emap``."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +126,7 @@ class Supervisor:
 
     def __init__(self, spec_for: Callable[[Path | None], EngineSpec], make_launcher: Callable[[EngineSpec], Launcher],
                  cfg: SupervisorConfig, *, ready_timeout_s: float, stop_timeout_s: float,
-                 map_path: Path | None = None, exporter: Any = None,
+                 map_path: Path | None = None, observer: BootObserver | None = None,
                  on_state: Callable[[str, str], None] | None = None) -> None:
         self.spec_for = spec_for
         self.make_launcher = make_launcher
@@ -114,7 +135,7 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self.map_path = map_path
         self.map: ExpertMap | None = load_map(map_path) if map_path is not None else None
-        self.exporter = exporter
+        self.observer = observer
         self.on_state = on_state
         self.launcher: Launcher | None = None
         self.state = EngineState.STOPPED
@@ -126,28 +147,24 @@ class Supervisor:
         self.lock = asyncio.Lock()  # held for every boot/stop; the daemon holds it across a drain-reboot
         self._closing = False
         self._wake = asyncio.Event()
-        self._missing_export: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
 
-    # ------------------------------------------------------------------------------------------------ export
+    # ------------------------------------------------------------------------------------------------ observer
 
-    def _export(self, method: str, *args: Any) -> None:
-        fn = getattr(self.exporter, method, None) if self.exporter is not None else None
-        if fn is None:
-            if self.exporter is not None and method not in self._missing_export:
-                self._missing_export.add(method)
-                log.warning("exporter_method_missing", method=method)
+    def _tell(self, event: Callable[[BootObserver], None]) -> None:
+        if self.observer is None:
             return
         try:
-            fn(*args)
+            event(self.observer)
         except Exception as exc:  # metrics must never take the supervisor down
-            log.warning("exporter_call_failed", method=method, error=str(exc))
+            log.warning("boot_observer_failed", observer=type(self.observer).__name__, error=str(exc))
 
     def _set_state(self, state: str, detail: str = "") -> None:
         if state != self.state or detail != self.detail:
             log.info("engine_state", state=state, detail=detail or None)
         self.state, self.detail = state, detail
-        self._export("set_engine_state", EngineState.EXPORTED.get(state, state))
+        exported = EngineState.EXPORTED.get(state, state)
+        self._tell(lambda o: o.on_state(exported))
         if self.on_state is not None:
             self.on_state(state, detail)
 
@@ -179,10 +196,6 @@ class Supervisor:
         try:
             self.launcher = launcher
             await asyncio.to_thread(launcher.start)
-            self._export("set_engine_pid", launcher.pid)
-            cid = getattr(launcher, "container_id", None)
-            if cid:
-                self._export("set_container", cid)
             await asyncio.to_thread(launcher.wait_ready, self.ready_timeout_s)
         except (EngineError, OSError) as exc:
             seconds = time.monotonic() - t0
@@ -208,10 +221,11 @@ class Supervisor:
         if cache_miss:
             log.warning("engine_boot_cache_miss", seconds=rec.seconds, previous_seconds=prev.seconds if prev else None,
                         geometry=geometry, hint="a boot with the same geometry should hit the compile cache")
-        self._export("record_boot", reason, seconds, rec.map_hash or "", cache_miss)
+        self._tell(lambda o: o.on_boot(reason=reason, seconds=seconds, map_hash=rec.map_hash or "",
+                                       cache_miss=cache_miss))
         if emap is not None:
-            # The predicted ratio feeds the drift alert (observed cold ratio vs what the map promised).
-            self._export("set_map", emap.content_hash, emap.label, emap.created_at, emap.predicted_cold_rate)
+            served = emap
+            self._tell(lambda o: o.on_map(served))
         self._set_state(EngineState.READY)
         return rec
 
@@ -224,7 +238,6 @@ class Supervisor:
         if state == EngineState.STOPPED:
             self._set_state(EngineState.STOPPING)
         code = await asyncio.to_thread(launcher.stop, self.stop_timeout_s if timeout_s is None else timeout_s)
-        self._export("set_engine_pid", None)
         self._set_state(state)
         return code
 

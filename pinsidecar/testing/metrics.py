@@ -1,23 +1,27 @@
 """Fixture sources for the exporter: a fake NVML, an engine ``/metrics`` over real HTTP, cgroup and /proc trees.
 
 The exporter's collectors take their inputs as constructor arguments (cgroup root, /proc root, stats path, NVML
-module, engine URL) precisely so that tests can hand them these. Everything here is named for what it fakes, and
-only NVML is an in-process fake (no NVML can exist on CI); the engine endpoint is a real HTTP server on loopback and
-the cgroup and /proc trees are real files laid out like the kernel's.
+module) or as callables asked at every scrape (the engine's pid, container id and URL; a :class:`LiveValue` is one
+that a test changes between scrapes), precisely so that tests can hand them these. Everything here is named for
+what it fakes, and only NVML is an in-process fake (no NVML can exist on CI); the engine endpoint is a real HTTP
+server on loopback and the cgroup and /proc trees are real files laid out like the kernel's.
 """
 
 from __future__ import annotations
 
 import http.server
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace, TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pinsidecar_hook.contract import StatsSnapshot
 
-__all__ = ["VLLM_METRICS_TEXT", "FakeEngineMetrics", "FakeNvml", "make_stats", "write_cgroup_tree",
+__all__ = ["VLLM_METRICS_TEXT", "FakeEngineMetrics", "FakeNvml", "LiveValue", "make_stats", "write_cgroup_tree",
            "write_proc_cgroup"]
+
+T = TypeVar("T")
 
 # What vLLM 0.32's /metrics looks like (names, labels, _created lines), trimmed to the series the exporter reads
 # plus neighbours it must ignore. ``{tokens}`` is replaced by the generation token count.
@@ -53,6 +57,17 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="demo"} 
 vllm:time_to_first_token_seconds_count{engine="0",model_name="demo"} 12.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="demo"} 0.84
 """
+
+
+@dataclass
+class LiveValue(Generic[T]):
+    """A live input for the exporter that a test changes between scrapes: ``pid = LiveValue(4242)``,
+    ``Exporter(engine_pid=pid, ...)``, later ``pid.value = None`` (the engine is gone)."""
+
+    value: T | None = None
+
+    def __call__(self) -> T | None:
+        return self.value
 
 
 class FakeEngineMetrics:
