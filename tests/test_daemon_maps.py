@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from pinsidecar_hook.contract import ExpertMap, LayerPlacement, load_map
+from pinsidecar_hook.contract import load_map
 
-from pinsidecar.testing.engine import demo_model_dir  # noqa: F401  (session fixture: the demo model)
+from pinsidecar.testing import model_geometry, write_map
 
 pytestmark = pytest.mark.vllm
 
@@ -32,19 +32,9 @@ PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 
 
 def _map(path: Path, model_dir: Path, hot_rows: int, seed: int, label: str, num_experts: int | None = None) -> Path:
-    import random
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    n = num_experts or cfg.get("num_experts") or cfg["num_local_experts"]  # newer transformers: num_local_experts
-    rng = random.Random(seed)
-    layers = []
-    for lid in range(cfg["num_hidden_layers"]):
-        order = list(range(n))
-        rng.shuffle(order)
-        layers.append(LayerPlacement(lid, tuple(order[:hot_rows]), tuple(order[hot_rows:])))
-    ExpertMap(layer_ids=tuple(range(cfg["num_hidden_layers"])), num_experts=n, top_k=cfg["num_experts_per_tok"],
-              hot_rows=hot_rows, layers=tuple(layers), label=label).save(path)
-    return path
+    """A random map for ``model_dir`` (or, with ``num_experts``, a valid map for some other model)."""
+    geometry = {**model_geometry(model_dir), **({"num_experts": num_experts} if num_experts else {})}
+    return write_map(path, **geometry, hot_rows=hot_rows, seed=seed, label=label)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,11 @@ def test_demo_loop_end_to_end(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     result = CliRunner().invoke(main, ["demo", "--workdir", str(work), "--port", str(free_port()), "--json"])
     assert result.exit_code == 0, result.output
+    # The operator's terminal: --json puts one JSON document on stdout (json.loads refuses anything after it),
+    # and hundreds of replayed requests leave no httpx line in either stream.
     summary = json.loads(result.stdout)
+    assert "HTTP Request:" not in result.stdout + result.stderr
+    assert "==>" not in result.stdout
     assert summary == json.loads((work / "demo-summary.json").read_text())
 
     in_domain, cross = summary["in_domain"], summary["cross_domain"]

@@ -6,25 +6,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, LayerPlacement, load_map
+from pinsidecar_hook.contract import ArtifactError, LayerPlacement, load_map
 
 from pinsidecar import placement
 from pinsidecar.placement.heatmap import render_map_png, write_map_png
-from pinsidecar.testing import domain_ranking, make_counts, make_map
-
-
-def _counts(rows: list[list[int]], top_k: int = 1, layer_ids: list[int] | None = None, **meta: object
-            ) -> CountsArtifact:
-    arr = np.asarray(rows, dtype=np.int64)
-    return CountsArtifact(layer_ids=layer_ids or list(range(arr.shape[0])), num_experts=arr.shape[1], top_k=top_k,
-                          counts=arr, tokens=int(arr[0].sum()) // top_k, meta=dict(meta))
-
+from pinsidecar.testing import (
+    counts_from,
+    domain_ranking,
+    make_counts,
+    make_map,
+    model_geometry,
+    swap_experts,
+    write_map,
+)
 
 # ---------------------------------------------------------------------------------------------------- build
 
 
 def test_build_takes_most_selected_with_ties_to_lower_id_and_sorted_lists() -> None:
-    c = _counts([[1, 9, 3, 3, 3, 0], [5, 5, 5, 5, 5, 5]])
+    c = counts_from([[1, 9, 3, 3, 3, 0], [5, 5, 5, 5, 5, 5]])
     m = placement.build_usage_map([c], 3, "t")
     assert m.layers[0] == LayerPlacement(0, hot=(1, 2, 3), cold=(0, 4, 5))  # 3,3,3 tie: ids 2,3 beat 4
     assert m.layers[1] == LayerPlacement(1, hot=(0, 1, 2), cold=(3, 4, 5))  # all tied: lowest ids
@@ -35,8 +35,8 @@ def test_build_takes_most_selected_with_ties_to_lower_id_and_sorted_lists() -> N
 
 
 def test_engine_meta_is_carried_when_all_counts_agree() -> None:
-    a = _counts([[1, 2]], dtype="bfloat16", tp_size=1, workload_note="x")
-    b = _counts([[2, 1]], dtype="bfloat16", tp_size=2)
+    a = counts_from([[1, 2]], meta={"dtype": "bfloat16", "tp_size": 1, "workload_note": "x"})
+    b = counts_from([[2, 1]], meta={"dtype": "bfloat16", "tp_size": 2})
     m = placement.build_usage_map([a, b], 1)
     assert m.meta["dtype"] == "bfloat16" and "tp_size" not in m.meta and "workload_note" not in m.meta
 
@@ -89,7 +89,7 @@ def test_budget_out_of_range(hot_rows: int, expect: str) -> None:
 
 
 def test_counts_without_selections_are_refused() -> None:
-    empty = _counts([[0, 0, 0, 0]])
+    empty = counts_from([[0, 0, 0, 0]])
     with pytest.raises(ArtifactError, match=r"e\.json: no selections counted"):
         placement.build_usage_map([empty], 2, names=["e.json"])
 
@@ -150,7 +150,7 @@ def test_positional_for_uses_the_same_budget_and_cannot_be_a_map() -> None:
 
 
 def test_evaluate_by_hand_for_map_and_mask() -> None:
-    c = _counts([[6, 2, 1, 1], [0, 0, 4, 6]])
+    c = counts_from([[6, 2, 1, 1], [0, 0, 4, 6]])
     m = placement.build_usage_map([c], 2)
     r = placement.evaluate(m, c)
     assert r["cold_rate"] == pytest.approx(2 / 20)
@@ -172,7 +172,7 @@ def test_evaluate_refuses_other_geometry_naming_both() -> None:
 
 
 def test_figures_in_domain_beats_positional_and_cross_domain_is_worse() -> None:
-    """The shape of issue 2's figure on synthetic traffic: held-out in-domain << positional, cross-domain worse."""
+    """The shape of the demo's figure on synthetic traffic: held-out in-domain << positional, cross-domain worse."""
     geometry = dict(num_layers=8, num_experts=64, top_k=4, tokens=2000)
     train = make_counts(**geometry, domain=0, seed=1)
     held_out = make_counts(**geometry, domain=0, seed=2)
@@ -205,9 +205,7 @@ def test_diff_identical_and_moved() -> None:
     same = placement.diff_maps(a, a)
     assert same["identical"] and same["compile_cache_hit"] and same["hot_to_cold"] == 0
     lp = a.layers[1]
-    moved = LayerPlacement(lp.layer_id, tuple(sorted((*lp.hot[1:], lp.cold[0]))),
-                           tuple(sorted((*lp.cold[1:], lp.hot[0]))))
-    b = ExpertMap(**{**a.__dict__, "layers": (a.layers[0], moved, a.layers[2])})
+    b = swap_experts(a, lp.layer_id)  # its lowest hot expert goes cold, its lowest cold expert goes hot
     d = placement.diff_maps(a, b)
     assert not d["identical"] and d["compile_cache_hit"]
     assert d["per_layer"][1] == {"layer_id": lp.layer_id, "hot_to_cold": [lp.hot[0]], "cold_to_hot": [lp.cold[0]]}
@@ -241,8 +239,8 @@ def test_summary() -> None:
 
 
 def test_sum_counts_and_top_share() -> None:
-    a = _counts([[4, 0, 0, 0]], expert_bytes=5, x=1)
-    b = _counts([[0, 2, 1, 1]], expert_bytes=5, x=2)
+    a = counts_from([[4, 0, 0, 0]], meta={"expert_bytes": 5, "x": 1})
+    b = counts_from([[0, 2, 1, 1]], meta={"expert_bytes": 5, "x": 2})
     s = placement.sum_counts([a, b])
     assert s.counts.tolist() == [[4, 2, 1, 1]] and s.tokens == 8
     assert s.meta["expert_bytes"] == 5 and "x" not in s.meta
@@ -283,8 +281,34 @@ def test_make_counts_hot_set_and_domains() -> None:
 
 def test_make_map_random_is_valid(tmp_path: Path) -> None:
     m = make_map(num_layers=3, num_experts=10, hot_rows=4, seed=9)
-    m.save(tmp_path / "m.json")
-    assert load_map(tmp_path / "m.json") == m
+    assert load_map(write_map(tmp_path / "m.json", num_layers=3, num_experts=10, hot_rows=4, seed=9)) == m
+
+
+def test_counts_from_holds_exactly_the_rows() -> None:
+    c = counts_from([[3, 1, 0], [0, 2, 2]], top_k=2, layer_ids=[5, 9])
+    assert c.counts.tolist() == [[3, 1, 0], [0, 2, 2]] and c.tokens == 2 and c.consistent
+    assert c.layer_ids == [5, 9] and (c.num_experts, c.top_k) == (3, 2)
+    assert not counts_from([[3, 1, 0]], tokens=7).consistent
+    with pytest.raises(ValueError, match="layers"):
+        counts_from([1, 2, 3])
+
+
+def test_swap_experts_keeps_the_geometry(tmp_path: Path) -> None:
+    a = make_map(num_layers=2, num_experts=6, hot_rows=2, seed=4)
+    lp = a.layer(1)
+    b = swap_experts(a, 1, lp.hot[1], lp.cold[2])
+    assert b.layer(1) == LayerPlacement(1, tuple(sorted({lp.hot[0], lp.cold[2]})),
+                                        tuple(sorted({*lp.cold} - {lp.cold[2]} | {lp.hot[1]})))
+    assert b.layer(0) == a.layer(0) and b.same_geometry(a) and b.content_hash != a.content_hash
+    b.save(tmp_path / "b.json")
+    assert load_map(tmp_path / "b.json") == b
+    with pytest.raises(ValueError, match="must be hot"):
+        swap_experts(a, 1, lp.cold[0], lp.cold[1])
+
+
+def test_model_geometry_reads_the_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4, "num_local_experts": 64, "num_experts_per_tok": 8}')
+    assert model_geometry(tmp_path) == {"num_layers": 4, "num_experts": 64, "top_k": 8}
 
 
 # ---------------------------------------------------------------------------------------------------- heatmap

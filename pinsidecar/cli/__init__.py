@@ -23,14 +23,14 @@ __all__ = ["main"]
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="pinsidecar")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]), help="Log verbosity (logs go to stderr).")
+@click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]),
+              help="Log verbosity on stderr [default: warning; `run`: daemon.log_level from its config].")
 @click.pass_context
-def main(ctx: click.Context, log_level: str) -> None:
+def main(ctx: click.Context, log_level: str | None) -> None:
     """Usage-aware MoE expert placement for vLLM: count, map, pin, watch, remap."""
     from pinsidecar import log
 
-    log.configure(log_level)
+    log.configure(log_level or log.COMMAND_LOG_LEVEL)
     ctx.ensure_object(dict)
 
 

@@ -8,7 +8,6 @@ token (``control.token_file``, which the operator must be able to read).
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,6 @@ def _where(cfg: Any) -> str:
 def _request(cfg: Any, method: str, path: str, *, timeout: float, token: str | None = None,
              body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines on the operator's terminal
     try:
         with _client(cfg, timeout) as client:
             resp = client.request(method, path, json=body, headers=headers)
@@ -148,7 +146,8 @@ def register(main: click.Group) -> None:
     def run_cmd(config_path: Path | None, model: Path | None, as_json: bool) -> None:
         """Run the daemon: supervise the engine, front it with the gate, serve metrics and the control API.
 
-        --json forces JSON log lines (the default under systemd or when stderr is not a terminal)."""
+        Logs go to stderr at daemon.log_level (or --log-level), as JSON lines under systemd or when stderr is not a
+        terminal (daemon.json_logs = auto); --json forces JSON lines."""
         from pinsidecar import log as pslog
         from pinsidecar.daemon.control import TokenFileError
         from pinsidecar.daemon.service import run_daemon
@@ -157,9 +156,8 @@ def register(main: click.Group) -> None:
         cfg = _load(config_path, overrides)
         json_logs = True if as_json or cfg.daemon.json_logs == "yes" else (
             False if cfg.daemon.json_logs == "no" else None)
-        pslog.configure(cfg.daemon.log_level, json_logs=json_logs)
-        # httpx logs every request at INFO; the liveness loop would fill the journal with them.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        level = click.get_current_context().find_root().params.get("log_level") or cfg.daemon.log_level
+        pslog.configure(level, json_logs=json_logs)
         try:
             code = run_daemon(cfg)
         except TokenFileError as exc:

@@ -333,11 +333,20 @@ def register(main: click.Group) -> None:
     @click.argument("map_path", metavar="MAP", type=click.Path(dir_okay=False))
     @click.option("--counts", "counts_path", type=click.Path(dir_okay=False),
                   help="Colour the heatmap by these counts' selection shares and evaluate on them.")
-    @click.option("--png", type=click.Path(), help="Write a heatmap of the placement and per-layer coverage.")
+    @click.option("--png", type=click.Path(),
+                  help="Write a heatmap of the placement and per-layer coverage (needs the plot extra: "
+                       "pip install 'pinsidecar[plot]').")
     @json_option
     @handle_errors
     def show_cmd(map_path: str, counts_path: str | None, png: str | None, as_json: bool) -> None:
         """Summary of MAP (geometry, bytes, prediction), optionally a PNG heatmap."""
+        if png:  # before any work: without the plot extra there is nothing to draw with
+            from pinsidecar.placement.heatmap import PlotExtraMissing, require_matplotlib
+
+            try:
+                require_matplotlib()
+            except PlotExtraMissing as exc:
+                raise UserError(str(exc)) from None
         emap = load_map(map_path)
         inputs = [map_path, *([counts_path] if counts_path else [])]
         target = check_out_path(png, inputs, "heatmap") if png else None

@@ -1,6 +1,6 @@
 """The maps library: a folder of map files, watched, each one validated as it appears.
 
-Maps are per-workload artifacts (DESIGN.md section 1), built elsewhere (``pinsidecar map build``, the remap
+Maps are per-workload artifacts (docs/design.md), built elsewhere (``pinsidecar map build``, the remap
 pipeline) and dropped into ``maps.dir``. The library's job is to know what is there and whether each file is
 usable, *not* to act on it: a valid new map is logged and listed in ``pinsidecar status``; an invalid one is listed
 with the reason. Activation happens only by command (``pinsidecar drain-reboot --map``) or by the remap policy.

@@ -1,6 +1,6 @@
 """Capture store: a bounded sample of the completion requests the gate saw, kept as replayable workload files.
 
-A row map is a per-workload artifact (DESIGN.md section 1), so the best traffic for a count boot is the traffic the
+A row map is a per-workload artifact (docs/design.md), so the best traffic for a count boot is the traffic the
 engine actually serves. The gate offers every request body to :meth:`CaptureStore.offer`; the store keeps a random
 sample of ``/v1/completions`` and ``/v1/chat/completions`` bodies, one JSON request per line, which is exactly the
 workload format ``pinsidecar profile`` replays.

@@ -19,29 +19,31 @@ Every step writes its artifact into the work folder, so a later step (or a perso
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from pinsidecar_hook.contract import (
     StatsSnapshot,
     atomic_write_json,
     load_counts,
-    write_hook_request,
 )
 from pinsidecar_hook.contract.env import HookConfig
 
 from pinsidecar import placement
 
-__all__ = ["DEFAULT_HOT_ROWS", "DemoOptions", "run_demo"]
+__all__ = ["DEFAULT_HOT_ROWS", "DemoOptions", "Display", "run_demo"]
 
 log = structlog.get_logger(__name__)
 
 # 48 of 64 experts hot per layer: 25 % of the experts in host memory, close to the reference system's split
-# (295 hot / 89 cold of 384, i.e. 23 % cold; brief section 1).
+# (295 hot / 89 cold of 384 experts per layer, 23 % cold; docs/design.md).
 DEFAULT_HOT_ROWS = 48
+
+# How long the demo waits for one engine to serve: a CPU boot takes 15-25 s, more on a loaded machine.
+BOOT_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -58,59 +60,95 @@ class DemoOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _step(name: str, report: Callable[[str], None]) -> None:
-    report(f"==> {name}")
+class Display(Protocol):
+    """What the loop tells a person as it goes. The CLI passes its terminal (:class:`pinsidecar.cli._terminal
+    .Terminal`); ``None`` (tests, ``--json``) shows nothing."""
+
+    @property
+    def bars(self) -> bool:
+        """Whether replays should draw their progress bar."""
+
+    def step(self, title: str) -> None:
+        """A step starts."""
+
+    def note(self, text: str) -> None:
+        """One line of the current step's result."""
+
+    def engine_boot(self, base_url: str, what: str = ...) -> AbstractContextManager[None]:
+        """The engine at ``base_url`` is booting during this block (show that it is, until it answers)."""
+
+
+class _Silent:
+    bars = False
+
+    def step(self, title: str) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+    def engine_boot(self, base_url: str, what: str = "") -> AbstractContextManager[None]:
+        return nullcontext()
+
+
+def _step(display: Display, name: str, title: str) -> None:
+    display.step(title)
     log.info("demo_step", step=name)
 
 
-def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[str, Any]:
+def run_demo(opts: DemoOptions, display: Display | None = None) -> dict[str, Any]:
     """Run the loop and return the summary (also written to ``<workdir>/demo-summary.json``)."""
     from pinsidecar.demo.model import build_demo_model, fixture_path
     from pinsidecar.runs.count_boot import run_profile
 
+    show: Display = display if display is not None else _Silent()
     work = opts.workdir
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
+    engine_url = f"http://127.0.0.1:{opts.port}"
 
-    _step("model", report)
+    _step(show, "model", "model: the tiny local MoE model, routing shaped per traffic domain")
     if opts.rebuild_model or not (model_dir / "config.json").exists():
         build_demo_model(model_dir, force=opts.rebuild_model)
-        report(f"    built the demo model in {model_dir}")
+        show.note(f"built {model_dir}")
     else:
-        report(f"    reusing {model_dir}")
+        show.note(f"reusing {model_dir}")
 
-    _step("counts (count boots on real vLLM CPU)", report)
     a, b = opts.train_domain, opts.other_domain
     workloads = {f"{a}_train": fixture_path(a), f"{a}_heldout": fixture_path(f"{a}_heldout"),
                  f"{b}_heldout": fixture_path(f"{b}_heldout")}
+    _step(show, "counts", f"counts: {len(workloads)} count boots on vLLM CPU ({a} training traffic, held-out {a} "
+          f"and {b})")
     counts_paths: dict[str, Path] = {}
     profiles: dict[str, Any] = {}
     for name, workload in workloads.items():
         out = work / f"counts-{name}.json"
         counts_paths[name] = out
         if opts.reuse_counts and out.exists():
-            report(f"    reusing {out}")
+            show.note(f"{name}: reusing {out}")
             continue
-        result = run_profile(model_dir, [workload], out, concurrency=opts.concurrency, max_tokens=opts.max_tokens,
-                             port=opts.port, label=name)
+        with show.engine_boot(engine_url, f"{name}: engine booting"):
+            result = run_profile(model_dir, [workload], out, concurrency=opts.concurrency,
+                                 max_tokens=opts.max_tokens, port=opts.port, label=name, progress=show.bars)
         s = result.summary()
         profiles[name] = s
-        report(f"    {name}: {s['requests']} requests, {s['tokens']} tokens, {s['selections']} selections "
-               f"({'exact' if s['exact'] else 'NOT exact'}), boot {s['boot_s']:.1f} s -> {out}")
+        show.note(f"{name}: {s['requests']} requests, {s['tokens']} tokens, {s['selections']} selections "
+                  f"({'exact' if s['exact'] else 'NOT exact'}), boot {s['boot_s']:.1f} s -> {out}")
     counts = {name: load_counts(p) for name, p in counts_paths.items()}
 
-    _step("maps", report)
+    _step(show, "maps", f"maps: the usage map from {a}_train, and the positional baseline for the same budget")
     train = counts[f"{a}_train"]
     usage = placement.build_usage_map([train], opts.hot_rows, label=f"{a}",
-                                 expert_bytes=int(train.meta.get("expert_bytes", 0) or 0))
+                                      expert_bytes=int(train.meta.get("expert_bytes", 0) or 0))
     usage_path = work / f"map-{a}.json"
     placement.save_map(usage, usage_path)
     positional = placement.positional_for(usage)
-    report(f"    usage map {usage.short_hash}: {usage.hot_rows} hot / {usage.cold_rows} cold rows per layer, "
-           f"predicted cold rate {usage.predicted_cold_rate:.2%} -> {usage_path}")
-    report(f"    positional baseline: the same {positional.cold_total} cold experts taken whole layers first")
+    show.note(f"usage map {usage.short_hash}: {usage.hot_rows} hot / {usage.cold_rows} cold rows per layer, "
+              f"predicted cold rate {usage.predicted_cold_rate:.2%} -> {usage_path}")
+    show.note(f"positional baseline (what --cpu-offload-gb does): the same {positional.cold_total} cold experts, "
+              "whole layers first")
 
-    _step("eval (cold-selection rate; lower is better)", report)
+    _step(show, "eval", "eval: both placements on held-out traffic (the table is at the end)")
     skew = {name: placement.counts_summary(c)["skew"] for name, c in counts.items()}
     table: dict[str, dict[str, float]] = {}
     for traffic in (f"{a}_heldout", f"{b}_heldout"):
@@ -118,47 +156,48 @@ def run_demo(opts: DemoOptions, report: Callable[[str], None] = print) -> dict[s
             "usage": placement.evaluate(usage, counts[traffic])["cold_rate"],
             "positional": placement.evaluate(positional, counts[traffic], "positional")["cold_rate"],
         }
-    report(f"    {'traffic':<16}{'usage map (' + a + ')':>22}{'positional':>14}")
-    for traffic, row in table.items():
-        report(f"    {traffic:<16}{row['usage']:>22.2%}{row['positional']:>14.2%}")
 
-    _step("pin (boot with the usage map, replay held-out traffic, read live stats)", report)
-    live = _pin_replay(model_dir, usage_path, fixture_path(f"{a}_heldout"), work, opts)
+    _step(show, "pin", f"pin: boot with the usage map, replay held-out {a}, read the live stats")
+    live = _pin_replay(model_dir, usage_path, fixture_path(f"{a}_heldout"), work, opts, show)
     live_rate = live.total_cold_selections / max(live.total_selections, 1)
     expected = table[f"{a}_heldout"]["usage"]
-    report(f"    live cold-selection rate {live_rate:.2%} on {a}_heldout ({live.total_selections} selections; "
-           f"map evaluated on the count boot's counts: {expected:.2%}); tier bytes {live.tier_bytes}")
+    show.note(f"live cold-selection rate {live_rate:.2%} over {live.total_selections} selections "
+              f"(offline evaluation of the same traffic: {expected:.2%})")
 
     summary: dict[str, Any] = {
         "pin": {"live_cold_rate": live_rate, "selections": live.total_selections,
                 "cold_selections": live.total_cold_selections, "tier_bytes": live.tier_bytes,
-                "matches_offline_eval": abs(live_rate - expected) < 1e-12},
+                "traffic": f"{a}_heldout", "matches_offline_eval": abs(live_rate - expected) < 1e-12},
         "workdir": str(work), "model": str(model_dir), "hot_rows": usage.hot_rows, "cold_rows": usage.cold_rows,
-        "map": str(usage_path), "map_hash": usage.content_hash,
+        "map": str(usage_path), "map_hash": usage.content_hash, "map_label": usage.label,
         "predicted_cold_rate": usage.predicted_cold_rate,
         "cold_rate": table,
         "in_domain": table[f"{a}_heldout"], "cross_domain": table[f"{b}_heldout"],
         "skew_top25_share": skew, "profiles": profiles,
     }
     atomic_write_json(work / "demo-summary.json", summary)
-    report(f"    summary -> {work / 'demo-summary.json'}")
+    show.note(f"summary -> {work / 'demo-summary.json'}")
     return summary
 
 
-def _pin_replay(model_dir: Path, map_path: Path, workload: Path, work: Path, opts: DemoOptions) -> StatsSnapshot:
+def _pin_replay(model_dir: Path, map_path: Path, workload: Path, work: Path, opts: DemoOptions,
+                show: Display) -> StatsSnapshot:
     """One pin-mode boot: reset the live counters once ready, replay, flush, return the final stats."""
-    from pinsidecar.engine import EngineProcess, EngineSpec
-    from pinsidecar.live_stats import wait_for_stats_token
+    from pinsidecar.engine import EngineConfig, EngineProcess, hooked_spec
+    from pinsidecar.live_stats import request_stats
     from pinsidecar.runs.workload import load_workload, replay
 
     stats_path = (work / "stats-pin.json").resolve()
     hook = HookConfig(mode="pin", map_path=map_path.resolve(), stats_path=stats_path)
-    spec = EngineSpec(model=model_dir, port=opts.port, env=hook.to_env(), log_path=work / "engine-pin.log")
+    spec = hooked_spec(EngineConfig(model=model_dir, enforce_eager=True), hook, port=opts.port,
+                       log_path=work / "engine-pin.log")
     with EngineProcess(spec) as eng:
-        eng.wait_ready(600)
-        wait_for_stats_token(stats_path, write_hook_request(stats_path, "reset"))
+        with show.engine_boot(eng.base_url, "pin engine booting"):
+            boot_s = eng.wait_ready(BOOT_TIMEOUT_S)
+        show.note(f"engine ready in {boot_s:.1f} s (pin mode, map {map_path.name})")
+        request_stats(stats_path, "reset", alive=eng.alive)
         result = replay(load_workload([workload]), eng.base_url, spec.model_name, concurrency=opts.concurrency,
-                        max_tokens=opts.max_tokens)
+                        max_tokens=opts.max_tokens, progress=show.bars)
         if result.errors:
             raise RuntimeError(f"{len(result.errors)} requests failed in the pin-mode replay: {result.errors[0].error}")
-        return wait_for_stats_token(stats_path, write_hook_request(stats_path, "flush"))
+        return request_stats(stats_path, "flush", alive=eng.alive)

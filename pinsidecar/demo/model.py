@@ -61,7 +61,7 @@ FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 DEMO_FORMAT_VERSION = 1
 DOMAINS = ("code", "prose")
 
-# Geometry (DESIGN.md section 5): small enough to build in seconds and boot vLLM CPU in ~7 s. vLLM's CPU MoE kernel
+# Geometry (docs/development.md): small enough to build in seconds and boot vLLM CPU in ~7 s. vLLM's CPU MoE kernel
 # needs hidden and moe_intermediate sizes divisible by 32; 32 is also a head size its CPU attention supports.
 HIDDEN = 128
 NUM_LAYERS = 4
@@ -75,7 +75,7 @@ HEAD_DIM = 32
 MAX_POSITIONS = 4096
 EOS_TOKEN = "<|endoftext|>"
 
-# Shape of the routing (issue 2: hottest 25 % of experts >= 60 % of a domain's selections; the two domains' hot sets
+# Shape of the routing (targets: hottest 25 % of experts >= 60 % of a domain's selections; the two domains' hot sets
 # overlap <= 50 %). Per layer: SHARED_HOT experts every domain likes, DOMAIN_HOT experts per domain; the designed
 # hot set of a domain is shared + its own (16 = 25 % of 64), so the designed overlap is 4 / 16 = 25 %.
 SHARED_HOT = 4

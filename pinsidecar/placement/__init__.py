@@ -1,13 +1,14 @@
 """Placement: from counts to row maps, and the figures that compare placements.
 
 Everything here is a pure function over the contract's artifact objects (:mod:`pinsidecar_hook.contract`, the only
-place the file formats live); the CLI (``pinsidecar map ...``), the demo and the remap pipeline do the I/O around
-them.
+place the file formats live); the CLI (``pinsidecar map ...``, ``pinsidecar counts ...``), the demo and the remap
+pipeline do the I/O around them. Import from this package; the modules behind it are:
 
 - :mod:`~pinsidecar.placement.counts` — load, check and merge counts; skew figures;
 - :mod:`~pinsidecar.placement.build` — the usage map and the positional baseline;
 - :mod:`~pinsidecar.placement.evaluate` — cold-selection rates, leave-one-out, diffs and summaries;
-- :mod:`~pinsidecar.placement.heatmap` — a PNG of a map over counts (needs the ``plot`` extra).
+- :mod:`~pinsidecar.placement.heatmap` — a PNG of a map over counts. Not re-exported here: it needs the optional
+  ``plot`` extra (matplotlib), and nothing else in placement does.
 """
 
 from pinsidecar.placement.build import (
@@ -22,6 +23,7 @@ from pinsidecar.placement.build import (
 )
 from pinsidecar.placement.counts import (
     SKEW_TOP_FRACTION,
+    check_same_geometry,
     counts_summary,
     load_counts_files,
     sum_counts,
@@ -42,6 +44,7 @@ __all__ = [
     "build_usage_map",
     "check_compatible",
     "check_hot_rows",
+    "check_same_geometry",
     "counts_summary",
     "diff_maps",
     "evaluate",

@@ -1,10 +1,12 @@
 """Turn counts into placements: the usage map you deploy, and the positional baseline it is measured against.
 
 - :func:`build_usage_map` is the map you deploy: per layer the ``hot_rows`` most-selected experts, the same hot
-  count in every layer (fixed geometry, so a reboot onto a new map is a compile-cache hit).
+  count in every layer (fixed geometry, so a reboot onto a new map is a compile-cache hit). The budget comes as
+  hot rows (:func:`check_hot_rows`) or as HBM bytes (:func:`hot_rows_for_budget`); :func:`save_map` writes it.
 - :func:`positional_mask` / :func:`positional_for` is the baseline every placement figure is compared against:
   what vLLM's ``--cpu-offload-gb`` does with the same byte budget. It is an *evaluation-only*
   :class:`PlacementMask`, not an :class:`ExpertMap`, because it cannot have a fixed geometry (see there).
+- :class:`Placement` is what both have in common, and all that :mod:`~pinsidecar.placement.evaluate` needs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pinsidecar_hook.contract import (
     utc_now,
 )
 
-from pinsidecar.placement.counts import _shared_meta, sum_counts
+from pinsidecar.placement._ranking import cold_rates, usage_hot_mask, usage_order
+from pinsidecar.placement.counts import shared_meta, sum_counts
 
 __all__ = [
     "Placement",
@@ -134,11 +137,6 @@ def hot_rows_for_budget(hbm_bytes: int, num_layers: int, expert_bytes: int, num_
     return int(hot_rows)
 
 
-def _hot_order(counts: np.ndarray) -> np.ndarray:
-    """Per layer, expert ids from most to least selected; equal counts keep the lower expert id first."""
-    return np.argsort(-counts, axis=1, kind="stable")
-
-
 def build_usage_map(
     counts: Sequence[CountsArtifact],
     hot_rows: int,
@@ -167,16 +165,14 @@ def build_usage_map(
     if empty.size:
         log.warning("layers_without_selections", layer_ids=[total.layer_ids[i] for i in empty],
                     hint="their hot set falls back to the lowest expert ids")
-    order = _hot_order(total.counts)
+    order = usage_order(total.counts)
     hot_sorted = np.sort(order[:, :hot_rows], axis=1).tolist()
     cold_sorted = np.sort(order[:, hot_rows:], axis=1).tolist()
     layers = tuple(
         LayerPlacement(lid, tuple(h), tuple(c))
         for lid, h, c in zip(total.layer_ids, hot_sorted, cold_sorted, strict=True)
     )
-    hot = np.zeros(total.counts.shape, dtype=bool)
-    np.put_along_axis(hot, order[:, :hot_rows], True, axis=1)
-    rate, per_layer = _cold_rates(hot, total.counts)
+    rate, per_layer = cold_rates(usage_hot_mask(total.counts, hot_rows), total.counts)
     emap = ExpertMap(
         layer_ids=tuple(total.layer_ids), num_experts=total.num_experts, top_k=total.top_k, hot_rows=hot_rows,
         layers=layers, expert_bytes=int(expert_bytes), model=counts[0].model, policy="usage", label=label,
@@ -186,19 +182,11 @@ def build_usage_map(
             "tokens": total.tokens,
             "selections": total.selections,
             "workloads": [c.workload for c in counts],
-            **{k: v for k, v in _shared_meta(counts).items() if k in _MODEL_META_KEYS},
+            **{k: v for k, v in shared_meta(counts).items() if k in _MODEL_META_KEYS},
             **(meta or {}),
         },
     )
     return emap
-
-
-def _cold_rates(hot: np.ndarray, counts: np.ndarray) -> tuple[float, np.ndarray]:
-    per_layer_total = counts.sum(axis=1)
-    per_layer_cold = np.where(hot, 0, counts).sum(axis=1)
-    per_layer = np.where(per_layer_total > 0, per_layer_cold / np.maximum(per_layer_total, 1), 0.0)
-    all_sel = int(per_layer_total.sum())
-    return (float(per_layer_cold.sum() / all_sel) if all_sel else 0.0), per_layer
 
 
 def positional_mask(layer_ids: Sequence[int], num_experts: int, top_k: int, cold_total: int,

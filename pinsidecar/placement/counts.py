@@ -1,4 +1,10 @@
-"""Operations on counts files as placement sees them: load several, check they agree, merge, and measure skew."""
+"""Counts as placement sees them: load several, check they describe one model, merge them, measure their skew.
+
+A map is only as good as the counts it is built from, so everything that combines counts first checks that they
+agree on layers, experts and top-k (:func:`check_same_geometry`) and says which two files disagree. Skew (the
+share of a layer's selections taken by its hottest quarter of experts) is the first look at whether a workload
+has anything for placement to exploit: near-uniform routing gives about 25 %, and no map can do much with it.
+"""
 
 from __future__ import annotations
 
@@ -15,46 +21,56 @@ from pinsidecar_hook.contract import (
     load_counts,
 )
 
-__all__ = ["SKEW_TOP_FRACTION", "counts_summary", "load_counts_files", "sum_counts", "top_share"]
+__all__ = [
+    "SKEW_TOP_FRACTION",
+    "check_same_geometry",
+    "counts_summary",
+    "describe_geometry",
+    "load_counts_files",
+    "shared_meta",
+    "sum_counts",
+    "top_share",
+]
 
 log = structlog.get_logger(__name__)
 
-# The skew figure of issue 2: the share of a layer's selections taken by its hottest 25 % of experts.
+# The skew figure: the share of a layer's selections taken by its hottest 25 % of experts (uniform routing: 25 %).
 SKEW_TOP_FRACTION = 0.25
 
 
 def load_counts_files(paths: Sequence[str | os.PathLike[str]]) -> list[CountsArtifact]:
     """Load several counts files and check they describe the same layers, experts and top-k."""
     counts = [load_counts(p) for p in paths]
-    _check_same_counts_geometry(counts, [str(p) for p in paths])
+    check_same_geometry(counts, [str(p) for p in paths])
     return counts
 
 
-def _counts_geometry(c: CountsArtifact) -> tuple[tuple[int, ...], int, int]:
+def _geometry(c: CountsArtifact) -> tuple[tuple[int, ...], int, int]:
     return tuple(c.layer_ids), c.num_experts, c.top_k
 
 
-def _describe_counts(c: CountsArtifact) -> str:
-    return f"{c.num_layers} layers {_short_ids(c.layer_ids)}, {c.num_experts} experts, top-{c.top_k}"
+def describe_geometry(layer_ids: Sequence[int], num_experts: int, top_k: int) -> str:
+    """``4 layers [0, 1, 2, 3], 64 experts, top-8``: how error messages name a model's MoE shape."""
+    ids = list(layer_ids)
+    shown = f"[{ids[0]}..{ids[-1]}]" if len(ids) > 6 else str(ids)
+    return f"{len(ids)} layers {shown}, {num_experts} experts, top-{top_k}"
 
 
-def _short_ids(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    if len(ids) > 6:
-        return f"[{ids[0]}..{ids[-1]}]"
-    return str(ids)
+def _describe(c: CountsArtifact) -> str:
+    return describe_geometry(c.layer_ids, c.num_experts, c.top_k)
 
 
-def _check_same_counts_geometry(counts: Sequence[CountsArtifact], names: Sequence[str] | None = None) -> None:
+def check_same_geometry(counts: Sequence[CountsArtifact], names: Sequence[str] | None = None) -> None:
+    """Refuse counts that describe different layers, experts or top-k, naming the first two that disagree."""
     if not counts:
         raise ArtifactError(None, "no counts given", "pass at least one counts file")
     names = list(names) if names is not None else [f"counts #{i + 1}" for i in range(len(counts))]
-    ref = _counts_geometry(counts[0])
+    ref = _geometry(counts[0])
     for name, c in zip(names[1:], counts[1:], strict=True):
-        if _counts_geometry(c) != ref:
+        if _geometry(c) != ref:
             raise ArtifactError(
                 None,
-                f"counts {names[0]} ({_describe_counts(counts[0])}) and {name} ({_describe_counts(c)}) "
+                f"counts {names[0]} ({_describe(counts[0])}) and {name} ({_describe(c)}) "
                 "describe different models",
                 "build a map only from counts of the same model and engine configuration",
             )
@@ -67,7 +83,7 @@ def sum_counts(counts: Sequence[CountsArtifact], names: Sequence[str] | None = N
     ``record_sources`` stores the inputs' digests in ``meta["merged_from"]`` (for a merged file on disk; it costs
     a digest per input, so the in-memory sum inside :func:`build_usage_map` skips it).
     """
-    _check_same_counts_geometry(counts, names)
+    check_same_geometry(counts, names)
     if len(counts) == 1:
         return counts[0]
     first = counts[0]
@@ -82,11 +98,11 @@ def sum_counts(counts: Sequence[CountsArtifact], names: Sequence[str] | None = N
         layer_ids=list(first.layer_ids), num_experts=first.num_experts, top_k=first.top_k, counts=total,
         tokens=sum(c.tokens for c in counts), model=first.model,
         workload="+".join(dict.fromkeys(workloads)), started_at=min(starts, default=""), ended_at=max(ends, default=""),
-        meta={**_shared_meta(counts), **({"merged_from": [c.digest() for c in counts]} if record_sources else {})},
+        meta={**shared_meta(counts), **({"merged_from": [c.digest() for c in counts]} if record_sources else {})},
     )
 
 
-def _shared_meta(counts: Sequence[CountsArtifact]) -> dict[str, Any]:
+def shared_meta(counts: Sequence[CountsArtifact]) -> dict[str, Any]:
     """Meta entries every input agrees on (e.g. ``expert_bytes``); the rest is dropped rather than guessed."""
     keys = set.intersection(*(set(c.meta) for c in counts)) - {"merged_from"}
     return {k: counts[0].meta[k] for k in sorted(keys) if all(c.meta[k] == counts[0].meta[k] for c in counts)}

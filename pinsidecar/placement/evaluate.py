@@ -1,9 +1,12 @@
-"""The figures that decide whether to deploy a placement: cold-selection rates, leave-one-out, diffs.
+"""Judge a placement: the figures that decide whether to deploy it, and what deploying it would move.
 
-- :func:`evaluate` gives the cold-selection rate of a map or mask on some counts, total and per layer;
-  :func:`leave_one_out` is the honest version of the predicted rate when several count boots are available.
+- :func:`evaluate` gives the cold-selection rate of a map or mask on some counts, total and per layer, with the
+  cold experts each layer touched (the cost that matters is distinct cold experts per step, not selections);
+- :func:`leave_one_out` is the honest version of a map's predicted rate when several count boots are available;
 - :func:`diff_maps` says what a remap from one map to another moves, and whether the reboot keeps the kernel
-  shapes; :func:`summary` is what ``map show`` prints.
+  shapes (a compile-cache hit); :func:`summary` is what ``map show`` prints.
+
+Placements and counts of different models are refused (:func:`check_compatible`), naming both.
 """
 
 from __future__ import annotations
@@ -12,20 +15,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import structlog
-from pinsidecar_hook.contract import (
-    ArtifactError,
-    CountsArtifact,
-    ExpertMap,
-    cold_selection_ratio,
-)
+from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap
 
-from pinsidecar.placement.build import Placement, _cold_rates, _hot_order, check_hot_rows
-from pinsidecar.placement.counts import _check_same_counts_geometry, _describe_counts, _short_ids
+from pinsidecar.placement._ranking import cold_rates, usage_hot_mask
+from pinsidecar.placement.build import Placement, check_hot_rows
+from pinsidecar.placement.counts import check_same_geometry, describe_geometry
 
 __all__ = ["check_compatible", "diff_maps", "evaluate", "leave_one_out", "summary"]
 
-log = structlog.get_logger(__name__)
 
 def check_compatible(placement: Placement, counts: CountsArtifact, placement_name: str = "map",
                      counts_name: str = "counts") -> None:
@@ -34,8 +31,8 @@ def check_compatible(placement: Placement, counts: CountsArtifact, placement_nam
             tuple(placement.layer_ids), placement.num_experts, placement.top_k):
         raise ArtifactError(
             None,
-            f"{placement_name} ({len(placement.layer_ids)} layers {_short_ids(placement.layer_ids)}, "
-            f"{placement.num_experts} experts, top-{placement.top_k}) and {counts_name} ({_describe_counts(counts)}) "
+            f"{placement_name} ({describe_geometry(placement.layer_ids, placement.num_experts, placement.top_k)}) "
+            f"and {counts_name} ({describe_geometry(counts.layer_ids, counts.num_experts, counts.top_k)}) "
             "are for different models",
             "evaluate a map against counts from the same model",
         )
@@ -45,8 +42,8 @@ def evaluate(placement: Placement, counts: CountsArtifact, placement_name: str =
              counts_name: str = "counts") -> dict[str, Any]:
     """Cold-selection rate of ``placement`` on ``counts``: total, per layer, and the cold experts touched."""
     check_compatible(placement, counts, placement_name, counts_name)
-    rate, per_layer = cold_selection_ratio(placement, counts)  # type: ignore[arg-type]  # duck-typed: hot_mask()
     hot = placement.hot_mask()
+    rate, per_layer = cold_rates(hot, counts.counts)
     cold_counts = np.where(hot, 0, counts.counts)
     per_layer_cold = cold_counts.sum(axis=1)
     per_layer_sel = counts.counts.sum(axis=1)
@@ -79,7 +76,7 @@ def leave_one_out(counts: Sequence[CountsArtifact], hot_rows: int,
     in-sample ``predicted_cold_rate`` is always optimistic.
     """
     names = list(names) if names is not None else [f"counts #{i + 1}" for i in range(len(counts))]
-    _check_same_counts_geometry(counts, names)
+    check_same_geometry(counts, names)
     if len(counts) < 2:
         return []
     check_hot_rows(hot_rows, counts[0].num_experts)
@@ -88,11 +85,9 @@ def leave_one_out(counts: Sequence[CountsArtifact], hot_rows: int,
     out = []
     for i, held_out in enumerate(counts):
         train = grand - stack[i]
-        order = _hot_order(train)
-        hot = np.zeros(train.shape, dtype=bool)
-        np.put_along_axis(hot, order[:, :hot_rows], True, axis=1)
-        held_rate, _ = _cold_rates(hot, held_out.counts)
-        train_rate, _ = _cold_rates(hot, train)
+        hot = usage_hot_mask(train, hot_rows)  # what build_usage_map would keep hot, without the artifact
+        held_rate, _ = cold_rates(hot, held_out.counts)
+        train_rate, _ = cold_rates(hot, train)
         out.append({"held_out": names[i], "workload": held_out.workload, "cold_rate": held_rate,
                     "train_cold_rate": train_rate, "held_out_selections": held_out.selections})
     return out

@@ -4,29 +4,54 @@
 each expert's share of its layer's selections with the cold ones dimmed, when counts are given) next to the
 per-layer coverage (the share of selections that land on hot experts). It uses matplotlib's object API on the Agg
 canvas (no pyplot state, no display), renders to memory, and writes atomically, so a failed render leaves no file.
+
+matplotlib is an optional extra (``pip install 'pinsidecar[plot]'``): the daemon never draws, so it should not
+carry a plotting library. This module imports without it; drawing without it raises :class:`PlotExtraMissing`,
+whose message names the extra. Call :func:`require_matplotlib` before any other work to fail early.
 """
 
 from __future__ import annotations
 
 import io
 import os
+from types import ModuleType
+from typing import Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import ListedColormap, LogNorm
-from matplotlib.figure import Figure
-from matplotlib.ticker import PercentFormatter
 from pinsidecar_hook.contract import CountsArtifact, ExpertMap, atomic_write_bytes
 
-from pinsidecar.placement import check_compatible
+from pinsidecar.placement.evaluate import check_compatible
 
-__all__ = ["render_map_png", "write_map_png"]
+__all__ = ["PLOT_EXTRA_HINT", "PlotExtraMissing", "render_map_png", "require_matplotlib", "write_map_png"]
 
-_HOT_COLD = ListedColormap(["#c8d3e0", "#d9480f"])  # cold (host) light, hot (HBM) strong
+PLOT_EXTRA_HINT = "install the plot extra: pip install 'pinsidecar[plot]'"
+
+_HOT = "#d9480f"  # hot (HBM): strong
+_COLD = "#c8d3e0"  # cold (host memory): light
+
+
+class PlotExtraMissing(RuntimeError):
+    """matplotlib is not installed, so no picture can be drawn. The message says how to install it."""
+
+
+def require_matplotlib() -> ModuleType:
+    """Import matplotlib (Agg, no display) or raise :class:`PlotExtraMissing` naming the extra."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotExtraMissing(f"drawing a map needs matplotlib, which is not installed ({PLOT_EXTRA_HINT})"
+                               ) from None
+    return matplotlib
 
 
 def render_map_png(emap: ExpertMap, counts: CountsArtifact | None = None, title: str = "", dpi: int = 110) -> bytes:
     """The picture as PNG bytes. With ``counts``, colour by selection share and compute coverage from them."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
+
     if counts is not None:
         check_compatible(emap, counts)
     hot = emap.hot_mask()
@@ -57,7 +82,8 @@ def render_map_png(emap: ExpertMap, counts: CountsArtifact | None = None, title:
         fig.colorbar(img, cax=fig.add_subplot(grid[0, 1]), label="share of the layer's selections")
         ax.set_xlabel("expert id (cold experts dimmed)")
     else:
-        ax.imshow(hot.astype(np.int8), aspect="auto", interpolation="nearest", cmap=_HOT_COLD, vmin=0, vmax=1,
+        ax.imshow(hot.astype(np.int8), aspect="auto", interpolation="nearest", cmap=ListedColormap([_COLD, _HOT]),
+                  vmin=0, vmax=1,
                   extent=extent)
         ax.set_xlabel("expert id (orange = hot in HBM, grey = cold in host memory)")
     ax.set_ylabel("MoE layer")
@@ -94,11 +120,11 @@ def write_map_png(path: str | os.PathLike[str], emap: ExpertMap, counts: CountsA
     atomic_write_bytes(path, render_map_png(emap, counts, title))
 
 
-def _layer_ticks(ax: object, emap: ExpertMap) -> None:
+def _layer_ticks(ax: Any, emap: ExpertMap) -> None:
     step = max(1, emap.num_layers // 20)
     idx = list(range(0, emap.num_layers, step))
-    ax.set_yticks(idx)  # type: ignore[attr-defined]
-    ax.set_yticklabels([str(emap.layer_ids[i]) for i in idx], fontsize=7)  # type: ignore[attr-defined]
+    ax.set_yticks(idx)
+    ax.set_yticklabels([str(emap.layer_ids[i]) for i in idx], fontsize=7)
 
 
 def _default_title(emap: ExpertMap) -> str:

@@ -9,10 +9,18 @@ selected more than once per token.
 Use ``domain`` to pick which experts are hot and ``seed`` to draw a different sample of the same traffic: the
 same ``domain`` with another ``seed`` is held-out traffic of the same workload; another ``domain`` is another
 workload.
+
+When a test checks a figure by hand, :func:`counts_from` takes the exact per-layer counts instead. For a remap of
+the same geometry, :func:`swap_experts` trades one hot and one cold expert of a map. For a map that a real engine
+will load, :func:`model_geometry` reads the layers, experts and top-k from the model's ``config.json``::
+
+    write_map(tmp / "a.json", **model_geometry(model_dir), hot_rows=40, seed=1)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +29,16 @@ from typing import Any
 import numpy as np
 from pinsidecar_hook.contract import CountsArtifact, ExpertMap, LayerPlacement, ModelInfo, utc_now
 
-__all__ = ["domain_ranking", "make_counts", "make_map", "write_counts", "write_map"]
+__all__ = [
+    "counts_from",
+    "domain_ranking",
+    "make_counts",
+    "make_map",
+    "model_geometry",
+    "swap_experts",
+    "write_counts",
+    "write_map",
+]
 
 # Tokens sampled per numpy call: keeps the [chunk, num_experts] noise matrix small for big layers.
 _CHUNK_TOKENS = 2048
@@ -103,25 +120,75 @@ def make_counts(
     )
 
 
+def counts_from(rows: Sequence[Sequence[int]] | np.ndarray, *, top_k: int = 1, layer_ids: Sequence[int] | None = None,
+                tokens: int | None = None, workload: str = "", meta: dict[str, Any] | None = None) -> CountsArtifact:
+    """A counts artifact holding exactly ``rows`` (one row of per-expert selections per layer).
+
+    For figures a test works out by hand. ``tokens`` defaults to the first layer's selections / ``top_k``, which is
+    right for consistent counts; pass it to build inconsistent ones on purpose.
+    """
+    counts = np.asarray(rows, dtype=np.int64)
+    if counts.ndim != 2:
+        raise ValueError(f"rows must be [layers][experts], got shape {counts.shape}")
+    layer_ids = list(range(counts.shape[0])) if layer_ids is None else [int(i) for i in layer_ids]
+    return CountsArtifact(
+        layer_ids=layer_ids, num_experts=counts.shape[1], top_k=top_k, counts=counts,
+        tokens=int(counts[0].sum()) // top_k if tokens is None else tokens,
+        model=ModelInfo(path="synthetic", name="synthetic-moe"), workload=workload, meta=dict(meta or {}),
+    )
+
+
+def model_geometry(model_dir: str | os.PathLike[str]) -> dict[str, int]:
+    """``num_layers``, ``num_experts`` and ``top_k`` of a Qwen-MoE-style model folder, for :func:`make_map`.
+
+    Reads ``config.json``; newer transformers name the expert count ``num_local_experts``.
+    """
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return {"num_layers": int(cfg["num_hidden_layers"]),
+            "num_experts": int(cfg.get("num_experts") or cfg["num_local_experts"]),
+            "top_k": int(cfg["num_experts_per_tok"])}
+
+
+def swap_experts(emap: ExpertMap, layer_id: int, hot_expert: int | None = None,
+                 cold_expert: int | None = None) -> ExpertMap:
+    """``emap`` with one hot and one cold expert of ``layer_id`` traded: another map of the same geometry.
+
+    Defaults to the layer's lowest hot and lowest cold expert id. The result is a new, valid map (lists sorted,
+    new content hash); use it for a remap that must be a compile-cache hit.
+    """
+    lp = emap.layer(layer_id)
+    hot_expert = lp.hot[0] if hot_expert is None else hot_expert
+    cold_expert = lp.cold[0] if cold_expert is None else cold_expert
+    if hot_expert not in lp.hot or cold_expert not in lp.cold:
+        raise ValueError(f"layer {layer_id}: expert {hot_expert} must be hot and {cold_expert} cold")
+    hot = tuple(sorted({*lp.hot} - {hot_expert} | {cold_expert}))
+    cold = tuple(sorted({*lp.cold} - {cold_expert} | {hot_expert}))
+    layers = tuple(LayerPlacement(layer_id, hot, cold) if other.layer_id == layer_id else other
+                   for other in emap.layers)
+    return dataclasses.replace(emap, layers=layers)
+
+
 def make_map(
     num_layers: int = 4,
     num_experts: int = 64,
     hot_rows: int = 16,
     seed: int = 0,
     *,
-    top_k: int = 8,
+    top_k: int | None = None,
     layer_ids: Sequence[int] | None = None,
     expert_bytes: int = 0,
     label: str = "",
     counts: CountsArtifact | None = None,
 ) -> ExpertMap:
     """A valid map: built from ``counts`` by :func:`pinsidecar.placement.build_usage_map` when given, else a random
-    placement (canonical: hot and cold sorted by expert id) drawn from ``seed``."""
+    placement (canonical: hot and cold sorted by expert id) drawn from ``seed``. ``top_k`` defaults to 8, or
+    ``num_experts`` when there are fewer."""
     if counts is not None:
         from pinsidecar.placement import build_usage_map
 
         return build_usage_map([counts], hot_rows, label, expert_bytes=expert_bytes)
     layer_ids = list(range(num_layers)) if layer_ids is None else [int(i) for i in layer_ids]
+    top_k = min(8, num_experts) if top_k is None else top_k
     rng = np.random.default_rng([seed, 0x3A9])
     layers = []
     for lid in layer_ids:

@@ -1,0 +1,220 @@
+"""The operator's terminal: ``--json`` prints one JSON document on stdout and nothing else; no ``HTTP Request:`` line
+reaches either stream; logs are JSON for the journal and quiet for a person; the demo's closing table.
+
+The CLI cases run the installed ``pinsidecar`` console script as a real process against a real control server,
+because a command that makes HTTP requests is what printed one httpx line per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from pinsidecar import log
+from pinsidecar.cli._terminal import Terminal
+from pinsidecar.cli.demo import format_summary
+from pinsidecar.daemon.control import ControlServer
+
+PINSIDECAR = str(Path(sys.executable).with_name("pinsidecar"))
+TOKEN = "terminal-test-token-" + "b" * 20
+
+
+class _Target:
+    def __init__(self) -> None:
+        self.reboots = 0
+
+    def status(self) -> dict[str, Any]:
+        return {"engine": {"state": "ready", "pid": 4242, "url": "http://127.0.0.1:1", "restarts_total": 0,
+                           "failures_in_row": 0}, "maps": {"dir": "/tmp/maps", "entries": []},
+                "daemon": {"pid": 1, "uptime_s": 3, "control": "x", "metrics": "y"}}
+
+    async def drain_reboot(self, map_ref: str | None, timeout_s: float | None) -> dict[str, Any]:
+        self.reboots += 1
+        return {"ok": True, "seconds": 0.1, "drain_s": 0.0, "boot_s": 0.1, "hold_s": 0.0, "held_at_release": 0}
+
+
+@contextmanager
+def _control_server() -> Iterator[ControlServer]:
+    """A real control server on a free loopback port, served from a side thread's event loop."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="control-server", daemon=True)
+    thread.start()
+    server = ControlServer(_Target(), TOKEN)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _config(tmp_path: Path, port: int) -> Path:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    cfg = tmp_path / "pinsidecar.toml"
+    cfg.write_text(f'[engine]\nmodel = "{tmp_path}"\n[control]\nport = {port}\ntoken_file = "{token}"\n')
+    return cfg
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("INVOCATION_ID", "JOURNAL_STREAM")}
+    return subprocess.run([PINSIDECAR, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _one_json_document(text: str) -> Any:
+    doc, end = json.JSONDecoder().raw_decode(text)
+    assert text[end:].strip() == "", f"stdout holds more than one JSON document: {text[end:]!r}"
+    return doc
+
+
+@pytest.mark.parametrize("level", [[], ["--log-level", "debug"]], ids=["default", "debug"])
+def test_json_stdout_is_one_document_and_no_http_request_lines(tmp_path: Path, level: list[str]) -> None:
+    with _control_server() as server:
+        cfg = _config(tmp_path, server.port)
+        status = _run(*level, "status", "--config", str(cfg), "--json")
+        reboot = _run(*level, "drain-reboot", "--config", str(cfg), "--json")
+        human = _run(*level, "status", "--config", str(cfg))
+    for proc in (status, reboot, human):
+        assert proc.returncode == 0, proc.stderr
+        assert "HTTP Request:" not in proc.stdout + proc.stderr
+    assert _one_json_document(status.stdout)["engine"]["pid"] == 4242
+    assert _one_json_document(reboot.stdout)["ok"] is True
+    assert human.stdout.startswith("engine   ready") and not human.stdout.lstrip().startswith("{")
+    if not level:  # a person's default: nothing on stderr when nothing is wrong
+        assert status.stderr == "" and human.stderr == ""
+
+
+def test_a_user_error_under_json_leaves_stdout_empty(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, 1)  # nothing listens on port 1
+    proc = _run("status", "--config", str(cfg), "--json")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: no pinsidecar daemon answers")
+
+
+# ---------------------------------------------------------------------------------------------------- log.py
+
+
+@pytest.fixture()
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+def test_json_logs_put_stdlib_and_structlog_records_on_one_line_each(
+        capsys: pytest.CaptureFixture[str], restore_logging: None) -> None:
+    log.configure("info", json_logs=True)
+    log.configure("info", json_logs=True)  # configuring twice must not print twice
+    structlog.get_logger("pinsidecar.test").info("engine_ready", port=8000)
+    logging.getLogger("aiohttp.server").warning("a library's %s", "record")
+    logging.getLogger("httpx").info("HTTP Request: GET http://x/health 200 OK")
+    lines = capsys.readouterr().err.splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["event"] for r in records] == ["engine_ready", "a library's record"]
+    assert records[0]["port"] == 8000 and records[0]["level"] == "info" and records[0]["logger"] == "pinsidecar.test"
+    assert records[1]["level"] == "warning" and "timestamp" in records[1]
+
+
+def test_console_logs_for_a_person_show_warnings_only(capsys: pytest.CaptureFixture[str],
+                                                      restore_logging: None) -> None:
+    log.configure(log.COMMAND_LOG_LEVEL, json_logs=False)
+    structlog.get_logger("pinsidecar.test").info("engine_ready", port=8000)
+    structlog.get_logger("pinsidecar.test").warning("token_mismatch", counted=3)
+    logging.getLogger("httpx").warning("HTTP Request: kept, because it is a warning")
+    err = capsys.readouterr().err
+    assert "engine_ready" not in err and "token_mismatch" in err and "counted=3" in err
+    assert "{" not in err.splitlines()[0]
+
+
+def test_json_is_chosen_under_systemd_or_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Tty:
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+    assert not log.wants_json(Tty())  # type: ignore[arg-type]
+    assert log.wants_json(open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
+    assert log.under_systemd() and log.wants_json(Tty())  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------- demo output
+
+
+def test_silent_terminal_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    term = Terminal.silent()
+    term.step("counts")
+    term.note("x")
+    with term.engine_boot("http://127.0.0.1:1"):
+        pass
+    assert not term.bars and capsys.readouterr() == ("", "")
+
+
+def test_terminal_prints_steps_and_notes(capsys: pytest.CaptureFixture[str]) -> None:
+    term = Terminal(bars=False)
+    term.step("counts: 3 count boots")
+    term.note("code_train: reusing x.json")
+    with term.waiting("booting", until=lambda: True):
+        pass
+    assert capsys.readouterr().out == "==> counts: 3 count boots\n    code_train: reusing x.json\n"
+
+
+def test_demo_ends_with_the_table() -> None:
+    summary = {"map_label": "code", "hot_rows": 48, "cold_rows": 16,
+               "cold_rate": {"code_heldout": {"usage": 0.021, "positional": 0.25},
+                             "prose_heldout": {"usage": 0.12, "positional": 0.25}},
+               "pin": {"traffic": "code_heldout", "live_cold_rate": 0.021, "matches_offline_eval": True}}
+    text = format_summary(summary)
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.endswith("%")}
+    assert rows == {"code_heldout": ["2.10%", "25.00%"], "prose_heldout": ["12.00%", "25.00%"]}
+    assert "usage map (code)" in text and "pin mode, live on code_heldout: 2.10% (equals" in text
+
+
+def test_demo_command_prints_steps_then_the_table_or_json_alone(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """The demo command's wiring, with the loop faked (the real one boots vLLM four times: test_demo_loop.py)."""
+    from click.testing import CliRunner
+
+    from pinsidecar.cli import main
+    from pinsidecar.demo import loop
+
+    summary = {"map_label": "code", "hot_rows": 48, "cold_rows": 16,
+               "cold_rate": {"code_heldout": {"usage": 0.02, "positional": 0.25}},
+               "pin": {"traffic": "code_heldout", "live_cold_rate": 0.02, "matches_offline_eval": True}}
+
+    def fake_run_demo(opts: loop.DemoOptions, display: loop.Display) -> dict[str, Any]:
+        display.step("counts: 3 count boots")
+        with display.engine_boot("http://127.0.0.1:1"):
+            display.note("code_train: 40 requests")
+        structlog.get_logger("pinsidecar.demo.loop").info("demo_step", step="counts")  # below a person's level
+        return summary
+
+    monkeypatch.setattr(loop, "run_demo", fake_run_demo)
+    human = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path)])
+    assert human.exit_code == 0, human.output
+    lines = human.stdout.splitlines()
+    assert lines[:2] == ["==> counts: 3 count boots", "    code_train: 40 requests"]
+    assert lines[-1].startswith("pin mode, live on code_heldout") and "code_heldout" in lines[-3]
+    assert "demo_step" not in human.stderr
+    as_json = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path), "--json"])
+    assert as_json.exit_code == 0 and _one_json_document(as_json.stdout) == summary
+    assert as_json.stderr == ""
