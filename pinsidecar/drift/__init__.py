@@ -1,0 +1,46 @@
+"""Drift watch: notice that the traffic no longer fits the active row map, and decide whether a new map would.
+
+The loop's last room, as a pipeline of plain steps with I/O at the edges:
+
+- :mod:`~pinsidecar.drift.windows` — stats readings cut into windows of recent traffic, sized by tokens;
+- :mod:`~pinsidecar.drift.signals` — per window: live cold rate vs predicted, per-layer Jensen-Shannon divergence,
+  the out-of-sample projected gain of a rebuilt map, and whether the routing has any exploitable skew;
+- :mod:`~pinsidecar.drift.detector` — the state machine (hysteresis, consecutive windows, cooldown, daily cap)
+  that says when a remap should start;
+- :mod:`~pinsidecar.drift.decision` — deploy or refuse a candidate map on a held-out window; the map library first;
+- :mod:`~pinsidecar.drift.watch` — the one object the daemon holds and replay drives;
+- :mod:`~pinsidecar.drift.replay` — recorded windows through the same code (``pinsidecar drift replay``);
+- :mod:`~pinsidecar.drift.config` — the ``[drift]`` thresholds.
+"""
+
+from pinsidecar.drift.config import DriftConfig, check_drift_config, load_drift_config, parse_drift_table
+from pinsidecar.drift.decision import Decision, build_candidate, decide, pick_from_library
+from pinsidecar.drift.detector import STATES, DriftDetector, WindowRecord
+from pinsidecar.drift.replay import replay
+from pinsidecar.drift.signals import NO_SKEW, Signals, compute_signals, js_divergence
+from pinsidecar.drift.watch import DriftWatch
+from pinsidecar.drift.windows import LiveSample, LiveWindows, Window, sample_from_reading
+
+__all__ = [
+    "NO_SKEW",
+    "STATES",
+    "Decision",
+    "DriftConfig",
+    "DriftDetector",
+    "DriftWatch",
+    "LiveSample",
+    "LiveWindows",
+    "Signals",
+    "Window",
+    "WindowRecord",
+    "build_candidate",
+    "check_drift_config",
+    "compute_signals",
+    "decide",
+    "js_divergence",
+    "load_drift_config",
+    "parse_drift_table",
+    "pick_from_library",
+    "replay",
+    "sample_from_reading",
+]
