@@ -13,10 +13,9 @@ from pinsidecar_hook.contract.io import (
     COUNTS_FORMAT,
     VERSION,
     ArtifactError,
-    _check_dims,
     _field,
     _guarded,
-    _int_list,
+    _read_dims,
     _read_json,
     _sha256,
     atomic_write_json,
@@ -104,10 +103,7 @@ class CountsArtifact:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: Any = None) -> CountsArtifact:
-        layer_ids = _int_list(_field(doc, "layer_ids", list, path), "layer_ids", path)
-        num_experts = _field(doc, "num_experts", int, path)
-        top_k = _field(doc, "top_k", int, path)
-        _check_dims(layer_ids, num_experts, top_k, path)
+        layer_ids, num_experts, top_k = _read_dims(doc, path)
         rows = _field(doc, "counts", list, path)
         if len(rows) != len(layer_ids):
             raise ArtifactError(path, f"counts has {len(rows)} rows but there are {len(layer_ids)} layers",

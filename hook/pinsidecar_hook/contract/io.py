@@ -155,6 +155,15 @@ def _check_dims(layer_ids: list[int], num_experts: int, top_k: int, path: Any) -
         raise ArtifactError(path, f"top_k must be in 1..num_experts ({num_experts}), got {top_k}")
 
 
+def _read_dims(doc: dict[str, Any], path: Any) -> tuple[list[int], int, int]:
+    """The header every format shares (layer ids, experts, top-k), read and checked in one place."""
+    layer_ids = _int_list(_field(doc, "layer_ids", list, path), "layer_ids", path)
+    num_experts = _field(doc, "num_experts", int, path)
+    top_k = _field(doc, "top_k", int, path)
+    _check_dims(layer_ids, num_experts, top_k, path)
+    return layer_ids, num_experts, top_k
+
+
 def _guarded(parse: Any, doc: dict[str, Any], path: Any) -> Any:
     """Run a ``from_json`` so that any malformed optional field is an :class:`ArtifactError` too, never a bare
     ValueError/TypeError from deep inside a conversion."""

@@ -16,10 +16,10 @@ from pinsidecar_hook.contract.io import (
     MAP_FORMAT,
     VERSION,
     ArtifactError,
-    _check_dims,
     _field,
     _guarded,
     _int_list,
+    _read_dims,
     _read_json,
     _sha256,
     atomic_write_json,
@@ -168,10 +168,7 @@ class ExpertMap:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: Any = None) -> ExpertMap:
-        layer_ids = _int_list(_field(doc, "layer_ids", list, path), "layer_ids", path)
-        num_experts = _field(doc, "num_experts", int, path)
-        top_k = _field(doc, "top_k", int, path)
-        _check_dims(layer_ids, num_experts, top_k, path)
+        layer_ids, num_experts, top_k = _read_dims(doc, path)
         geom = _field(doc, "geometry", dict, path)
         hot_rows = _field(geom, "hot_rows", int, path)
         cold_rows = _field(geom, "cold_rows", int, path)

@@ -18,10 +18,10 @@ from pinsidecar_hook.contract.io import (
     STATS_FORMAT,
     VERSION,
     ArtifactError,
-    _check_dims,
     _field,
     _guarded,
     _int_list,
+    _read_dims,
     _read_json,
     atomic_write_json,
 )
@@ -80,10 +80,7 @@ class StatsSnapshot:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], path: Any = None) -> StatsSnapshot:
-        layer_ids = _int_list(_field(doc, "layer_ids", list, path), "layer_ids", path)
-        num_experts = _field(doc, "num_experts", int, path)
-        top_k = _field(doc, "top_k", int, path)
-        _check_dims(layer_ids, num_experts, top_k, path)
+        layer_ids, num_experts, top_k = _read_dims(doc, path)
         sel = _int_list(_field(doc, "selections", list, path), "selections", path)
         cold = _int_list(_field(doc, "cold_selections", list, path), "cold_selections", path)
         if len(sel) != len(layer_ids) or len(cold) != len(layer_ids):
