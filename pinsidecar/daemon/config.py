@@ -6,12 +6,13 @@ the key. So :func:`load_config` refuses unknown keys, wrong types, bad ports and
 names the key the way it is written in the file (``engine.port: expected an integer 1-65535, got 'abc'``).
 
 The file has one table per part of the daemon (``[engine]``, ``[container]``, ``[supervisor]``, ``[gate]``,
-``[control]``, ``[metrics]``, ``[maps]``, ``[daemon]``, ``[drift]``); each maps onto one frozen dataclass, whose
-fields are the allowed keys, validated by the one table validator (:mod:`pinsidecar.schema`). The engine's tables
-live with the engine (:class:`~pinsidecar.engine.spec.EngineConfig`,
+``[control]``, ``[metrics]``, ``[maps]``, ``[daemon]``, ``[drift]``, ``[remap]``); each maps onto one frozen
+dataclass, whose fields are the allowed keys, validated by the one table validator (:mod:`pinsidecar.schema`). The
+engine's tables live with the engine (:class:`~pinsidecar.engine.spec.EngineConfig`,
 :class:`~pinsidecar.engine.container.ContainerConfig`), so the count boot reads ``[engine]`` from this same file
 with the same rules; the drift watch's table lives with the drift watch
-(:class:`~pinsidecar.drift.config.DriftConfig`). Relative paths are taken relative to the config file's folder.
+(:class:`~pinsidecar.drift.config.DriftConfig`) and the remap pipeline's with the pipeline
+(:class:`~pinsidecar.remap.config.RemapConfig`). Relative paths are taken relative to the config file's folder.
 ``overrides`` (dotted keys, e.g. ``{"engine.model": "/models/demo"}``) are applied before validation, so a
 command-line override is checked exactly like the file.
 """
@@ -24,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pinsidecar.daemon.webhook import DEFAULT_REMAP_ALERTS
 from pinsidecar.drift.config import DRIFT_SECTION, DriftConfig, check_drift_config
 from pinsidecar.engine.container import ContainerConfig
 from pinsidecar.engine.spec import ENGINE_SECTION, EngineConfig, EngineSpec, check_engine_config, hooked_spec
+from pinsidecar.remap.config import REMAP_SECTION, RemapConfig, check_remap_config, resolve_workloads
 from pinsidecar.schema import (
     CHOICES,
     MIN,
@@ -49,6 +52,7 @@ __all__ = [
     "GateConfig",
     "MapsConfig",
     "MetricsConfig",
+    "RemapConfig",
     "SupervisorConfig",
     "load_config",
     "parse_config",
@@ -104,6 +108,9 @@ class ControlConfig:
     create_token: bool = False  # create token_file (random, 0600) when it does not exist
     max_body_bytes: int = field(default=64 * 1024, metadata={POSITIVE: True})
     drain_timeout_s: float = field(default=120.0, metadata={POSITIVE: True})  # default for drain-reboot
+    # Alertmanager alerts that may start a remap through POST /remap (the rules labelled action="remap" in
+    # grafana/alerts.yml); a delivery naming any other alert is refused with 422 and does nothing.
+    remap_alerts: list[str] = field(default_factory=lambda: list(DEFAULT_REMAP_ALERTS))
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ class Config:
     maps: MapsConfig
     daemon: DaemonConfig
     drift: DriftConfig = field(default_factory=DriftConfig)
+    remap: RemapConfig = field(default_factory=RemapConfig)
     path: Path | None = None  # the file it came from
 
     @property
@@ -169,7 +177,7 @@ class Config:
 _SECTION_TYPES: dict[str, type] = {
     ENGINE_SECTION: EngineConfig, "container": ContainerConfig, "supervisor": SupervisorConfig, "gate": GateConfig,
     "control": ControlConfig, "metrics": MetricsConfig, "maps": MapsConfig, "daemon": DaemonConfig,
-    DRIFT_SECTION: DriftConfig,
+    DRIFT_SECTION: DriftConfig, REMAP_SECTION: RemapConfig,
 }
 
 
@@ -181,6 +189,8 @@ def parse_config(doc: dict[str, Any], base: Path, path: Path | None = None, chec
         raise ConfigError(f"{unknown[0]}: unknown section (allowed: {', '.join(_SECTION_TYPES)})")
     sections = {name: build_section(name, cls, doc.get(name, {}), base, check_paths)
                 for name, cls in _SECTION_TYPES.items()}
+    remap = sections[REMAP_SECTION]  # its workload list is relative to the file's folder, like the paths
+    sections[REMAP_SECTION] = dataclasses.replace(remap, workloads=[str(w) for w in resolve_workloads(remap, base)])
     cfg = Config(**sections, path=path)
     _cross_check(cfg, check_paths)
     return cfg
@@ -190,6 +200,7 @@ def _cross_check(cfg: Config, check_paths: bool = True) -> None:
     e = cfg.engine
     check_engine_config(e)
     check_drift_config(cfg.drift)
+    check_remap_config(cfg.remap, base=None, engine_port=e.port, check_paths=check_paths)
     if e.launcher == "container" and not cfg.container.image:
         raise ConfigError("container.image: required when engine.launcher = \"container\"")
     c = cfg.control
@@ -208,7 +219,9 @@ def _cross_check(cfg: Config, check_paths: bool = True) -> None:
     ports: dict[int, str] = {}
     listeners = [("engine.port", e.port, e.host, True), ("gate.port", g.port, g.host, g.enabled),
                  ("control.port", c.port, c.host, c.unix_socket is None),
-                 ("metrics.port", cfg.metrics.port, cfg.metrics.host, cfg.metrics.enabled)]
+                 ("metrics.port", cfg.metrics.port, cfg.metrics.host, cfg.metrics.enabled),
+                 ("remap.count_boot_port", cfg.remap.count_port(e.port), e.host,
+                  e.hook_mode == "pin" and cfg.remap.source == "capture")]
     for key, port, _host, used in listeners:
         if not used:
             continue

@@ -55,7 +55,8 @@ class MapEntry:
 
 
 def _ignored(path: Path) -> bool:
-    return path.name.startswith(".") or path.name.endswith((".tmp", ".swp", "~"))
+    # <map>.counts.json: the counts a map was built from, kept beside it (pinsidecar.remap.candidates)
+    return path.name.startswith(".") or path.name.endswith((".tmp", ".swp", "~", ".counts.json"))
 
 
 def check_map(path: Path) -> MapEntry:

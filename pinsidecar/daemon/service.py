@@ -3,17 +3,28 @@
 ``pinsidecar run`` calls :func:`run_daemon`. The start order is chosen so that nothing is half-up:
 
 1. the config is already validated; the control token is read (mode 0600 or the daemon refuses to start);
-2. the Prometheus exporter, the gate (clients' entry point), the control API and the maps library start;
-3. the supervisor boots the engine and keeps it alive (:mod:`pinsidecar.daemon.supervisor`);
-4. ``READY=1`` goes to systemd when the engine is first ready (or has failed for good: the daemon stays up to
+2. what a previous run left behind is cleaned up: an engine process group still running from a SIGKILLed daemon
+   (recorded in ``<state_dir>/engine.pid`` and ``count-engine.pid``; stopped only when its start time matches, see
+   :func:`~pinsidecar.engine.process.stop_recorded_engine`), and remap records left open (closed by
+   :mod:`pinsidecar.remap.recovery`: the engine boots from ``active-map.json``, which a remap changes only at
+   commit, so the old map serves);
+3. the Prometheus exporter, the gate (clients' entry point), the control API and the maps library start;
+4. the supervisor boots the engine and keeps it alive (:mod:`pinsidecar.daemon.supervisor`); in pin mode the
+   drift watch (:class:`~pinsidecar.drift.DriftWatch`) starts on the served map and reads the engine's live stats
+   every ``remap.watch_interval_s``; a trip asks for a remap;
+5. ``READY=1`` goes to systemd when the engine is first ready (or has failed for good: the daemon stays up to
    report that, and systemd must not kill it for a slow start); the main loop sends ``WATCHDOG=1`` at half of
    ``WATCHDOG_USEC`` and ``STATUS=`` on every state change.
 
-**Drain-reboot** (:meth:`Daemon.drain_reboot`, from the control API): the gate holds new requests, in-flight ones
-get up to ``timeout_s`` to finish, the engine is stopped and started again (with the new map if one is given,
-validated first), and once it serves, the gate releases what it held. A map of a different geometry is allowed
-but logged as *not a hash-hit reboot* (the compile caches will miss). If the engine does not come up with the new
-map, the daemon boots the old one again and says so (``rolled_back``).
+**Drain-reboot** (:meth:`Daemon.drain_reboot` from the control API, and every remap's reboot: one
+implementation): the gate holds new requests, in-flight ones get up to ``timeout_s`` to finish, the engine is
+stopped and started again (with the new map if one is given, validated first), and once it serves, the gate
+releases what it held. A map of a different geometry is allowed but logged as *not a hash-hit reboot* (the
+compile caches will miss). If the engine does not come up with the new map, or a remap's check on the new engine
+fails before the gate releases, the daemon boots the old one again and says so (``rolled_back``).
+
+**Remaps** (:meth:`Daemon.request_remap`, every trigger's one entry): one at a time, through the drift config's
+cooldown and daily cap, run by :class:`~pinsidecar.remap.pipeline.RemapPipeline` in the background.
 
 **SIGTERM / SIGINT**: ``STOPPING=1``, the gate holds, in-flight requests drain (bounded), the engine stops, exit 0.
 
@@ -29,11 +40,12 @@ import json
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from pinsidecar_hook.contract import ArtifactError, atomic_write_json, load_map, utc_now
+from pinsidecar_hook.contract import ArtifactError, ExpertMap, atomic_write_json, load_map, utc_now
 
 from pinsidecar import __version__
 from pinsidecar.daemon.config import Config
@@ -41,7 +53,14 @@ from pinsidecar.daemon.control import ControlError, ControlServer, read_token
 from pinsidecar.daemon.map_library import MapLibrary, MapNotFound
 from pinsidecar.daemon.sdnotify import Notifier
 from pinsidecar.daemon.supervisor import EngineState, Supervisor
+from pinsidecar.drift import NO_SKEW, DriftWatch, WindowRecord
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
+from pinsidecar.engine.process import stop_recorded_engine
+from pinsidecar.live_stats import StatsReader
+from pinsidecar.remap import admission
+from pinsidecar.remap.candidates import reference_counts
+from pinsidecar.remap.pipeline import COUNT_ENGINE_PID_FILE, KEEP_RECORDS, RemapPipeline, RemapTools
+from pinsidecar.remap.recovery import close_open_records
 
 if TYPE_CHECKING:
     from pinsidecar.metrics import Exporter
@@ -51,21 +70,28 @@ __all__ = ["Daemon", "run_daemon"]
 log = structlog.get_logger(__name__)
 
 ACTIVE_MAP_FILE = "active-map.json"
+ENGINE_PID_FILE = "engine.pid"
+
+# A hook (BeforeStop / AfterBoot) run inside a drain-reboot while the gate holds: returns None to go on, or why not.
+RebootHook = Callable[[dict[str, Any]], Awaitable[str | None]]
 
 
 def make_launcher_factory(cfg: Config) -> Any:
-    """The launcher for ``engine.launcher``: a local process (default) or a container."""
+    """The launcher for ``engine.launcher``: a local process (default; it records itself in
+    ``<state_dir>/engine.pid`` so the next daemon can stop it if this one is killed) or a container."""
     if cfg.engine.launcher == "container":
         from pinsidecar.engine.container import ContainerEngine
 
         return lambda spec: ContainerEngine(spec, cfg.container, cfg.daemon.state_dir)
-    return EngineProcess
+    pid_file = cfg.daemon.state_dir / ENGINE_PID_FILE
+    return lambda spec: EngineProcess(spec, pid_file=pid_file)
 
 
 class Daemon:
     """The running daemon. Build with a validated :class:`Config`; ``await run()`` until a stop signal."""
 
-    def __init__(self, cfg: Config, notifier: Notifier | None = None, launcher_factory: Any = None) -> None:
+    def __init__(self, cfg: Config, notifier: Notifier | None = None, launcher_factory: Any = None,
+                 remap_tools: RemapTools | None = None) -> None:
         self.cfg = cfg
         self.notifier = notifier or Notifier.from_env()
         self.state_dir = cfg.daemon.state_dir
@@ -77,6 +103,10 @@ class Daemon:
         self.maps = MapLibrary(cfg.maps_dir, watch=cfg.maps.watch)
         self.supervisor: Supervisor | None = None
         self.last_drain_reboot: dict[str, Any] | None = None
+        self.capture_store: Any = None
+        self.watch: DriftWatch | None = None
+        self._stats_reader: StatsReader | None = None
+        self.remaps = RemapPipeline(self, remap_tools)
         self._stop = asyncio.Event()
         self._ready_sent = False
         self._drain_busy = False
@@ -139,6 +169,7 @@ class Daemon:
         cfg = self.cfg
         token = self._token or read_token(cfg.control.token_file, create=cfg.control.create_token)  # type: ignore[arg-type]
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        await self._clean_up_after_a_crash()
         spec = self._spec_for(None)
         if cfg.metrics.enabled:
             from pinsidecar.metrics import Exporter
@@ -153,6 +184,7 @@ class Daemon:
             kwargs: dict[str, Any] = {} if cfg.metrics.nvml else {"nvml": None}
             self.exporter = Exporter(stats_path=stats_path, engine_url=engine_url, engine_pid=self._engine_pid,
                                      engine_container_id=self._engine_container_id, gate=lambda: self.gate,
+                                     drift=lambda: self.watch, remap=self.remaps.current_json,
                                      cgroup_root=cfg.metrics.cgroup_root, **kwargs)
             self.exporter.start_http(cfg.metrics.host, cfg.metrics.port)
         if cfg.gate.enabled:
@@ -160,13 +192,14 @@ class Daemon:
 
             capture = None
             if cfg.gate.capture_dir is not None:
-                capture = self._capture_store()
+                capture = self.capture_store = self._capture_store()
             self.gate = Gate(cfg.gate.host, cfg.gate.port, spec.base_url, max_queue=cfg.gate.max_queue,
                              max_hold_s=cfg.gate.max_hold_s, max_body_bytes=cfg.gate.max_body_bytes,
                              capture=capture)
             await self.gate.start()
         self.control = ControlServer(self, token, host=cfg.control.host, port=cfg.control.port,
-                                     unix_socket=cfg.control.unix_socket, max_body_bytes=cfg.control.max_body_bytes)
+                                     unix_socket=cfg.control.unix_socket, max_body_bytes=cfg.control.max_body_bytes,
+                                     remap_alerts=cfg.control.remap_alerts)
         await self.control.start()
         await self.maps.start()
         self.supervisor = Supervisor(
@@ -174,9 +207,67 @@ class Daemon:
             stop_timeout_s=cfg.engine.stop_timeout_s, map_path=self._initial_map(), observer=self.exporter,
             on_state=self._on_state)
         self._tasks.append(asyncio.create_task(self.supervisor.run(), name="supervisor"))
+        self._start_drift_watch(spec)
         log.info("daemon_started", version=__version__, config=str(cfg.path), control=self.control.address,
                  gate=f"{cfg.gate.host}:{cfg.gate.port}" if self.gate else None,
                  metrics=f"{cfg.metrics.host}:{cfg.metrics.port}" if self.exporter else None)
+
+    async def _clean_up_after_a_crash(self) -> None:
+        """Stop engines a killed predecessor left running (they hold the ports), close its open remap records."""
+        for name in (ENGINE_PID_FILE, COUNT_ENGINE_PID_FILE):
+            found = await asyncio.to_thread(stop_recorded_engine, self.state_dir / name)
+            if found is not None and found.get("stopped"):
+                log.warning("engine_leftover_stopped", file=name, pid=found["pid"], port=found.get("port"))
+        for rec in close_open_records(self.remaps.store, self.state_dir / ACTIVE_MAP_FILE):
+            self.remaps.last = rec
+        self.remaps.store.prune(KEEP_RECORDS)
+
+    def _start_drift_watch(self, spec: EngineSpec) -> None:
+        """Pin mode: watch the served map's live stats (one reader of our own, not the exporter's)."""
+        sup = self.supervisor
+        if self.cfg.engine.hook_mode != "pin" or sup is None or sup.map is None:
+            return
+        stats = spec.env.get("PINSIDECAR_STATS_PATH")
+        if not stats:
+            return
+        self.watch = DriftWatch(self.cfg.drift, sup.map, reference=reference_counts(sup.map_path, sup.map))
+        seeded = admission.seed_from_history(self.watch.detector, self.remaps.store.records())
+        self._stats_reader = StatsReader(Path(stats))
+        self._tasks.append(asyncio.create_task(self._watch_loop(), name="drift-watch"))
+        log.info("drift_watch_started", map=sup.map.short_hash, label=sup.map.label, stats=stats,
+                 reference=self.watch.reference_kind or "first window", remaps_last_day=seeded)
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.remap.watch_interval_s)
+            try:
+                await self.watch_tick()
+            except Exception as exc:  # the watch must never take the daemon down
+                log.exception("drift_watch_failed", error=str(exc))
+
+    async def watch_tick(self, now: float | None = None) -> list[WindowRecord]:
+        """One look at the live stats: feed the drift watch, log each closed window, ask for a remap on a trip."""
+        watch, reader = self.watch, self._stats_reader
+        if watch is None or reader is None:
+            return []
+        records = watch.feed_reading(reader.read(), now) + watch.poll(now)
+        for rec in records:
+            sig = rec.signals
+            log.info("drift_window", index=rec.index, tokens=rec.window.get("tokens"), judged=rec.judged,
+                     state=rec.state, gain=None if sig is None else sig.projected_gain,
+                     cold_rate=None if sig is None else sig.cold_rate, trip=rec.trip, status=rec.status)
+            if rec.trip:
+                await self._drift_trip(rec)
+        return records
+
+    async def _drift_trip(self, rec: WindowRecord) -> None:
+        try:
+            await self.request_remap(trigger="drift", reason=rec.status,
+                                     detail={"window": rec.index, "signals": rec.as_dict().get("signals")})
+        except ControlError as exc:
+            log.warning("drift_remap_not_started", status=exc.status, reason=str(exc))
+            if self.watch is not None and self.remaps.current is None:
+                self.watch.detector.remap_finished(False)  # the trip marked a remap as running
 
     def _capture_store(self) -> Any:
         from pinsidecar.daemon.traffic_capture import CaptureStore
@@ -191,6 +282,11 @@ class Daemon:
         """Drain and stop everything (SIGTERM path)."""
         self.notifier.stopping("stopping: draining requests")
         log.info("daemon_stopping")
+        task = self.remaps.task
+        if task is not None and not task.done():  # before the gate and the engine go: it closes its record
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         if self.gate is not None:
             self.gate.hold()
             remaining = await self.gate.drain(self.cfg.control.drain_timeout_s)
@@ -255,7 +351,85 @@ class Daemon:
             "gate": self.gate.snapshot() if self.gate is not None else None,
             "maps": {"dir": str(self.maps.directory), "entries": [e.to_json() for e in self.maps.entries()]},
             "last_drain_reboot": self.last_drain_reboot,
+            "drift": self._drift_status(),
+            "remap": self.remaps.status(),
         }
+
+    def _drift_status(self) -> dict[str, Any] | None:
+        watch = self.watch
+        if watch is None:
+            return None
+        st = watch.status()
+        last = watch.last_record
+        if last is None:
+            line = "no window closed yet"
+        elif last.signals is not None and last.signals.exploitable_skew is False:
+            line = NO_SKEW
+        else:
+            line = last.status
+        return {**st, "line": line}
+
+    async def request_remap(self, *, trigger: str, dry_run: bool = False, map_ref: str | None = None,
+                            reason: str = "", detail: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The one entry of every remap trigger ("drift", "alert", "manual", "timer"): one remap at a time, through
+        the drift config's cooldown and daily cap; the remap runs in the background and this returns at once.
+        Raises :class:`ControlError` (409 one runs, 429 cooldown or cap, 400 bad map or not pin mode, 503
+        starting). A dry run changes nothing and returns the decision with its figures."""
+        if self.supervisor is None:
+            raise ControlError(503, "the daemon is still starting")
+        return await self.remaps.request(trigger=trigger, dry_run=dry_run, map_ref=map_ref, reason=reason,
+                                         detail=detail)
+
+    # What the remap pipeline reads and calls (its RemapHost protocol).
+
+    @property
+    def capture(self) -> Any:
+        return self.capture_store
+
+    @property
+    def served_map(self) -> tuple[Path | None, ExpertMap | None]:
+        sup = self.supervisor
+        return (sup.map_path, sup.map) if sup is not None else (None, None)
+
+    @property
+    def engine_url(self) -> str | None:
+        launcher = self._launcher()
+        return launcher.base_url if launcher is not None else None
+
+    @property
+    def model_name(self) -> str:
+        return self._spec_for(None).model_name
+
+    @property
+    def stats_path(self) -> Path | None:
+        return self._stats_reader.path if self._stats_reader is not None else None
+
+    @property
+    def drain_busy(self) -> bool:
+        return self._drain_busy
+
+    @property
+    def active_map_file(self) -> Path:
+        return self.state_dir / ACTIVE_MAP_FILE
+
+    def library_entries(self) -> list[Any]:
+        return self.maps.entries()
+
+    def resolve_map(self, ref: str) -> Path:
+        return self._resolve_map(ref)
+
+    def commit_active_map(self, path: Path, map_hash: str) -> None:
+        self._record_active_map(path, map_hash)
+
+    def record_remap_metric(self, outcome: str, seconds: float | None) -> None:
+        if self.exporter is not None:
+            self.exporter.record_remap(outcome, seconds)
+
+    async def reboot_with(self, map_path: Path, *, reason: str, before_stop: RebootHook | None = None,
+                          after_boot: RebootHook | None = None) -> dict[str, Any]:
+        """A remap's drain-reboot onto ``map_path`` (``active-map.json`` is left to the commit)."""
+        return await self._drain_reboot(map_path, self.cfg.control.drain_timeout_s, reason=reason,
+                                        record_active=False, before_stop=before_stop, after_boot=after_boot)
 
     def _resolve_map(self, ref: str) -> Path:
         try:
@@ -272,20 +446,39 @@ class Daemon:
         return path
 
     async def drain_reboot(self, map_ref: str | None, timeout_s: float | None) -> dict[str, Any]:
-        """Hold, drain (bounded), reboot (optionally with a new map, rolling back on failure), release."""
+        """The control API's drain-reboot: hold, drain (bounded), reboot (optionally with a new map, rolling back
+        on failure), release. Refused while a remap runs (it owns the engine until it ends)."""
+        if self.supervisor is None:
+            raise ControlError(503, "the daemon is still starting")
+        if self._drain_busy:
+            raise ControlError(409, "a drain-reboot is already running")
+        running = self.remaps.current
+        if running is not None:
+            raise ControlError(409, f"remap {running.id} (state {running.state}, trigger {running.trigger}) is "
+                               "running; drain-reboot when it has ended")
+        new_map = self._resolve_map(map_ref) if map_ref else None
+        timeout = timeout_s if timeout_s is not None else self.cfg.control.drain_timeout_s
+        return await self._drain_reboot(new_map, timeout)
+
+    async def _drain_reboot(self, new_map: Path | None, timeout: float, *, reason: str = "drain-reboot",
+                            record_active: bool = True, before_stop: RebootHook | None = None,
+                            after_boot: RebootHook | None = None) -> dict[str, Any]:
+        """The one drain-reboot (control API and remaps). While the gate holds: ``before_stop`` runs on the drained
+        old engine (a reason returned: nothing is rebooted, ``skipped``), ``after_boot`` on the new one (a reason
+        returned: roll back to the old map before anyone is served). ``record_active``: a successful switch is
+        written to ``active-map.json`` now (a remap writes it at its commit instead)."""
         sup = self.supervisor
         if sup is None:
             raise ControlError(503, "the daemon is still starting")
         if self._drain_busy:
             raise ControlError(409, "a drain-reboot is already running")
-        new_map = self._resolve_map(map_ref) if map_ref else None
-        timeout = timeout_s if timeout_s is not None else self.cfg.control.drain_timeout_s
         self._drain_busy = True
         t0 = time.monotonic()
         result: dict[str, Any] = {"ok": False, "started_at": utc_now(), "map": str(new_map) if new_map else None,
-                                  "rolled_back": False}
+                                  "rolled_back": False, "reason": reason}
         try:
             hash_hit = True
+            emap: ExpertMap | None = None
             if new_map is not None:
                 emap = load_map(new_map)
                 result["map_hash"] = emap.content_hash
@@ -294,7 +487,7 @@ class Daemon:
                     log.warning("drain_reboot_geometry_change", map=str(new_map), old=sup.map.geometry(),
                                 new=emap.geometry(), note="not a hash-hit reboot: compile caches will miss")
             result["hash_hit"] = hash_hit
-            log.info("drain_reboot_begin", map=str(new_map) if new_map else None, timeout_s=timeout)
+            log.info("drain_reboot_begin", map=str(new_map) if new_map else None, timeout_s=timeout, reason=reason)
             async with sup.lock:
                 sup._set_state(EngineState.DRAINING, "holding new requests, draining in-flight ones")
                 hold_t0 = time.monotonic()
@@ -306,15 +499,13 @@ class Daemon:
                         result["in_flight_cut"] = remaining
                     result["drain_s"] = round(time.monotonic() - t0, 3)
                     old_map = sup.map_path
-                    try:
-                        rec = await sup.reboot("drain-reboot", new_map, use_map=new_map is not None)
-                        result.update(ok=True, boot_s=rec.seconds, cache_miss=rec.cache_miss)
-                        if new_map is not None:
-                            self._record_active_map(new_map, rec.map_hash)
-                    except (EngineError, ArtifactError) as exc:
-                        result["error"] = str(exc).splitlines()[0]
-                        result["engine_log"] = getattr(exc, "log_tail", [])[-10:]
-                        await self._after_failed_reboot(sup, new_map, old_map, result)
+                    why_not = await before_stop(result) if before_stop is not None else None
+                    if why_not is not None:
+                        result.update(skipped=True, error=why_not)
+                        sup._set_state(EngineState.READY)
+                    else:
+                        await self._reboot_locked(sup, new_map, emap, old_map, reason, record_active, after_boot,
+                                                  result)
                 finally:
                     if self.gate is not None:
                         if sup.launcher is not None:
@@ -328,6 +519,30 @@ class Daemon:
             self.last_drain_reboot = result
             log.info("drain_reboot_end", **{k: v for k, v in result.items() if k != "engine_log"})
         return result
+
+    async def _reboot_locked(self, sup: Supervisor, new_map: Path | None, emap: ExpertMap | None,
+                             old_map: Path | None, reason: str, record_active: bool,
+                             after_boot: RebootHook | None, result: dict[str, Any]) -> None:
+        try:
+            rec = await sup.reboot(reason, new_map, use_map=new_map is not None)
+        except (EngineError, ArtifactError) as exc:
+            result["error"] = str(exc).splitlines()[0]
+            result["engine_log"] = getattr(exc, "log_tail", [])[-10:]
+            await self._after_failed_reboot(sup, new_map, old_map, result)
+            return
+        result.update(boot_s=rec.seconds, cache_miss=rec.cache_miss)
+        why_not = await after_boot(result) if after_boot is not None else None
+        if why_not is not None:
+            result["error"] = why_not
+            await sup.stop_engine(EngineState.DRAINING)
+            await self._after_failed_reboot(sup, new_map, old_map, result)
+            return
+        result["ok"] = True
+        if new_map is not None and emap is not None:
+            if record_active:
+                self._record_active_map(new_map, rec.map_hash)
+            if self.watch is not None:
+                self.watch.set_active_map(emap, reference_counts(new_map, emap))
 
     async def _after_failed_reboot(self, sup: Supervisor, new_map: Path | None, old_map: Path | None,
                                    result: dict[str, Any]) -> None:

@@ -139,12 +139,13 @@ def _default_label(paths: Sequence[Path]) -> str:
 def run_profile(model: Path | None, workloads: Sequence[Path], out: Path, *, concurrency: int = 4,
                 max_tokens: int | None = None, port: int | None = None, label: str | None = None,
                 engine: EngineConfig | None = None, progress: bool | None = None,
-                engine_log: Path | None = None) -> ProfileResult:
+                engine_log: Path | None = None, pid_file: Path | None = None) -> ProfileResult:
     """Run one count boot end to end (see the module docstring) on ``engine`` (default:
     :func:`count_boot_config` without a file); ``model`` and ``port``, when given, replace the table's. Raises
     :class:`WorkloadError`, :class:`PortInUseError` or ``ValueError`` for bad input (before anything starts),
     :class:`EngineBootError` when the engine does not come up, :class:`ProfileError` when the boot ran and
-    failed."""
+    failed. ``pid_file``: where the count engine records itself while it runs (see
+    :func:`~pinsidecar.engine.process.stop_recorded_engine`), so a parent killed mid-boot can be cleaned up after."""
     if engine is None:
         engine = count_boot_config(model=model, port=port)
     else:
@@ -180,7 +181,7 @@ def run_profile(model: Path | None, workloads: Sequence[Path], out: Path, *, con
     hook = HookConfig(mode="count", counts_path=tmp_counts.resolve(), flush_interval_s=COUNT_FLUSH_INTERVAL_S,
                       workload=label)
     spec = hooked_spec(engine, hook)
-    eng = EngineProcess(spec)
+    eng = EngineProcess(spec, pid_file=pid_file)
     exit_code: int | None = None
     try:
         eng.start()

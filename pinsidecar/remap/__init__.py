@@ -1,0 +1,49 @@
+"""The remap pipeline: the loop's last step, from "traffic moved" to a new row map serving, or the old one still.
+
+A trigger (the drift watch in the daemon, an Alertmanager alert, ``pinsidecar remap``, the systemd timer) asks the
+daemon for a remap; :class:`~pinsidecar.remap.pipeline.RemapPipeline` runs it as a state machine persisted on
+disk. The rooms, one idea each:
+
+- :mod:`~pinsidecar.remap.record` — the record and its states, written atomically at every transition;
+- :mod:`~pinsidecar.remap.admission` — one remap at a time, every trigger through the same cooldown and cap;
+- :mod:`~pinsidecar.remap.workload` — what the candidate is built from: captured traffic, or the live windows;
+- :mod:`~pinsidecar.remap.candidates` — the map library (checked first) and how a candidate lands in it;
+- :mod:`~pinsidecar.remap.verify` — parity across the reboot, and the live cold rate after it;
+- :mod:`~pinsidecar.remap.recovery` — closing the records a killed sidecar left open;
+- :mod:`~pinsidecar.remap.pipeline` — the steps in order;
+- :mod:`~pinsidecar.remap.config` — the ``[remap]`` table.
+
+Why it is shaped this way:
+
+- **Live mode exists** because pin mode's partition kernel counts the full per-layer expert histogram of every
+  routed token online: a candidate can be built from served traffic with no count boot and no second engine,
+  which is what a host with one GPU needs, and what systems that can only count offline cannot do.
+- **The library is checked first** because traffic classes come back; a map already on disk costs a reboot, a
+  count boot minutes of a second engine.
+- **The count boot runs beside the serving engine** (its own port), so clients are served throughout; on the CPU
+  lane and on multi-GPU hosts that is free, and a single-GPU host uses live mode instead.
+- **A blend is never built**: a map built from mixed traffic was measured to cost the majority class 10 %
+  against its own map, so a candidate is built from the traffic served now only, and each class keeps its map.
+"""
+
+from pinsidecar.remap.config import REMAP_SECTION, RemapConfig, check_remap_config
+from pinsidecar.remap.pipeline import PAUSE_ENV, RemapHost, RemapPipeline, RemapTools
+from pinsidecar.remap.record import OUTCOMES, STATES, TERMINAL_STATES, TRIGGERS, RecordStore, RemapRecord
+from pinsidecar.remap.recovery import close_open_records
+
+__all__ = [
+    "OUTCOMES",
+    "PAUSE_ENV",
+    "REMAP_SECTION",
+    "STATES",
+    "TERMINAL_STATES",
+    "TRIGGERS",
+    "RecordStore",
+    "RemapConfig",
+    "RemapHost",
+    "RemapPipeline",
+    "RemapRecord",
+    "RemapTools",
+    "check_remap_config",
+    "close_open_records",
+]
