@@ -1,4 +1,6 @@
-"""The control API over real HTTP (TCP and unix socket): auth, body limits, remap placeholder, token-file rules.
+"""The control API over real HTTP (TCP and unix socket): auth, body limits, the CLI's remap body, token-file rules.
+
+(Alertmanager deliveries on ``/remap`` are in test_webhook.py.)
 
 The target here records calls instead of rebooting an engine, so "nothing happens" on a refused call is checked
 directly; the full path (real daemon, real engine) is in test_daemon_drain.py.
@@ -15,28 +17,15 @@ from typing import Any
 import httpx
 import pytest
 
-from pinsidecar.daemon.control import REMAP_NOT_AVAILABLE, ControlError, ControlServer, TokenFileError, read_token
+from pinsidecar.daemon.control import ControlServer, TokenFileError, read_token
+from pinsidecar.testing.control import RecordingTarget
 
 TOKEN = "t0k3n-" + "a" * 26
 PORT = 8260
 
 
-class RecordingTarget:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str | None, float | None]] = []
-
-    def status(self) -> dict[str, Any]:
-        return {"engine": {"state": "ready"}}
-
-    async def drain_reboot(self, map_ref: str | None, timeout_s: float | None) -> dict[str, Any]:
-        if map_ref == "busy":
-            raise ControlError(409, "a drain-reboot is already running")
-        self.calls.append((map_ref, timeout_s))
-        return {"ok": True, "map": map_ref}
-
-
-async def _with_server(fn: Any, **kwargs: Any) -> tuple[RecordingTarget, Any]:
-    target = RecordingTarget()
+async def _with_server(fn: Any, target: RecordingTarget | None = None, **kwargs: Any) -> tuple[RecordingTarget, Any]:
+    target = target if target is not None else RecordingTarget()
     server = ControlServer(target, TOKEN, max_body_bytes=1024, **kwargs)
     await server.start()
     try:
@@ -93,13 +82,49 @@ async def _chunks(data: bytes) -> Any:
         yield data[i:i + 512]
 
 
-def test_remap_is_not_available_yet_but_still_needs_auth() -> None:
+def test_remap_needs_auth_and_a_cli_body_reaches_the_one_gate() -> None:
     async def scenario(c: httpx.AsyncClient) -> list[httpx.Response]:
-        return [await c.post("/remap", json={}), await c.post("/remap", json={}, headers=_auth())]
+        return [
+            await c.post("/remap", json={}),
+            await c.post("/remap", json={"dry_run": True, "map": "prose", "reason": "try it"}, headers=_auth()),
+            await c.post("/remap", json={}, headers=_auth()),
+            await c.post("/remap", json={"trigger": "timer", "reason": "nightly"}, headers=_auth()),
+        ]
 
-    _, (unauth, auth) = asyncio.run(_with_server(scenario, port=PORT + 2))
+    target, (unauth, dry, manual, timer) = asyncio.run(_with_server(scenario, port=PORT + 2))
     assert unauth.status_code == 401
-    assert auth.status_code == 501 and auth.json()["error"] == REMAP_NOT_AVAILABLE
+    assert dry.status_code == 200 and dry.json()["decision"] == {"deploy": True, "reason": "fake"}
+    assert manual.status_code == 202 and manual.json()["remap_id"] == "r1"
+    assert timer.status_code == 202
+    assert [(r["trigger"], r["dry_run"], r["map_ref"], r["reason"]) for r in target.remaps] == [
+        ("manual", True, "prose", "try it"), ("manual", False, None, "manual request"),
+        ("timer", False, None, "nightly")]
+
+
+def test_bad_remap_bodies_are_400_and_gate_refusals_keep_their_status() -> None:
+    async def scenario(c: httpx.AsyncClient) -> list[httpx.Response]:
+        out = [
+            await c.post("/remap", content=b"{not json", headers=_auth()),
+            await c.post("/remap", json={"dryrun": True}, headers=_auth()),
+            await c.post("/remap", json={"dry_run": "yes"}, headers=_auth()),
+            await c.post("/remap", json={"map": ""}, headers=_auth()),
+            await c.post("/remap", json={"trigger": "alert"}, headers=_auth()),  # only Alertmanager's body is
+            await c.post("/remap", json={"reason": 5}, headers=_auth()),
+        ]
+        target.refuse = (429, "cooldown: 120 s left")
+        out.append(await c.post("/remap", json={}, headers=_auth()))
+        target.refuse = (409, "remap r7 (state count_boot, trigger drift) is already running")
+        out.append(await c.post("/remap", json={}, headers=_auth()))
+        return out
+
+    target = RecordingTarget()
+    _, rs = asyncio.run(_with_server(scenario, port=PORT + 4, target=target))
+    assert [r.status_code for r in rs] == [400, 400, 400, 400, 400, 400, 429, 409]
+    assert "unknown field 'dryrun'" in rs[1].json()["error"]
+    assert "dry_run" in rs[2].json()["error"] and "map" in rs[3].json()["error"]
+    assert "trigger" in rs[4].json()["error"] and "reason" in rs[5].json()["error"]
+    assert "cooldown" in rs[6].json()["error"] and "remap r7" in rs[7].json()["error"]
+    assert target.remaps == []
 
 
 def test_bad_bodies_are_400_and_target_errors_keep_their_status() -> None:
@@ -153,3 +178,102 @@ def test_token_file_rules(tmp_path: Path) -> None:
     assert len(tok) == 64
     assert stat.S_IMODE(created.stat().st_mode) == 0o600
     assert read_token(created, create=True) == tok  # not regenerated
+
+
+# ------------------------------------------------------------------------------------------------ pinsidecar remap
+
+
+class ServerThread:
+    """The control API on its own event loop in a thread, so the (synchronous) CLI can talk to it."""
+
+    def __init__(self, target: RecordingTarget) -> None:
+        import threading
+
+        self.target = target
+        self.loop = asyncio.new_event_loop()
+        self.server = ControlServer(target, TOKEN, port=0)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def _cli_config(tmp_path: Path, port: int) -> Path:
+    token = tmp_path / "control.token"
+    token.write_text(TOKEN + "\n")
+    os.chmod(token, 0o600)
+    cfg = tmp_path / "pinsidecar.toml"
+    cfg.write_text(f'[engine]\nmodel = "{tmp_path / "model"}"\n[control]\ntoken_file = "{token}"\nport = {port}\n')
+    return cfg
+
+
+def test_remap_cli_dry_run_start_refusal_and_wait(tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from pinsidecar.cli import main
+
+    target = RecordingTarget()
+    decision = {"deploy": False, "reason": "refused: candidate prose (abc) predicts 30.00% cold ...",
+                "candidate_cold_rate": 0.30, "active_cold_rate": 0.31, "gain": 0.01, "margin": 0.05,
+                "candidate_hash": "sha256:abcdef0123456789", "candidate_label": "prose",
+                "active_hash": "sha256:0011223344556677", "active_label": "code",
+                "held_out": {"window": 7, "tokens": 1024, "source": "live"}, "source": "rebuild"}
+
+    async def dry_remap(**kw: Any) -> dict[str, Any]:
+        target.remaps.append(kw)
+        return {"accepted": False, "remap_id": None, "trigger": kw["trigger"], "dry_run": True, "state": "evaluating",
+                "reason": "", "decision": decision}
+
+    server = ServerThread(target)
+    try:
+        cfg = str(_cli_config(tmp_path, server.server.port))
+        run = CliRunner().invoke
+        target.request_remap, real = dry_remap, target.request_remap  # type: ignore[method-assign]
+        dry = run(main, ["remap", "--config", cfg, "--dry-run", "--reason", "look"])
+        assert dry.exit_code == 0, dry.output
+        assert "dry run: nothing was changed" in dry.output and "do not deploy" in dry.output
+        assert "30.00% cold" in dry.output and "31.00% cold" in dry.output and "margin +5.00 pts" in dry.output
+        assert "window 7, tokens 1024" in dry.output
+        target.request_remap = real  # type: ignore[method-assign]
+        started = run(main, ["remap", "--config", cfg, "--trigger", "timer", "--map", "prose", "--json"])
+        assert started.exit_code == 0, started.output
+        assert json.loads(started.output)["remap_id"] == "r1"
+        assert target.remaps[-1]["trigger"] == "timer" and target.remaps[-1]["map_ref"] == "prose"
+        target.refuse = (429, "daily cap: 6 remaps in the last 24 h")
+        refused = run(main, ["remap", "--config", cfg])
+        assert refused.exit_code == 3 and "remap not started: daily cap" in refused.output
+        target.refuse = None
+        target.status = lambda: {"remap": {"current": None, "last": {  # type: ignore[method-assign]
+            "id": "r2", "trigger": "manual", "state": "rolled_back", "error": "verify: parity mismatch",
+            "steps": [{"state": "rebooting", "seconds": 12.5, "detail": "hash hit"}]}, "history": []}}
+        waited = run(main, ["remap", "--config", cfg, "--wait", "30"])
+        assert waited.exit_code == 1, waited.output
+        assert "remap r2 (manual): rolled_back: verify: parity mismatch" in waited.output
+        bad_token = tmp_path / "control.token"
+        bad_token.write_text("wrong-token-0123456789\n")
+        assert run(main, ["remap", "--config", cfg]).exit_code == 2
+    finally:
+        server.close()
+    assert [r["trigger"] for r in target.remaps] == ["manual", "timer", "manual"]
+
+
+def test_status_shows_the_drift_line_and_the_remaps() -> None:
+    from pinsidecar.cli.daemon import _fmt_status
+
+    st = {"engine": {"state": "ready"}, "maps": {"entries": [], "dir": "/m"}, "daemon": {},
+          "drift": {"state": "drifted", "line": "no exploitable skew", "remaps_last_day": 2, "cooldown_left_s": 120.0},
+          "remap": {"current": {"id": "r9", "trigger": "alert", "state": "rebooting", "reason": "alert X"},
+                    "last": {"id": "r8", "trigger": "timer", "state": "refused", "error": None,
+                             "reason": "periodic re-profile"}, "history": []}}
+    text = _fmt_status(st)
+    assert "drift    drifted: no exploitable skew (2 remaps in 24 h, cooldown 120 s)" in text
+    assert "remap    current r9 (alert): rebooting  alert X" in text
+    assert "remap    last r8 (timer): refused  periodic re-profile" in text
+    assert "drift" not in _fmt_status({**st, "drift": None, "remap": None})

@@ -78,10 +78,11 @@ def test_recording_rule_gives_the_windowed_cold_selection_ratio(scraped: tuple) 
 def test_alert_rules_load_and_evaluate_in_the_server(scraped: tuple) -> None:
     prom, _, _ = scraped
     groups = {g["name"]: g for g in prom.rules()}
-    assert set(groups) == {"pinsidecar-placement", "pinsidecar-engine", "pinsidecar-sidecar"}
+    assert set(groups) == {"pinsidecar-placement", "pinsidecar-drift", "pinsidecar-engine", "pinsidecar-sidecar"}
     rules = [r for g in groups.values() for r in g["rules"]]
     names = {r["name"] for r in rules}
-    assert {"PinsidecarColdSelectionDrift", "PinsidecarEngineFailed", "PinsidecarBootCacheMiss"} <= names
+    assert {"PinsidecarColdSelectionDrift", "PinsidecarDriftGain", "PinsidecarRemapStalled",
+            "PinsidecarEngineFailed", "PinsidecarBootCacheMiss"} <= names
     assert all(r.get("health") in ("ok", "unknown") for r in rules), [r for r in rules if r.get("health") == "err"]
 
 

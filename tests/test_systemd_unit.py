@@ -1,4 +1,5 @@
-"""The unit files pass ``systemd-analyze verify`` cleanly and keep the settings the daemon relies on."""
+"""The unit files pass ``systemd-analyze verify`` cleanly and keep the settings the daemon relies on; so do the
+periodic re-profile's timer and its oneshot service."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
 UNIT = SYSTEMD / "pinsidecar.service"
 DROPIN = SYSTEMD / "pinsidecar.service.d" / "container.conf"
+REMAP_SERVICE = SYSTEMD / "pinsidecar-remap.service"
+REMAP_TIMER = SYSTEMD / "pinsidecar-remap.timer"
 
 
 def _settings(text: str) -> dict[str, list[str]]:
@@ -24,13 +27,20 @@ def _settings(text: str) -> dict[str, list[str]]:
     return out
 
 
-def _verify(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
-    """Verify a copy whose ExecStart points at this environment's pinsidecar (verify requires it to exist)."""
+def _copy(tmp_path: Path, name: str, text: str) -> Path:
+    """A copy whose ExecStart points at this environment's pinsidecar (verify requires it to exist)."""
     exe = Path(sys.executable).parent / "pinsidecar"
     assert exe.exists(), f"{exe} missing: install the package (pip install -e .)"
-    copy = tmp_path / "pinsidecar.service"
+    copy = tmp_path / name
     copy.write_text(text.replace("/opt/pinsidecar/.venv/bin/pinsidecar", str(exe)))
-    return subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    return copy
+
+
+def _verify(tmp_path: Path, text: str, *others: Path) -> subprocess.CompletedProcess[str]:
+    """``systemd-analyze verify`` of the main unit's text (and of ``others``, verified beside it)."""
+    units = [_copy(tmp_path, "pinsidecar.service", text), *(_copy(tmp_path, p.name, p.read_text()) for p in others)]
+    return subprocess.run(["systemd-analyze", "verify", *map(str, reversed(units))], capture_output=True, text=True,
+                          timeout=60)
 
 
 needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
@@ -69,3 +79,46 @@ def test_unit_settings_the_daemon_relies_on() -> None:
     rw = " ".join(s["ReadWritePaths"])
     assert "/var/lib/pinsidecar" in rw and "/run/pinsidecar" in rw
     assert "docker" in _settings(DROPIN.read_text())["SupplementaryGroups"][0]
+
+
+@needs_systemd
+def test_remap_timer_and_service_verify_clean(tmp_path: Path) -> None:
+    # The remap service requires the main unit (Requisite=), so it is verified beside it.
+    res = _verify(tmp_path, UNIT.read_text(), REMAP_SERVICE, REMAP_TIMER)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip() == "", res.stderr
+    assert res.stdout.strip() == "", res.stdout
+
+
+@needs_systemd
+def test_verify_sees_a_mistake_in_the_remap_service(tmp_path: Path) -> None:
+    """The check above can fail: a misspelt directive in the timer's service is reported."""
+    bad = tmp_path / "src" / REMAP_SERVICE.name
+    bad.parent.mkdir()
+    bad.write_text(REMAP_SERVICE.read_text().replace("SuccessExitStatus=", "SucessExitStatus="))
+    res = _verify(tmp_path, UNIT.read_text(), bad, REMAP_TIMER)
+    assert "SucessExitStatus" in res.stderr
+
+
+def test_remap_timer_settings() -> None:
+    svc = _settings(REMAP_SERVICE.read_text())
+    assert svc["Type"] == ["oneshot"]
+    argv = svc["ExecStart"][0].split()
+    assert argv[1] == "remap" and "--config" in argv and argv[argv.index("--trigger") + 1] == "timer"
+    assert svc["SuccessExitStatus"] == ["3"]  # refused by the gate (busy, cooldown, cap) is not a failure
+    from pinsidecar.cli.remap import EXIT_REFUSED
+
+    assert EXIT_REFUSED == 3
+    assert svc["User"] == _settings(UNIT.read_text())["User"]  # can read the control token
+    # the main unit's hardening, where it applies to a client of the control API (and tighter: no devices)
+    main = _settings(UNIT.read_text())
+    for key in ("ProtectSystem", "ProtectHome", "PrivateTmp", "NoNewPrivileges", "ProtectKernelTunables",
+                "ProtectKernelModules", "ProtectControlGroups", "RestrictSUIDSGID", "RestrictNamespaces",
+                "LockPersonality", "SystemCallArchitectures"):
+        assert svc[key] == main[key], key
+    assert svc["PrivateDevices"] == ["true"] and "DeviceAllow" not in svc
+    assert "ReadWritePaths" not in svc
+    timer = _settings(REMAP_TIMER.read_text())
+    assert timer["Unit"] == [REMAP_SERVICE.name]
+    assert timer["OnCalendar"] and timer["Persistent"] == ["true"]
+    assert timer["WantedBy"] == ["timers.target"]

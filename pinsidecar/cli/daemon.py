@@ -1,9 +1,10 @@
-"""``pinsidecar run``, ``pinsidecar status`` and ``pinsidecar drain-reboot``: the daemon and its two clients.
+"""``pinsidecar run``, ``pinsidecar status`` and ``pinsidecar drain-reboot``: the daemon and its clients.
 
-``run`` is the daemon itself (what the systemd unit starts). ``status`` and ``drain-reboot`` talk to a running
-daemon's control API; they read the same config file (``--config``, default ``/etc/pinsidecar/pinsidecar.toml``)
-to find it (``control.host``/``control.port`` or ``control.unix_socket``) and, for ``drain-reboot``, the bearer
-token (``control.token_file``, which the operator must be able to read).
+``run`` is the daemon itself (what the systemd unit starts). ``status`` and ``drain-reboot`` (and ``remap``, in
+:mod:`pinsidecar.cli.remap`) talk to a running daemon's control API; they read the same config file
+(``--config``, default ``/etc/pinsidecar/pinsidecar.toml``) to find it (``control.host``/``control.port`` or
+``control.unix_socket``) and, for the mutating calls, the bearer token (``control.token_file``, which the operator
+must be able to read).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def _fmt_status(st: dict[str, Any]) -> str:
         lines.append(f"drain    last drain-reboot {'ok' if d.get('ok') else 'FAILED'} in {d.get('seconds')} s"
                      + (" (rolled back)" if d.get("rolled_back") else "") + (f": {d['error']}" if d.get("error")
                                                                               else ""))
+    lines += _fmt_drift_and_remap(st)
     maps = (st.get("maps") or {}).get("entries", [])
     valid = [e for e in maps if e["valid"]]
     maps_dir = (st.get("maps") or {}).get("dir")
@@ -112,6 +114,24 @@ def _fmt_status(st: dict[str, Any]) -> str:
     lines.append(f"daemon   pid {dmn.get('pid')}, up {dmn.get('uptime_s')} s, control {dmn.get('control')}, "
                  f"metrics {dmn.get('metrics')}")
     return "\n".join(lines)
+
+
+def _fmt_drift_and_remap(st: dict[str, Any]) -> list[str]:
+    """The drift watch's one line and the remaps (current, last): what `status` shows of the loop."""
+    lines = []
+    drift = st.get("drift")
+    if drift:
+        extra = f", cooldown {drift['cooldown_left_s']:.0f} s" if drift.get("cooldown_left_s") else ""
+        lines.append(f"drift    {drift.get('state', '?')}: {drift.get('line') or drift.get('status', '')}"
+                     f" ({drift.get('remaps_last_day', 0)} remaps in 24 h{extra})")
+    remap = st.get("remap") or {}
+    for key in ("current", "last"):
+        rec = remap.get(key)
+        if rec:
+            lines.append(f"remap    {key} {rec.get('id')} ({rec.get('trigger')}): {rec.get('state')}"
+                         + (f": {rec['error']}" if rec.get("error") else "")
+                         + (f"  {rec['reason']}" if rec.get("reason") and not rec.get("error") else ""))
+    return lines
 
 
 def _fmt_drain(res: dict[str, Any]) -> str:

@@ -1,5 +1,12 @@
 """The daemon's control API: ``GET /status``, ``POST /drain-reboot``, ``POST /remap``.
 
+``POST /remap`` takes two kinds of body (told apart by shape, parsed in :mod:`pinsidecar.daemon.webhook`): a
+request from ``pinsidecar remap`` (``{"dry_run", "map", "reason", "trigger"}``), and an Alertmanager webhook
+delivery (firing remap alerts start one remap; resolved ones and repeats are acknowledged with no action). Both end
+in the daemon's ``request_remap``, the one gate every trigger passes (one remap at a time, cooldown, daily cap):
+202 when a remap started, 200 for a dry run's decision or a delivery that needed no action, 409/429 when the gate
+refuses, 4xx with nothing done for a bad body.
+
 HTTP on loopback by default (``control.host``/``control.port``) or a unix socket (``control.unix_socket``), served
 by ``aiohttp.web`` inside the daemon's event loop. The rules, and why:
 
@@ -10,7 +17,8 @@ by ``aiohttp.web`` inside the daemon's event loop. The rules, and why:
 - **Bodies are bounded** (``control.max_body_bytes``): a larger ``Content-Length`` (or a body that turns out larger)
   is 413 before anything is done.
 - Errors are JSON ``{"error": "..."}`` with a status that says whose fault it is (400 bad input, 409 busy,
-  500/502 the operation failed, 501 not available yet).
+  422 an alert that does not start a remap, 429 cooldown or daily cap, 500/502 the operation failed, 503 still
+  starting).
 
 The daemon implements :class:`ControlTarget`; this module knows nothing about engines or gates.
 """
@@ -28,11 +36,19 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from pinsidecar.daemon.webhook import (
+    DEFAULT_REMAP_ALERTS,
+    AlertMemory,
+    WebhookError,
+    is_alertmanager_body,
+    parse_alertmanager_body,
+    parse_cli_body,
+    plan_delivery,
+)
+
 __all__ = ["ControlError", "ControlServer", "ControlTarget", "TokenFileError", "read_token"]
 
 log = structlog.get_logger(__name__)
-
-REMAP_NOT_AVAILABLE = "remap pipeline not available yet"
 
 
 class TokenFileError(RuntimeError):
@@ -52,6 +68,12 @@ class ControlTarget(Protocol):
     def status(self) -> dict[str, Any]: ...
 
     async def drain_reboot(self, map_ref: str | None, timeout_s: float | None) -> dict[str, Any]: ...
+
+    async def request_remap(self, *, trigger: str, dry_run: bool = False, map_ref: str | None = None,
+                            reason: str = "", detail: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The one entry of every remap trigger; raises :class:`ControlError` (409 running, 429 cooldown or daily
+        cap, 400 bad map, 503 starting). Returns ``{"accepted", "remap_id", "state", "reason", "decision", ...}``."""
+        ...
 
 
 def read_token(path: Path, create: bool = False) -> str:
@@ -91,8 +113,12 @@ class ControlServer:
     """The control API, bound to a :class:`ControlTarget`. ``await start()`` / ``await stop()``."""
 
     def __init__(self, target: ControlTarget, token: str, *, host: str = "127.0.0.1", port: int = 0,
-                 unix_socket: Path | None = None, max_body_bytes: int = 64 * 1024) -> None:
+                 unix_socket: Path | None = None, max_body_bytes: int = 64 * 1024,
+                 remap_alerts: tuple[str, ...] | list[str] = DEFAULT_REMAP_ALERTS,
+                 alert_memory: AlertMemory | None = None) -> None:
         self.target = target
+        self.remap_alerts = tuple(remap_alerts)
+        self.alerts = alert_memory if alert_memory is not None else AlertMemory()
         self._token = token.encode()
         self.host, self.port, self.unix_socket = host, port, unix_socket
         self.max_body_bytes = max_body_bytes
@@ -188,5 +214,37 @@ class ControlServer:
         return _json(result, 200 if result.get("ok") else 500)
 
     async def _remap(self, request: web.Request) -> web.Response:
-        await self._body(request)
-        return _error(501, REMAP_NOT_AVAILABLE)
+        body = await self._body(request)
+        try:
+            if is_alertmanager_body(body):
+                return await self._alert(body)
+            req = parse_cli_body(body)
+        except WebhookError as exc:
+            log.warning("remap_request_refused", status=exc.status, error=str(exc))
+            raise ControlError(exc.status, str(exc)) from None
+        result = await self.target.request_remap(trigger=req.trigger, dry_run=req.dry_run, map_ref=req.map_ref,
+                                                 reason=req.reason or f"{req.trigger} request")
+        return _json(result, 202 if result.get("accepted") and not req.dry_run else 200)
+
+    async def _alert(self, body: dict[str, Any]) -> web.Response:
+        """An Alertmanager delivery: one remap for its new firing alerts, or an acknowledgement with no action."""
+        delivery = parse_alertmanager_body(body, self.remap_alerts)
+        plan = plan_delivery(delivery, self.alerts)
+        log.info("remap_webhook", receiver=delivery.receiver, status=delivery.status, new=len(plan.new),
+                 duplicates=len(plan.duplicates), resolved=len(plan.resolved))
+        if not plan.remap:
+            return _json({"accepted": False, "action": "none", "reason": plan.why_not, "alerts": plan.as_dict()})
+        keys = [a.key for a in plan.new]
+        self.alerts.remember(keys)  # before the await: a concurrent repeat is a duplicate, not a second remap
+        try:
+            result = await self.target.request_remap(
+                trigger="alert", reason=plan.reason(),
+                detail={"alerts": [a.as_dict() for a in plan.new], "receiver": delivery.receiver,
+                        "group_key": delivery.group_key})
+        except BaseException:
+            self.alerts.forget(keys)  # refused (cooldown, running): Alertmanager's next repeat may try again
+            raise
+        if not result.get("accepted"):
+            self.alerts.forget(keys)
+        return _json({**result, "action": "remap" if result.get("accepted") else "none",
+                      "alerts": plan.as_dict()}, 202 if result.get("accepted") else 200)

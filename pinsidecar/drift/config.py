@@ -37,6 +37,10 @@ class DriftConfig:
     """Thresholds of the drift watch (see the module docstring for units and where the defaults come from)."""
 
     enabled: bool = True
+    # false: the detector still watches, judges and exports every window (alert rules can act on the metrics), but
+    # never starts a remap itself; the other triggers (the Alertmanager webhook, `pinsidecar remap`, the systemd
+    # timer) still do, through the same cooldown and daily cap. For sites where Alertmanager decides.
+    auto_remap: bool = True
     # A window closes after this many routed tokens: ~15 demo requests; at the CPU demo's throughput a few seconds
     # to a minute. Below ~500 tokens the out-of-sample gain of a one-window map gets noisy (5 points at 256).
     window_tokens: int = field(default=1024, metadata={POSITIVE: True})

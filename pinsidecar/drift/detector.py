@@ -115,6 +115,8 @@ class DriftDetector:
         cfg = self.config
         if not cfg.enabled:
             return "drift remaps are off (drift.enabled = false)"
+        if not cfg.auto_remap:
+            return "automatic remaps are off (drift.auto_remap = false): alerts and operators remap"
         if self.remap_running:
             return "a remap is already running"
         if cfg.max_remaps_per_day == 0:

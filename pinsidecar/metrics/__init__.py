@@ -14,6 +14,8 @@ time (the engine's pid, container id and URL, the gate). One collector per modul
 - :mod:`~pinsidecar.metrics.gpu` — GPU memory (NVML, where it exists);
 - :mod:`~pinsidecar.metrics.daemon_state` — what the daemon reports: engine state, boots, the active map, remaps;
 - :mod:`~pinsidecar.metrics.gate` — the drain gate's counters;
+- :mod:`~pinsidecar.metrics.drift` — the drift watch: each signal beside its threshold, the detector's state, skew;
+- :mod:`~pinsidecar.metrics.remap` — remaps by outcome, their durations, the one running now;
 - :mod:`~pinsidecar.metrics.source` — the collector protocols and the per-source status behind
   ``pinsidecar_exporter_source_up`` (failure is local, logged once per change);
 - :mod:`~pinsidecar.metrics.exporter` — the facade: one registry, the HTTP server, render.
@@ -50,7 +52,32 @@ Names (all ``pinsidecar_``-prefixed, with units; dashboards and alert rules in `
 ``pinsidecar_map_info{hash,label}``                           the map the daemon activated
 ``pinsidecar_map_created_timestamp_seconds`` / ``_age_seconds``
 ``pinsidecar_map_predicted_cold_selection_ratio``             the map's own prediction (when known)
-``pinsidecar_remaps_total{outcome}``                          remap attempts by outcome
+``pinsidecar_remaps_total{outcome}``                          remaps by outcome (committed, rolled_back, refused,
+                                                              aborted, dry_run; all present from the start at 0)
+``pinsidecar_remap_duration_seconds``                         histogram of remap start-to-end seconds
+``pinsidecar_remap_last_end_timestamp_seconds``               when the last remap ended
+``pinsidecar_remap_running``                                  1 while a remap is in a non-terminal state
+``pinsidecar_remap_state{state,trigger}``                     the running remap's state
+``pinsidecar_remap_running_seconds``                          seconds since the running remap started
+``pinsidecar_drift_state{state}``                             the detector: steady, rising, drifted
+``pinsidecar_drift_exploitable_skew``                         1, or 0 for "no exploitable skew" (never trips)
+``pinsidecar_drift_cold_selection_ratio`` (+ ``_threshold``)  signal a: the last window's cold ratio; threshold =
+                                                              the map's prediction + drift.cold_rate_alert
+``pinsidecar_drift_cold_selection_excess_ratio``             signal a as live - predicted (+ ``_threshold``:
+                                                              drift.cold_rate_alert)
+``pinsidecar_drift_divergence{stat}``                         signal b over layers (max, mean; + ``_threshold``);
+                                                              per layer in
+                                                              ``pinsidecar_drift_layer_divergence{layer}``
+                                                              (only up to 128 layers)
+``pinsidecar_drift_projected_gain_ratio``                     signal c (decides), with ``_trip_threshold`` and
+                                                              ``_clear_threshold``
+``pinsidecar_drift_{active_map,candidate,uniform}_cold_...``  the cold ratios behind the gain
+``pinsidecar_drift_skew_gap_ratio`` (+ ``_threshold``)        uniform minus best reachable cold ratio
+``pinsidecar_drift_window_tokens`` (+ ``_threshold``)         the last window's tokens (threshold: min_tokens)
+``pinsidecar_drift_consecutive_windows`` (+ ``_threshold``)   windows in a row over the trip level
+``pinsidecar_drift_cooldown_remaining_seconds``               before the next remap may start
+``pinsidecar_drift_remaps_left_today``                        what the daily cap still allows (rolling 24 h)
+``pinsidecar_drift_windows_total``                            windows closed
 ``pinsidecar_gate_*``                                         the drain gate, when one is given
 ``pinsidecar_exporter_source_up{source}``                     1 when a configured source was read this scrape
 ``pinsidecar_process_*``                                      the daemon's own RSS and CPU (prometheus_client)
@@ -65,6 +92,7 @@ from pinsidecar.metrics.cgroup import (
     cgroup_v1_memory_path_for_pid,
 )
 from pinsidecar.metrics.daemon_state import BOOT_DURATION_BUCKETS_S, ENGINE_STATES, DaemonStateCollector
+from pinsidecar.metrics.drift import MAX_LAYER_SERIES, DriftCollector, DriftView
 from pinsidecar.metrics.engine import (
     ENGINE_SCRAPE_TIMEOUT_S,
     ENGINE_SERIES,
@@ -75,6 +103,7 @@ from pinsidecar.metrics.exporter import Exporter, Live
 from pinsidecar.metrics.gate import GateCollector, GateView
 from pinsidecar.metrics.gpu import GpuMemoryCollector, load_nvml
 from pinsidecar.metrics.host import HostMemoryCollector
+from pinsidecar.metrics.remap import REMAP_OUTCOMES, RemapCollector
 from pinsidecar.metrics.routing import RoutingCollector, RoutingTotals
 from pinsidecar.metrics.source import Collector, Source, SourceStatus
 
@@ -83,10 +112,14 @@ __all__ = [
     "ENGINE_SCRAPE_TIMEOUT_S",
     "ENGINE_SERIES",
     "ENGINE_STATES",
+    "MAX_LAYER_SERIES",
     "MEMORY_STAT_KEYS",
+    "REMAP_OUTCOMES",
     "CgroupMemoryCollector",
     "Collector",
     "DaemonStateCollector",
+    "DriftCollector",
+    "DriftView",
     "EngineMetricsCollector",
     "Exporter",
     "GateCollector",
@@ -94,6 +127,7 @@ __all__ = [
     "GpuMemoryCollector",
     "HostMemoryCollector",
     "Live",
+    "RemapCollector",
     "RoutingCollector",
     "RoutingTotals",
     "Source",

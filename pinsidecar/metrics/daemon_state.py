@@ -1,4 +1,4 @@
-"""What the daemon itself knows and tells the exporter: the engine's state, its boots, the active map, remaps.
+"""What the daemon itself knows and tells the exporter: the engine's state, its boots, the active map.
 
 These are not read from a source at scrape time: the supervisor reports them as they happen (through the
 exporter's ``on_state`` / ``on_boot`` / ``on_map``, its side of the supervisor's ``BootObserver`` protocol), and
@@ -63,8 +63,9 @@ def _fmt_bound(b: float) -> str:
 
 
 class DaemonStateCollector:
-    """Engine state, boots (by reason, cache misses, a duration histogram, the last one), the active map and
-    remaps by outcome. The setters validate their input and raise ``ValueError`` on nonsense."""
+    """Engine state, boots (by reason, cache misses, a duration histogram, the last one) and the active map (the
+    remaps are :class:`~pinsidecar.metrics.remap.RemapCollector`'s). The setters validate their input and raise
+    ``ValueError`` on nonsense."""
 
     def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
         self._wall_clock = wall_clock
@@ -77,7 +78,6 @@ class DaemonStateCollector:
         self.boot_sum = 0.0
         self.last_boot: _LastBoot | None = None
         self.map: _MapState | None = None
-        self.remaps: dict[str, int] = {}
 
     def set_state(self, state: str) -> None:
         if state not in ENGINE_STATES:
@@ -104,17 +104,11 @@ class DaemonStateCollector:
         with self._lock:
             self.map = _MapState(hash, label, created_at, _parse_utc(created_at), predicted_cold_ratio)
 
-    def record_remap(self, outcome: str) -> None:
-        if not outcome:
-            raise ValueError("remap outcome must be a non-empty string")
-        with self._lock:
-            self.remaps[outcome] = self.remaps.get(outcome, 0) + 1
-
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             state, boots, misses = self.state, dict(self.boots), self.cache_misses
             buckets, count, total = list(self.boot_buckets), self.boot_count, self.boot_sum
-            last, emap, remaps = self.last_boot, self.map, dict(self.remaps)
+            last, emap = self.last_boot, self.map
         states = GaugeMetricFamily("pinsidecar_engine_state", "1 for the engine's current state, 0 for the others.",
                                    labels=["state"])
         for s in ENGINE_STATES:
@@ -152,7 +146,3 @@ class DaemonStateCollector:
                 yield GaugeMetricFamily("pinsidecar_map_predicted_cold_selection_ratio",
                                         "The cold-selection ratio the active map predicted on its source counts.",
                                         value=emap.predicted_cold_ratio)
-        by_outcome = CounterMetricFamily("pinsidecar_remaps", "Remap attempts by outcome.", labels=["outcome"])
-        for outcome in sorted(remaps):
-            by_outcome.add_metric([outcome], remaps[outcome])
-        yield by_outcome

@@ -1,8 +1,9 @@
 """The exporter: every collector in one registry, the ``/metrics`` HTTP server, and the daemon's way in.
 
 Build one :class:`Exporter` with where its sources are (stats path, cgroup and ``/proc`` roots, NVML) and how to
-find the running engine: ``engine_pid``, ``engine_container_id``, ``engine_url`` and ``gate`` are each a value or
-a zero-argument callable that the collectors call at every scrape (None: not known now). The daemon passes
+find the running engine: ``engine_pid``, ``engine_container_id``, ``engine_url``, ``gate``, ``drift`` (the drift
+watch) and ``remap`` (the running remap's record) are each a value or a zero-argument callable that the collectors
+call at every scrape (None: not known now). The daemon passes
 callables that look at the engine its supervisor runs, so a restarted engine (a new pid, a new container, another
 URL) is followed without anyone calling the exporter. What only the daemon knows (the engine's state, boots, the
 map it activated) it reports through :meth:`Exporter.on_state`, :meth:`Exporter.on_boot` and
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
@@ -29,10 +30,12 @@ from prometheus_client.process_collector import ProcessCollector
 
 from pinsidecar.metrics.cgroup import CgroupMemoryCollector
 from pinsidecar.metrics.daemon_state import DaemonStateCollector
+from pinsidecar.metrics.drift import DriftCollector, DriftView
 from pinsidecar.metrics.engine import EngineMetricsCollector
 from pinsidecar.metrics.gate import GateCollector, GateView
 from pinsidecar.metrics.gpu import REAL_NVML, GpuMemoryCollector
 from pinsidecar.metrics.host import HostMemoryCollector
+from pinsidecar.metrics.remap import RemapCollector
 from pinsidecar.metrics.routing import RoutingCollector
 from pinsidecar.metrics.source import Collector, Source
 
@@ -93,18 +96,23 @@ class Exporter:
     """The sidecar's metrics (the names are listed in :mod:`pinsidecar.metrics`); see the module docstring.
 
     Usage: build it, :meth:`start_http` once, call :meth:`on_state` / :meth:`on_boot` / :meth:`on_map` /
-    :meth:`record_remap` as things happen, :meth:`stop` at the end. Everything else is read at scrape time.
+    :meth:`record_remap` as things happen, :meth:`stop` at the end. Everything else is read at scrape time:
+    the daemon passes ``drift=lambda: self.watch`` (None in count mode) and ``remap=`` a callable returning the
+    running remap's record dict (None when none runs).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, *, stats_path: Path | None = None,
                  engine_url: Live[str] = None, engine_pid: Live[int] = None, engine_container_id: Live[str] = None,
-                 gate: Live[GateView] = None, cgroup_root: Path = Path("/sys/fs/cgroup"),
+                 gate: Live[GateView] = None, drift: Live[DriftView] = None,
+                 remap: Live[Mapping[str, Any]] = None, cgroup_root: Path = Path("/sys/fs/cgroup"),
                  proc_root: Path = Path("/proc"), nvml: object | None = REAL_NVML,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  process_metrics: bool = True) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.daemon = DaemonStateCollector(wall_clock=wall_clock)
         self.gate = GateCollector(_live(gate))
+        self.drift = DriftCollector(_live(drift))
+        self.remaps = RemapCollector(_live(remap), wall_clock=wall_clock)
         self.engine = EngineMetricsCollector(_live(engine_url), clock=clock)
         self.routing = RoutingCollector(stats_path, wall_clock=wall_clock)
         self.cgroup = CgroupMemoryCollector(pid=_live(engine_pid), container_id=_live(engine_container_id),
@@ -112,7 +120,8 @@ class Exporter:
         self.host = HostMemoryCollector()
         self.gpu = GpuMemoryCollector(nvml)
         self.registry.register(_ExporterCollector(
-            [self.engine, self.routing, self.cgroup, self.host, self.gpu], [self.daemon, self.gate]))
+            [self.engine, self.routing, self.cgroup, self.host, self.gpu],
+            [self.daemon, self.gate, self.drift, self.remaps]))
         if process_metrics:
             # the daemon's own RSS and CPU (pinsidecar_process_*), for the idle-daemon budget
             ProcessCollector(namespace="pinsidecar", registry=self.registry)
@@ -133,8 +142,10 @@ class Exporter:
         self.daemon.set_map(emap.content_hash, emap.label, emap.created_at, emap.predicted_cold_rate)
 
     # -- what the remap pipeline reports
-    def record_remap(self, outcome: str) -> None:
-        self.daemon.record_remap(outcome)
+    def record_remap(self, outcome: str, seconds: float | None = None) -> None:
+        """A remap ended: ``outcome`` is one of :data:`~pinsidecar.metrics.remap.REMAP_OUTCOMES` (committed,
+        rolled_back, refused, aborted, dry_run); ``seconds`` from its start, when known."""
+        self.remaps.record(outcome, seconds)
 
     # -- serving
     def start_http(self, addr: str, port: int) -> None:

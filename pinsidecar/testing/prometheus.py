@@ -28,7 +28,7 @@ import httpx
 
 from pinsidecar.engine.ports import free_port
 
-__all__ = ["PORT_RANGE", "PrometheusServer", "free_port", "prometheus_binary"]
+__all__ = ["PORT_RANGE", "PrometheusServer", "free_port", "prometheus_binary", "rules_with_for"]
 
 # The ports Prometheus and its scrape targets take in these tests (``free_port(*PORT_RANGE)``): a fixed range
 # away from the engines' ports. ``free_port`` is :func:`pinsidecar.engine.ports.free_port`, re-exported here.
@@ -40,13 +40,35 @@ def prometheus_binary() -> str | None:
         "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
 
 
+def rules_with_for(src: Path, dest: Path, durations: dict[str, str]) -> Path:
+    """Write ``src`` (a Prometheus rule file) to ``dest`` with the ``for:`` of each alert named in ``durations``
+    replaced (e.g. ``{"PinsidecarDriftGain": "5s"}``); every expression and label stays as shipped. Raises
+    ``KeyError`` when an alert named there is not in the file (a renamed rule must fail the test, not skip it)."""
+    import yaml  # only tests derive rule files
+
+    doc = yaml.safe_load(Path(src).read_text())
+    seen = set()
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") in durations:
+                rule["for"] = durations[rule["alert"]]
+                seen.add(rule["alert"])
+    missing = sorted(set(durations) - seen)
+    if missing:
+        raise KeyError(f"{src}: no alert rule named {', '.join(missing)}")
+    dest.write_text(json.dumps(doc, indent=1))
+    return dest
+
+
 class PrometheusServer:
     """A throw-away Prometheus scraping ``targets`` every ``scrape_interval_s``; see the module docstring."""
 
     def __init__(self, targets: Sequence[str], *, rule_files: Sequence[Path] = (), port: int | None = None,
-                 scrape_interval_s: float = 1.0, job: str = "pinsidecar", binary: str | None = None) -> None:
+                 scrape_interval_s: float = 1.0, job: str = "pinsidecar", binary: str | None = None,
+                 alertmanagers: Sequence[str] = ()) -> None:
         self.targets = list(targets)
         self.rule_files = [Path(p).resolve() for p in rule_files]
+        self.alertmanagers = list(alertmanagers)
         self.port = port
         self.scrape_interval_s = scrape_interval_s
         self.job = job
@@ -70,6 +92,8 @@ class PrometheusServer:
             "rule_files": [str(p) for p in self.rule_files],
             "scrape_configs": [{"job_name": self.job, "static_configs": [{"targets": self.targets}]}],
         }
+        if self.alertmanagers:
+            cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": self.alertmanagers}]}]}
         return json.dumps(cfg, indent=1)  # JSON is YAML
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -137,6 +161,15 @@ class PrometheusServer:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """Instant query; the result vector (``[{"metric": {...}, "value": [t, "v"]}, ...]``)."""
         return self.api("query", query=expr)["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> list[dict[str, Any]]:
+        """Range query (Unix seconds); the result matrix (``[{"metric": {...}, "values": [[t, "v"], ...]}]``)."""
+        return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}",
+                        step=f"{step_s:g}s")["result"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The alerts the rule manager holds now, pending or firing (``/api/v1/alerts``)."""
+        return self.api("alerts")["alerts"]
 
     def targets_health(self) -> list[tuple[str, str, str]]:
         """(scrape URL, health, last error) per active target."""
