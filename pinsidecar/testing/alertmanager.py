@@ -14,20 +14,14 @@ so a test of the chain tests the file an operator installs::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 
-from pinsidecar.engine.ports import free_port
-from pinsidecar.testing.prometheus import PORT_RANGE
+from pinsidecar.testing._loopback_server import LoopbackServer
 
 __all__ = ["REMAP_RECEIVER", "AlertmanagerServer", "alertmanager_binary", "example_config"]
 
@@ -67,80 +61,25 @@ def example_config(path: Path, *, webhook_url: str, token_file: Path, group_wait
     return cfg
 
 
-class AlertmanagerServer:
+class AlertmanagerServer(LoopbackServer):
     """A throw-away Alertmanager with ``config`` (a dict, written as JSON, which is YAML)."""
 
+    name = "alertmanager"
+    install_hint = "apt-get install -y prometheus-alertmanager"
+
     def __init__(self, config: dict[str, Any], *, port: int | None = None, binary: str | None = None) -> None:
+        super().__init__(port=port, binary=binary or alertmanager_binary())
         self.config = config
-        self.port = port
-        self.binary = binary or alertmanager_binary()
-        self._dir: Path | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def address(self) -> str:
-        """host:port, what Prometheus' ``alerting.alertmanagers`` static config takes."""
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        assert self._dir is not None
-        return self._dir / "alertmanager.log"
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        if self.binary is None:
-            raise FileNotFoundError("alertmanager binary not found; apt-get install -y prometheus-alertmanager")
-        self._dir = Path(tempfile.mkdtemp(prefix="pinsidecar-am-"))
-        if self.port is None:
-            self.port = free_port(*PORT_RANGE)
-        cfg = self._dir / "alertmanager.yml"
+    def write_config(self, directory: Path) -> Path:
+        cfg = directory / "alertmanager.yml"
         cfg.write_text(json.dumps(self.config, indent=1))
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                [self.binary, f"--config.file={cfg}", f"--storage.path={self._dir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=info"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"alertmanager exited with {self._proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"alertmanager not ready within {timeout_s} s")
+        return cfg
 
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except (OSError, AssertionError):
-            return ""
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-            self._proc = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __enter__(self) -> AlertmanagerServer:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
+    def argv(self, config: Path, directory: Path) -> list[str]:
+        assert self.binary is not None
+        return [self.binary, f"--config.file={config}", f"--storage.path={directory / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=info"]
 
     # ------------------------------------------------------------------------------------------------ API
     def alerts(self, **filters: str) -> list[dict[str, Any]]:

@@ -13,26 +13,22 @@ and stops it (and removes its files) on exit. Use it as a context manager from a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 
 from pinsidecar.engine.ports import free_port
+from pinsidecar.testing._loopback_server import PORT_RANGE, LoopbackServer
 
 __all__ = ["PORT_RANGE", "PrometheusServer", "free_port", "prometheus_binary", "rules_with_for"]
 
-# The ports Prometheus and its scrape targets take in these tests (``free_port(*PORT_RANGE)``): a fixed range
-# away from the engines' ports. ``free_port`` is :func:`pinsidecar.engine.ports.free_port`, re-exported here.
-PORT_RANGE = (8300, 8349)
+# ``free_port`` is :func:`pinsidecar.engine.ports.free_port` and ``PORT_RANGE`` the tests' server port range,
+# re-exported here for the tests that import them from this module.
 
 
 def prometheus_binary() -> str | None:
@@ -60,30 +56,21 @@ def rules_with_for(src: Path, dest: Path, durations: dict[str, str]) -> Path:
     return dest
 
 
-class PrometheusServer:
+class PrometheusServer(LoopbackServer):
     """A throw-away Prometheus scraping ``targets`` every ``scrape_interval_s``; see the module docstring."""
+
+    name = "prometheus"
+    install_hint = "apt-get install -y prometheus"
 
     def __init__(self, targets: Sequence[str], *, rule_files: Sequence[Path] = (), port: int | None = None,
                  scrape_interval_s: float = 1.0, job: str = "pinsidecar", binary: str | None = None,
                  alertmanagers: Sequence[str] = ()) -> None:
+        super().__init__(port=port, binary=binary or prometheus_binary())
         self.targets = list(targets)
         self.rule_files = [Path(p).resolve() for p in rule_files]
         self.alertmanagers = list(alertmanagers)
-        self.port = port
         self.scrape_interval_s = scrape_interval_s
         self.job = job
-        self.binary = binary or prometheus_binary()
-        self._dir: Path | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        assert self._dir is not None
-        return self._dir / "prometheus.log"
 
     def config_text(self) -> str:
         iv = f"{self.scrape_interval_s:g}s"
@@ -96,58 +83,16 @@ class PrometheusServer:
             cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": self.alertmanagers}]}]}
         return json.dumps(cfg, indent=1)  # JSON is YAML
 
-    def start(self, timeout_s: float = 30.0) -> None:
-        if self.binary is None:
-            raise FileNotFoundError("prometheus binary not found; apt-get install -y prometheus")
-        self._dir = Path(tempfile.mkdtemp(prefix="pinsidecar-prom-"))
-        if self.port is None:
-            self.port = free_port(*PORT_RANGE)
-        config = self._dir / "prometheus.yml"
+    def write_config(self, directory: Path) -> Path:
+        config = directory / "prometheus.yml"
         config.write_text(self.config_text())
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                [self.binary, f"--config.file={config}", f"--storage.tsdb.path={self._dir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
-                 "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self._proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"prometheus not ready within {timeout_s} s")
+        return config
 
-    def log_tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-            self._proc = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __enter__(self) -> PrometheusServer:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
+    def argv(self, config: Path, directory: Path) -> list[str]:
+        assert self.binary is not None
+        return [self.binary, f"--config.file={config}", f"--storage.tsdb.path={directory / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
+                "--log.level=warn"]
 
     # ------------------------------------------------------------------------------------------------ API
     def api(self, path: str, **params: str) -> Any:
