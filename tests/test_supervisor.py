@@ -33,6 +33,7 @@ from pinsidecar.daemon.supervisor import (
 from pinsidecar.engine import EngineProcess, EngineSpec, Launcher
 from pinsidecar.metrics import Exporter
 from pinsidecar.testing.artifacts import make_map, write_map
+from pinsidecar.testing.remap import InstantEngine
 
 PORT = 8270
 
@@ -174,41 +175,6 @@ def _no_stray_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the exporter
-
-
-class InstantEngine:
-    """A :class:`~pinsidecar.engine.Launcher` whose "engine" is this test process, ready at once."""
-
-    def __init__(self, spec: EngineSpec) -> None:
-        self.spec = spec
-        self.running = False
-
-    @property
-    def pid(self) -> int | None:
-        return os.getpid() if self.running else None
-
-    @property
-    def base_url(self) -> str:
-        return self.spec.base_url
-
-    def start(self) -> None:
-        self.running = True
-
-    def wait_ready(self, timeout_s: float = 300.0) -> float:
-        return 0.0
-
-    def alive(self) -> bool:
-        return self.running
-
-    def health(self) -> bool:
-        return self.running
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        self.running = False
-        return 0
-
-    def last_log_lines(self, n: int = 40) -> list[str]:
-        return []
 
 
 def _render(exporter: Exporter) -> str:

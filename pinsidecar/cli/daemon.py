@@ -34,6 +34,19 @@ def _load(config_path: Path | None, overrides: dict[str, Any] | None = None, che
         raise UserError(str(exc)) from None
 
 
+def _control_token(cfg: Any) -> str:
+    """The bearer token mutating control calls need, read from ``control.token_file`` (a user error if not)."""
+    from pinsidecar.daemon.control import TokenFileError, read_token
+
+    try:
+        return read_token(cfg.control.token_file)
+    except TokenFileError as exc:
+        raise UserError(str(exc)) from None
+    except PermissionError:
+        raise UserError(f"cannot read control.token_file {cfg.control.token_file}",
+                        "run as the daemon's user or root") from None
+
+
 def _client(cfg: Any, timeout: float) -> httpx.Client:
     c = cfg.control
     if c.unix_socket is not None:
@@ -209,16 +222,8 @@ def register(main: click.Group) -> None:
     def drain_reboot_cmd(config_path: Path | None, map_ref: str | None, timeout_s: float | None,
                          as_json: bool) -> None:
         """Hold new requests, drain in-flight ones, reboot the engine (optionally with a new map), release."""
-        from pinsidecar.daemon.control import TokenFileError, read_token
-
         cfg = _load(config_path, check_paths=False)
-        try:
-            token = read_token(cfg.control.token_file)
-        except TokenFileError as exc:
-            raise UserError(str(exc)) from None
-        except PermissionError:
-            raise UserError(f"cannot read control.token_file {cfg.control.token_file}",
-                            "run as the daemon's user or root") from None
+        token = _control_token(cfg)
         body: dict[str, Any] = {}
         if map_ref:
             p = Path(map_ref)

@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
-from pinsidecar.cli.daemon import _load, _request, config_option
+from pinsidecar.cli.daemon import _control_token, _load, _request, config_option
 
 __all__ = ["EXIT_REFUSED", "register"]
 
@@ -123,16 +123,8 @@ def register(main: click.Group) -> None:
     def remap_cmd(config_path: Path | None, dry_run: bool, map_ref: str | None, reason: str, trigger: str,
                   wait_s: float | None, as_json: bool) -> None:
         """Ask the running daemon for a remap, through the same cooldown and daily cap as every trigger."""
-        from pinsidecar.daemon.control import TokenFileError, read_token
-
         cfg = _load(config_path, check_paths=False)
-        try:
-            token = read_token(cfg.control.token_file)
-        except TokenFileError as exc:
-            raise UserError(str(exc)) from None
-        except PermissionError:
-            raise UserError(f"cannot read control.token_file {cfg.control.token_file}",
-                            "run as the daemon's user or root") from None
+        token = _control_token(cfg)
         body: dict[str, Any] = {"dry_run": dry_run, "reason": reason, "trigger": trigger}
         if map_ref:
             p = Path(map_ref)
