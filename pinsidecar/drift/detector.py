@@ -180,9 +180,7 @@ class DriftDetector:
                 self.state = "steady"
                 why_not = f"gain {_pts(gain)} < trip level {_pts(level)}"
         if trip:
-            self.remap_running = True
-            self.last_trip_at = now
-            self._remap_starts.append(now)
+            self.remap_started(now)
             log.info("drift_trip", window=window.index, gain=gain, streak=self.streak)
         return WindowRecord(
             index=window.index, window=window.summary(), signals=signals, judged=judged, state=self.state,
@@ -190,6 +188,20 @@ class DriftDetector:
             cooldown_left_s=self.cooldown_left(now), remaps_last_day=self.remaps_last_day(now),
             extra=dict(extra or {}),
         )
+
+    def remap_started(self, now: float | None = None) -> None:
+        """A remap begins now (this detector's trip, or another trigger through the same gate): it counts against
+        the cooldown and the daily cap, and no trip happens while it runs."""
+        now = self.clock() if now is None else now
+        self.remap_running = True
+        self.last_trip_at = now
+        self._remap_starts.append(now)
+
+    def count_past_remap(self, started: float) -> None:
+        """A remap that started at ``started`` (this clock) before a restart still counts against the cooldown and
+        the cap."""
+        self._remap_starts.append(started)
+        self.last_trip_at = started if self.last_trip_at is None else max(self.last_trip_at, started)
 
     def remap_finished(self, deployed: bool, now: float | None = None) -> None:
         """The remap the last trip started has ended. A deployed map starts a fresh steady state; a refused or

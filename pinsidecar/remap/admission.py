@@ -39,12 +39,8 @@ def blocked(detector: DriftDetector, now: float | None = None) -> str | None:
 
 def note_started(detector: DriftDetector, now: float | None = None) -> None:
     """A remap not started by the detector begins now: count it against the cooldown and the cap, and keep the
-    detector from tripping while it runs (as its own trip does). The detector has no public call for this; its
-    trip path sets the same three fields."""
-    now = detector.clock() if now is None else now
-    detector.remap_running = True
-    detector.last_trip_at = now
-    detector._remap_starts.append(now)
+    detector from tripping while it runs (as its own trip does)."""
+    detector.remap_started(now)
 
 
 def _epoch(stamp: str) -> float | None:
@@ -67,6 +63,5 @@ def seed_from_history(detector: DriftDetector, records: Iterable[RemapRecord], *
             continue
         starts.append(now - (wall_now - started))
     for t in sorted(starts):
-        detector._remap_starts.append(t)
-        detector.last_trip_at = t if detector.last_trip_at is None else max(detector.last_trip_at, t)
+        detector.count_past_remap(t)
     return len(starts)
