@@ -45,6 +45,7 @@ from pinsidecar.daemon.webhook import (
     parse_cli_body,
     plan_delivery,
 )
+from pinsidecar.errors import ControlError
 
 __all__ = ["ControlError", "ControlServer", "ControlTarget", "TokenFileError", "read_token"]
 
@@ -53,15 +54,6 @@ log = structlog.get_logger(__name__)
 
 class TokenFileError(RuntimeError):
     """The token file is missing, empty or readable by others: the daemon refuses to start."""
-
-
-class ControlError(Exception):
-    """Raised by a :class:`ControlTarget` to answer with ``status`` and ``message``."""
-
-    def __init__(self, status: int, message: str, payload: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.payload = payload or {}
 
 
 class ControlTarget(Protocol):

@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, load_map
 
-from pinsidecar.daemon.control import ControlError
+import pinsidecar.remap.admission as admission
 from pinsidecar.drift import Decision, DriftWatch, Window, build_candidate, decide, pick_from_library
 from pinsidecar.engine.process import stop_recorded_engine
+from pinsidecar.errors import ControlError
 from pinsidecar.placement.counts import sum_counts
-from pinsidecar.remap import admission
 from pinsidecar.remap.candidates import find_by_label, library_maps, reference_counts, save_candidate
 from pinsidecar.remap.config import resolve_workloads
 from pinsidecar.remap.record import TRIGGERS, RecordStore, RemapRecord
