@@ -1,5 +1,6 @@
 """The operator's terminal: ``--json`` prints one JSON document on stdout and nothing else; no ``HTTP Request:`` line
-reaches either stream; logs are JSON for the journal and quiet for a person; the demo's closing table.
+reaches either stream; logs are JSON for the journal and quiet for a person; the terminal's step lines (the demo's
+closing output and its wiring are tested in ``test_demo_loop.py``).
 
 The CLI cases run the installed ``pinsidecar`` console script as a real process against a real control server,
 because a command that makes HTTP requests is what printed one httpx line per request.
@@ -24,7 +25,6 @@ import structlog
 
 from pinsidecar import log
 from pinsidecar.cli._terminal import Terminal
-from pinsidecar.cli.demo import format_summary
 from pinsidecar.daemon.control import ControlServer
 
 PINSIDECAR = str(Path(sys.executable).with_name("pinsidecar"))
@@ -176,45 +176,3 @@ def test_terminal_prints_steps_and_notes(capsys: pytest.CaptureFixture[str]) -> 
     with term.waiting("booting", until=lambda: True):
         pass
     assert capsys.readouterr().out == "==> counts: 3 count boots\n    code_train: reusing x.json\n"
-
-
-def test_demo_ends_with_the_table() -> None:
-    summary = {"map_label": "code", "hot_rows": 48, "cold_rows": 16,
-               "cold_rate": {"code_heldout": {"usage": 0.021, "positional": 0.25},
-                             "prose_heldout": {"usage": 0.12, "positional": 0.25}},
-               "pin": {"traffic": "code_heldout", "live_cold_rate": 0.021, "matches_offline_eval": True}}
-    text = format_summary(summary)
-    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.endswith("%")}
-    assert rows == {"code_heldout": ["2.10%", "25.00%"], "prose_heldout": ["12.00%", "25.00%"]}
-    assert "usage map (code)" in text and "pin mode, live on code_heldout: 2.10% (equals" in text
-
-
-def test_demo_command_prints_steps_then_the_table_or_json_alone(monkeypatch: pytest.MonkeyPatch,
-                                                                tmp_path: Path) -> None:
-    """The demo command's wiring, with the loop faked (the real one boots vLLM four times: test_demo_loop.py)."""
-    from click.testing import CliRunner
-
-    from pinsidecar.cli import main
-    from pinsidecar.demo import loop
-
-    summary = {"map_label": "code", "hot_rows": 48, "cold_rows": 16,
-               "cold_rate": {"code_heldout": {"usage": 0.02, "positional": 0.25}},
-               "pin": {"traffic": "code_heldout", "live_cold_rate": 0.02, "matches_offline_eval": True}}
-
-    def fake_run_demo(opts: loop.DemoOptions, display: loop.Display) -> dict[str, Any]:
-        display.step("counts: 3 count boots")
-        with display.engine_boot("http://127.0.0.1:1"):
-            display.note("code_train: 40 requests")
-        structlog.get_logger("pinsidecar.demo.loop").info("demo_step", step="counts")  # below a person's level
-        return summary
-
-    monkeypatch.setattr(loop, "run_demo", fake_run_demo)
-    human = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path)])
-    assert human.exit_code == 0, human.output
-    lines = human.stdout.splitlines()
-    assert lines[:2] == ["==> counts: 3 count boots", "    code_train: 40 requests"]
-    assert lines[-1].startswith("pin mode, live on code_heldout") and "code_heldout" in lines[-3]
-    assert "demo_step" not in human.stderr
-    as_json = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path), "--json"])
-    assert as_json.exit_code == 0 and _one_json_document(as_json.stdout) == summary
-    assert as_json.stderr == ""

@@ -1,69 +1,102 @@
-"""``pinsidecar demo``: the demo loop on vLLM CPU with the tiny local MoE model (see :mod:`pinsidecar.demo`).
+"""``pinsidecar demo``: the whole loop on vLLM CPU with the tiny local MoE model (see :mod:`pinsidecar.demo.loop`).
 
-On a terminal it prints one line per step, a spinner while an engine boots and a bar while a replay runs, then the
-table of cold-selection rates. With ``--json`` stdout carries the summary document alone.
+On a terminal it prints one line per step and the events of the loop as they happen (windows closing, the drift
+trip, each remap state), a spinner on stderr while it waits, and ends with the timeline and the figures. With
+``--json`` stdout carries the summary document alone. It exits 1 when the loop does not complete or the figure
+misses (the cold rate after the remap must be at most half the rate at the trip), after printing the figures,
+and 130 on Ctrl-C; either way the daemon and its engines are stopped first.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from pinsidecar.cli._common import UserError, emit, fail, handle_errors, json_option
-from pinsidecar.cli._terminal import Terminal
+from pinsidecar.cli._common import emit, handle_errors, json_option
+from pinsidecar.cli._terminal import Terminal, format_elapsed
 
 __all__ = ["format_summary", "register"]
 
 
-def _pct(x: float) -> str:
-    return f"{x:.2%}"
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The table the demo ends with: cold-selection rate of the usage map and of the positional baseline."""
-    from pinsidecar.cli.maps import format_table
-
-    label = summary.get("map_label") or "usage"
-    rows = [[traffic, _pct(row["usage"]), _pct(row["positional"])] for traffic, row in summary["cold_rate"].items()]
-    pin = summary["pin"]
-    check = "equals" if pin["matches_offline_eval"] else "DIFFERS FROM"
-    return "\n".join([
-        "",
-        "cold-selection rate: the share of expert selections that land on experts in host memory (lower is better)",
-        f"{summary['hot_rows']} hot / {summary['cold_rows']} cold experts per layer in both placements",
-        "",
-        format_table(["held-out traffic", f"usage map ({label})", "positional (--cpu-offload-gb)"], rows),
-        "",
-        f"pin mode, live on {pin.get('traffic', 'held-out traffic')}: {_pct(pin['live_cold_rate'])} "
-        f"({check} the offline evaluation)",
-    ])
+    """The timeline (m:ss per stage) and the figures the demo ends with."""
+    stages = summary.get("timeline", [])
+    width = max([len(s["label"]) for s in stages] + [5])
+    lines = ["", f"timeline (m:ss from the start; {format_elapsed(summary.get('seconds', 0))} in all)",
+             f"  {'start':>7}  {'stage':<{width}}  {'took':>7}"]
+    lines += [f"  {format_elapsed(s['start_s']):>7}  {s['label']:<{width}}  {format_elapsed(s['seconds']):>7}"
+              for s in stages]
+    lines.append("")
+    a, b = (summary.get("domains") or {}).get("a", "A"), (summary.get("domains") or {}).get("b", "B")
+    c = summary.get("cold_rate") or {}
+    lines.append("figures (cold rate: the share of expert selections that land on experts in host memory)")
+    if c:
+        ratio = "n/a" if c.get("ratio") is None else f"{c['ratio']:.2f}x"
+        verdict = "ok" if c.get("ok") else "MISSED"
+        lines += [
+            f"  {b} under the {a} map at the trip: {_pct(c.get('at_trip'))}; after the remap: {_pct(c.get('after'))} "
+            f"(predicted {_pct(c.get('predicted'))}): {ratio}, the figure needs <= {c.get('required_ratio', 0.5):.2f}x "
+            f"-> {verdict}",
+            f"  held-out {a} under the {a} map: {_pct(c.get('domain_a'))}; positional offload of the same budget: "
+            f"{_pct(c.get('positional_domain_a'))}",
+        ]
+    r = summary.get("remap") or {}
+    if r:
+        rb, par = r.get("reboot") or {}, r.get("parity") or {}
+        hit = "hash hit" if rb.get("hash_hit") else "NOT a hash hit"
+        miss = "cache MISS" if rb.get("cache_miss") else "no cache miss"
+        lines.append(f"  remap {r.get('id')}: {r.get('outcome')}; reboot {hit}, {miss}, gate held "
+                     f"{rb.get('hold_s') or 0:.1f} s; parity {'ok' if par.get('ok') else 'FAILED'}")
+    q = summary.get("requests") or {}
+    if q:
+        lines.append(f"  requests through the gate: {q.get('sent')} sent, {q.get('completed')} completed, "
+                     f"{q.get('failed')} failed")
+    if summary.get("metrics_url"):
+        lines.append(f"  metrics were live at {summary['metrics_url']}; summary {summary['workdir']}/demo-summary.json")
+    return "\n".join(lines)
 
 
 @click.command("demo")
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path("demo"), show_default=True,
-              help="Folder for the model, counts, maps and the summary.")
-@click.option("--hot-rows", type=int, default=None, help="Hot experts per layer (default: 48 of 64).")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port for the engines the demo starts.")
-@click.option("--fresh", is_flag=True, help="Rebuild the model and redo every count boot.")
+@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=Path("demo"),
+              show_default=True, help="Folder for the model, the counts, and the daemon's files (run/).")
+@click.option("--hot-rows", type=click.IntRange(min=1), default=None, help="Hot experts per layer (default: 48 of 64).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+              help="The serving engine's port (the count engine takes port + 100).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=9108, show_default=True,
+              help="The metrics exporter's port. A taken port is replaced by a free one (printed).")
+@click.option("--clients", type=click.IntRange(1, 16), default=3, show_default=True,
+              help="Concurrent clients sending traffic through the gate.")
+@click.option("--fresh", is_flag=True, help="Rebuild the model and redo the first count boot.")
 @json_option
 @handle_errors
-def demo_cmd(workdir: Path, hot_rows: int | None, port: int, fresh: bool, as_json: bool) -> None:
-    """Run the demo loop: demo model -> count boots -> usage map vs positional baseline -> evaluation -> pin."""
+def demo_cmd(workdir: Path, hot_rows: int | None, port: int, metrics_port: int, clients: int, fresh: bool,
+             as_json: bool) -> None:
+    """Run the whole loop: a count boot and a usage map, the daemon serving it, traffic that shifts domain, the
+    drift trip, the remap (count boot, new map, hash-hit reboot, verification) and the cold rate back down."""
     from pinsidecar.demo import loop as demo
-    from pinsidecar.runs import count_boot as profile
 
-    opts = demo.DemoOptions(workdir=workdir, port=port, rebuild_model=fresh, reuse_counts=not fresh)
+    opts = demo.DemoOptions(workdir=workdir, port=port, metrics_port=metrics_port, clients=clients,
+                            rebuild_model=fresh, reuse_counts=not fresh)
     if hot_rows is not None:
         opts.hot_rows = hot_rows
     try:
         summary = demo.run_demo(opts, Terminal.silent() if as_json else Terminal())
-    except profile.USER_ERRORS as exc:
-        raise UserError(str(exc)) from None
-    except (*profile.RUN_ERRORS, RuntimeError, TimeoutError) as exc:
-        fail(str(exc), code=1)
-        return
+    except demo.DemoFailed as exc:
+        if exc.summary.get("timeline"):
+            emit(exc.summary, as_json, format_summary)
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: the daemon and its engines are stopped; logs and state are under "
+                   f"{workdir.absolute() / 'run'}", err=True)
+        sys.exit(130)
     emit(summary, as_json, format_summary)
 
 

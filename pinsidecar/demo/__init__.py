@@ -2,5 +2,7 @@
 
 - :mod:`~pinsidecar.demo.model` — build the model (random weights shaped so that two traffic domains prefer
   distinct expert sets) and find the shipped fixtures;
-- :mod:`~pinsidecar.demo.loop` — ``pinsidecar demo``: count boot, maps, evaluation, pin-mode replay.
+- :mod:`~pinsidecar.demo.loop` — ``pinsidecar demo``: the whole loop, from a count boot to a committed remap;
+- :mod:`~pinsidecar.demo.sidecar` — the demo's daemon: its config, ``pinsidecar run`` as a child, its clean stop;
+- :mod:`~pinsidecar.demo.clients` — clients sending one traffic domain at a time through the gate.
 """

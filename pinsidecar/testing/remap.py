@@ -12,7 +12,7 @@ models; booting vLLM for each of them would make every case a minute. These stan
   whose parity answers a fixed greedy output (or a different one, to fail parity), and whose cold-rate probe is the
   real one or a fixed figure.
 
-The real engine end to end is in ``tests/test_remap_e2e.py``.
+The real engine end to end is in ``tests/test_demo_loop.py`` (``pinsidecar demo``, the whole loop).
 """
 
 from __future__ import annotations

@@ -1,0 +1,114 @@
+"""The demo's clients: a few threads sending completions through the sidecar's gate, one traffic domain at a time.
+
+The demo shows the loop under load, the way a service sees it: clients talk to the gate (never to the engine),
+keep sending while the drift watch trips, while a second engine counts, and while the gate holds them through the
+drain and the reboot. Every request is counted as sent, completed or failed, so the demo can say at the end how
+many requests the remap cost (none is the point: the gate holds, it does not refuse).
+
+:meth:`GateClients.switch` changes the traffic domain for every client at once (the demo's "shift"); requests in
+flight finish as they were sent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+__all__ = ["ClientCounts", "GateClients"]
+
+# Errors kept for the summary (the first ones; the counts hold them all).
+KEEP_ERRORS = 20
+
+
+@dataclass
+class ClientCounts:
+    """What the clients did so far."""
+
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    by_domain: dict[str, int] = field(default_factory=dict)  # completed requests per domain
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sent": self.sent, "completed": self.completed, "failed": self.failed,
+                "in_flight": self.sent - self.completed - self.failed, "errors": list(self.errors),
+                "completed_by_domain": dict(self.by_domain)}
+
+
+class GateClients:
+    """``clients`` threads posting ``/v1/completions`` to ``gate_url`` in a loop until :meth:`stop`.
+
+    ``timeout_s`` must be longer than the gate may hold a request (``gate.max_hold_s``): a request held through a
+    reboot is slow, not failed.
+    """
+
+    def __init__(self, gate_url: str, model: str, *, clients: int, timeout_s: float) -> None:
+        if clients < 1:
+            raise ValueError(f"clients must be >= 1, got {clients}")
+        self.url = f"{gate_url.rstrip('/')}/v1/completions"
+        self.model = model
+        self.timeout_s = timeout_s
+        self.counts = ClientCounts()
+        self.domain = ""
+        self._prompts: list[dict[str, Any]] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name=f"demo-client-{i}", daemon=True)
+                         for i in range(clients)]
+        self._started = False
+
+    def switch(self, domain: str, prompts: Sequence[dict[str, Any]]) -> None:
+        """Send ``prompts`` (cycled, in order) from now on; starts the clients on the first call."""
+        if not prompts:
+            raise ValueError(f"no prompts for domain {domain!r}")
+        with self._lock:
+            self.domain, self._prompts, self._next = domain, list(prompts), 0
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
+
+    def snapshot(self) -> ClientCounts:
+        with self._lock:
+            c = self.counts
+            return ClientCounts(c.sent, c.completed, c.failed, list(c.errors), dict(c.by_domain))
+
+    def _take(self) -> tuple[str, dict[str, Any]]:
+        with self._lock:
+            prompt = self._prompts[self._next % len(self._prompts)]
+            self._next += 1
+            self.counts.sent += 1
+            return self.domain, prompt
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=self.timeout_s) as client:
+            while not self._stop.is_set():
+                domain, prompt = self._take()
+                body = {**prompt, "model": self.model, "temperature": 0.0}
+                try:
+                    r = client.post(self.url, json=body)
+                    error = "" if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                with self._lock:
+                    if error:
+                        self.counts.failed += 1
+                        if len(self.counts.errors) < KEEP_ERRORS:
+                            self.counts.errors.append(error)
+                    else:
+                        self.counts.completed += 1
+                        self.counts.by_domain[domain] = self.counts.by_domain.get(domain, 0) + 1
+
+    def stop(self, timeout_s: float | None = None) -> ClientCounts:
+        """Stop sending; wait (up to ``timeout_s``, default the request timeout) for requests in flight."""
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(self.timeout_s if timeout_s is None else timeout_s)
+        return self.snapshot()
