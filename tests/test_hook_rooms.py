@@ -25,7 +25,7 @@ ALLOWED = {
     "flusher": {"contract"},
     "rehome": {"vllm_seam"},
     "backends": {"vllm_seam", "contract", "kernels"},
-    "count": {"vllm_seam", "contract", "flusher"},
+    "count": {"vllm_seam", "contract", "flusher", "kernels"},  # kernels: the GPU count is one partition launch
     "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends"},
     "modes": {"vllm_seam", "contract", "count", "pin"},
     "plugin": {"contract", "modes"},

@@ -27,10 +27,14 @@ different tokens and are not supported by count mode yet: :func:`attach` refuses
 
 :func:`on_engine_ready` zeroes the counters after warm-up and profile forwards, so only real traffic counts.
 
-Padding: the callback counts every row the router sees. On the CPU (eager and compiled) that is exactly the
-scheduled tokens (tested: selections == layers x tokens x top_k). On a GPU with CUDA graphs, vLLM pads a batch up
-to a captured size and the padded rows are routed too, so they would be counted; the count boot therefore runs
-with ``enforce_eager`` by default (``pinsidecar profile``), where nothing is padded.
+Padding: with CUDA graphs on, vLLM pads a batch up to a captured size and the router sees the padded rows too. The
+callback counts only the real ones (on a GPU in one launch of the partition kernel,
+:func:`pinsidecar_hook.kernels.partition.partition_triton`, with an identity map): it masks ``row < real`` against
+the worker's real-token scalar
+(:func:`pinsidecar_hook.vllm_seam.real_token_count`), which the ``execute_model`` wrapper refills from the scheduler
+output before every step, and adds that count (not the padded row count) to ``tokens``. Both are device ops, so a
+captured graph replays them with the current step's value. Counts are exact with CUDA graphs on (checked on the
+H200 with vLLM 0.26: selections == layers x tokens x top_k) and on the CPU (no padding there).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.contract import CountsArtifact, ModelInfo, utc_now
 from pinsidecar_hook.contract.env import HookConfig, HookConfigError
 from pinsidecar_hook.flusher import Flusher, WriteInfo
+from pinsidecar_hook.kernels.partition import partition_triton, triton_available
 
 __all__ = ["CountState", "attach", "current", "on_engine_ready", "step_guard"]
 
@@ -65,7 +70,8 @@ class CountState:
     """
 
     def __init__(self, layer_ids: list[int], cfg: HookConfig, num_experts: int, top_k: int, device: torch.device,
-                 writer: bool, meta: dict[str, Any], model_info: ModelInfo) -> None:
+                 writer: bool, meta: dict[str, Any], model_info: ModelInfo,
+                 real_tokens: torch.Tensor | None = None) -> None:
         self.cfg = cfg
         self.layer_ids = list(layer_ids)
         self.num_experts = num_experts
@@ -78,6 +84,15 @@ class CountState:
         # captured tensors, never views of a shared one (no aliasing for Dynamo/functionalization to untangle).
         self.counts = [torch.zeros((num_experts,), dtype=torch.int64, device=device) for _ in layer_ids]
         self.tokens = [torch.zeros((1,), dtype=torch.int64, device=device) for _ in layer_ids]
+        # int64 [1]: the current step's real (unpadded) token count; None counts every row the router sees.
+        self.real_tokens = real_tokens
+        # On a GPU the count is one launch of pin mode's partition kernel (identity map, nothing cold): counts,
+        # padding mask and token count together, instead of the half-dozen small torch ops of the CPU path (each
+        # a node in the captured graph, every layer, every step).
+        self._kernel = device.type == "cuda" and real_tokens is not None and triton_available(device)
+        if self._kernel:
+            self._identity = torch.arange(num_experts, dtype=torch.int32, device=device)
+            self._cold_sink = torch.zeros((1,), dtype=torch.int64, device=device)
         # Re-entrant: the SIGTERM handler runs on the main thread, which may be inside a step holding the lock.
         self.step_lock = threading.RLock()
         self.started_at = utc_now()
@@ -90,6 +105,7 @@ class CountState:
                                                                                                     None]:
         counts_row = self.counts[index]
         tokens_cell = self.tokens[index]
+        real = self.real_tokens
 
         if getattr(previous, "_pinsidecar_count", False):
             previous = None  # a second attach (weights reloaded) replaces our old counter rather than chaining it
@@ -97,9 +113,20 @@ class CountState:
         def capture(topk_ids: torch.Tensor) -> None:
             if previous is not None:  # e.g. vLLM's own routed-experts capturer, when enabled
                 previous(topk_ids)
+            if self._kernel and topk_ids.is_cuda:
+                partition_triton(topk_ids, self._identity, self.num_experts, counts_row, self._cold_sink,
+                                 num_real=real, token_counts=tokens_cell)
+                return
             ids = topk_ids.reshape(-1).long()
-            counts_row.index_add_(0, ids, torch.ones_like(ids))
-            tokens_cell.add_(topk_ids.shape[0])
+            if real is None:
+                counts_row.index_add_(0, ids, torch.ones_like(ids))
+                tokens_cell.add_(topk_ids.shape[0])
+                return
+            # Padded rows (CUDA graphs) sit after the real ones: count flat positions < real * k only.
+            rows = topk_ids.shape[0]
+            live = torch.arange(ids.shape[0], device=ids.device) < real * topk_ids.shape[1]
+            counts_row.index_add_(0, ids, live.long())
+            tokens_cell.add_(real.clamp(max=rows))
 
         capture._pinsidecar_count = True  # type: ignore[attr-defined]
         return capture
@@ -190,10 +217,11 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
         "dtype": str(params[0].dtype).replace("torch.", "") if params else "",
         "tp_rank": first.tp_rank, "tp_size": first.tp_size,
         "device": str(device), "moe_layers": [ref.name for ref, _ in layers],
-        "counter": "router capture_fn",
+        "counter": "router capture_fn", "padding_mask": "real-token scalar",
     }
     state = CountState([ref.layer_id for ref, _ in layers], cfg, num_experts, top_k, device,
-                       writer=first.tp_rank == 0, meta=meta, model_info=vllm_seam.model_info(worker))
+                       writer=first.tp_rank == 0, meta=meta, model_info=vllm_seam.model_info(worker),
+                       real_tokens=vllm_seam.real_token_count(device))
     for i, (_ref, geo) in enumerate(layers):
         vllm_seam.bind_router_capture(geo, lambda previous, i=i: state.capture_fn(i, previous))
     if state.writer:

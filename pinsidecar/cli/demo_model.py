@@ -1,4 +1,6 @@
-"""``pinsidecar demo-model DIR``: write the deterministic tiny Qwen3-MoE that CI, tests and the demo run on."""
+"""``pinsidecar demo-model DIR``: write the deterministic tiny Qwen3-MoE that CI, tests and the demo run on, or the
+same routing design at another geometry (``--hidden 2048 --experts 128 --top-k 8 --expert-intermediate 768
+--layers 16``: a model large enough for experts to dominate, which the GPU lane builds on the device)."""
 
 from __future__ import annotations
 
@@ -17,17 +19,38 @@ __all__ = ["register"]
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Weights seed; the same seed gives the same bytes.")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
+@click.option("--hidden", type=int, default=None, help="Hidden size (default 128, the tiny CI model).")
+@click.option("--layers", type=int, default=None, help="MoE layers (default 4).")
+@click.option("--experts", type=int, default=None, help="Routed experts per layer (default 64).")
+@click.option("--top-k", "top_k", type=int, default=None, help="Experts per token (default 8).")
+@click.option("--expert-intermediate", type=int, default=None, help="Each expert's intermediate size (default 64).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="Weights dtype.")
 @json_option
 @handle_errors
-def demo_model(out_dir: Path, seed: int, force: bool, as_json: bool) -> None:
+def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers: int | None, experts: int | None,
+               top_k: int | None, expert_intermediate: int | None, dtype: str, as_json: bool) -> None:
     """Write a tiny Qwen3-MoE (4 layers, 64 experts, top-8) with skewed, domain-dependent routing to OUT_DIR.
 
-    Prompt fixtures for its two domains ship with the package (code.jsonl, prose.jsonl and held-out sets).
+    Prompt fixtures for its two domains ship with the package (code.jsonl, prose.jsonl and held-out sets). The
+    geometry options build the same routing design at another size (attention heads of 128 from hidden 512 up);
+    without them the model is byte for byte the tiny default.
     """
-    from pinsidecar.demo.model import DemoModelError, build_demo_model, fixture_path, weights_digest
+    from pinsidecar.demo.model import (
+        DEFAULT_GEOMETRY,
+        DemoModelError,
+        Geometry,
+        build_demo_model,
+        fixture_path,
+        weights_digest,
+    )
 
+    d = DEFAULT_GEOMETRY
+    geometry = Geometry.scaled(
+        hidden=hidden or d.hidden, layers=layers or d.layers, experts=experts or d.experts, top_k=top_k or d.top_k,
+        expert_intermediate=expert_intermediate or d.expert_intermediate, dtype=dtype)
     try:
-        path = build_demo_model(out_dir, seed=seed, force=force)
+        path = build_demo_model(out_dir, seed=seed, force=force, geometry=geometry)
     except DemoModelError as exc:
         raise UserError(str(exc)) from exc
     config = json.loads((path / "config.json").read_text())
@@ -40,6 +63,8 @@ def demo_model(out_dir: Path, seed: int, force: bool, as_json: bool) -> None:
         "num_experts": config["num_experts"],
         "top_k": config["num_experts_per_tok"],
         "hidden_size": config["hidden_size"],
+        "expert_intermediate": config["moe_intermediate_size"],
+        "dtype": config["torch_dtype"],
         "vocab_size": config["vocab_size"],
         "fixtures": {name: str(fixture_path(name)) for name in
                      ("code", "prose", "code_heldout", "prose_heldout")},

@@ -21,10 +21,20 @@ domain's selections on the training prompts and 70-83 % on held-out prompts; the
 
 Use :func:`build_demo_model` (or ``pinsidecar demo-model DIR``) to write it, :func:`load_prompts` for the shipped
 prompt fixtures, and :func:`routing_counts` / :func:`skew_figures` to measure routing without vLLM.
+
+**Other geometries** (:class:`Geometry`; ``pinsidecar demo-model DIR --hidden 2048 --experts 128 --top-k 8
+--expert-intermediate 768 --layers 16``): the same routing design, scaled so that it keeps its shape: the designed
+hot sets are the same fractions of the experts, the router noise and the expert output scale are divided by the
+square root of how much wider (hidden, intermediate) and deeper (layers) the model is, so the router logits and
+the residual stream keep the tiny model's magnitudes. The default geometry is written exactly as before (same
+bytes; tests pin them). Any other geometry draws its expert weights with torch, on CUDA when available (a 20 GB
+checkpoint is written in seconds there, where numpy would take minutes), and is written in one safetensors shard
+per layer with an index; the same seed gives the same bytes on the same kind of device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -42,10 +52,12 @@ import numpy as np
 import structlog
 
 __all__ = [
+    "DEFAULT_GEOMETRY",
     "DEMO_FORMAT_VERSION",
     "DOMAINS",
     "DemoModelError",
     "DemoModelExistsError",
+    "Geometry",
     "SkewFigures",
     "build_demo_model",
     "fixture_path",
@@ -97,6 +109,85 @@ ZIPF_EXPONENT = 0.8
 LM_HEAD_DOMAIN_GAIN = 1.0  # LM head weight on the domain coordinate, times the token's domain score
 EXPERT_IN_STD = 1.0 / math.sqrt(HIDDEN)
 EXPERT_OUT_STD = 0.05
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The demo model's shape. The default is the tiny CI model; :meth:`check` says what a geometry needs.
+
+    Attention heads default to ``hidden / 128`` query heads of 128 (4 of 32 for the tiny model) with a quarter as
+    many KV heads, which FlashAttention and vLLM's CPU attention both support.
+    """
+
+    hidden: int = HIDDEN
+    layers: int = NUM_LAYERS
+    experts: int = NUM_EXPERTS
+    top_k: int = TOP_K
+    expert_intermediate: int = MOE_INTERMEDIATE
+    heads: int = NUM_HEADS
+    kv_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM
+    dtype: str = "bfloat16"
+
+    @classmethod
+    def scaled(cls, hidden: int = HIDDEN, layers: int = NUM_LAYERS, experts: int = NUM_EXPERTS, top_k: int = TOP_K,
+               expert_intermediate: int = MOE_INTERMEDIATE, dtype: str = "bfloat16") -> Geometry:
+        """A geometry with attention sized from ``hidden`` (heads of 128, or of 32 below hidden 512)."""
+        if hidden == HIDDEN:
+            heads, kv_heads, head_dim = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+        else:
+            head_dim = 128 if hidden >= 512 else 32
+            heads = max(1, hidden // head_dim)
+            kv_heads = max(1, heads // 4)
+        return cls(hidden=hidden, layers=layers, experts=experts, top_k=top_k,
+                   expert_intermediate=expert_intermediate, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   dtype=dtype)
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT_GEOMETRY
+
+    @property
+    def shared_hot(self) -> int:
+        return max(1, round(SHARED_HOT * self.experts / NUM_EXPERTS))
+
+    @property
+    def domain_hot(self) -> int:
+        return max(1, round(DOMAIN_HOT * self.experts / NUM_EXPERTS))
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of all routed experts (gate, up, down) in all layers."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
+    def check(self) -> None:
+        """Raise :class:`DemoModelError` naming what cannot work."""
+        problems = []
+        if self.hidden % 32 or self.expert_intermediate % 32:
+            problems.append(f"hidden ({self.hidden}) and expert intermediate ({self.expert_intermediate}) must be "
+                            "multiples of 32 (vLLM's CPU MoE kernel)")
+        if self.hidden < 64:
+            problems.append(f"hidden must be at least 64, got {self.hidden}")
+        if not 1 <= self.top_k <= self.experts:
+            problems.append(f"top-k ({self.top_k}) must be in 1..experts ({self.experts})")
+        if self.experts < 16:  # below that the designed hot sets (25 % of the experts) round to nothing useful
+            problems.append(f"{self.experts} experts are too few for the designed hot sets; use at least 16")
+        if self.layers < 1:
+            problems.append(f"layers must be at least 1, got {self.layers}")
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            problems.append(f"heads ({self.heads}) must be a multiple of KV heads ({self.kv_heads})")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if problems:
+            raise DemoModelError("bad demo-model geometry: " + "; ".join(problems))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+DEFAULT_GEOMETRY = Geometry()
 
 CORPUS_FILES = {"code": ("code_corpus.txt", "code.jsonl"), "prose": ("prose_corpus.txt", "prose.jsonl")}
 
@@ -202,86 +293,156 @@ class _LayerPlan:
     hot: dict[str, list[int]]  # per domain: its own preferred experts, hottest first
 
 
-def _plan_layer(rng: np.random.Generator) -> _LayerPlan:
-    perm = [int(e) for e in rng.permutation(NUM_EXPERTS)]
-    shared = perm[:SHARED_HOT]
-    hot = {d: perm[SHARED_HOT + i * DOMAIN_HOT: SHARED_HOT + (i + 1) * DOMAIN_HOT] for i, d in enumerate(DOMAINS)}
+def _plan_layer(rng: np.random.Generator, geo: Geometry = DEFAULT_GEOMETRY) -> _LayerPlan:
+    perm = [int(e) for e in rng.permutation(geo.experts)]
+    n_shared, n_domain = geo.shared_hot, geo.domain_hot
+    shared = perm[:n_shared]
+    hot = {d: perm[n_shared + i * n_domain: n_shared + (i + 1) * n_domain] for i, d in enumerate(DOMAINS)}
     return _LayerPlan(shared=shared, hot=hot)
 
 
-def _weights(seed: int, scores: np.ndarray) -> tuple[dict[str, np.ndarray], list[_LayerPlan]]:
-    """All tensors as float32 numpy arrays (cast to bf16 on save), and the designed expert sets per layer."""
-    rng = np.random.default_rng(seed)
+class _ExpertSource:
+    """Where the routed experts' weights come from: numpy (the default geometry, byte for byte as always) or torch
+    (any other geometry: fast, on CUDA when available). ``layer(i)`` yields ``(name, float32 array-like)``."""
+
+    def __init__(self, seed: int, geo: Geometry, rng: np.random.Generator) -> None:
+        self.seed, self.geo, self.rng = seed, geo, rng
+        # Scaled so that expert outputs keep the tiny model's magnitude per layer and over the depth (module doc).
+        self.out_std = EXPERT_OUT_STD * math.sqrt(MOE_INTERMEDIATE / geo.expert_intermediate) \
+            * math.sqrt(NUM_LAYERS / max(geo.layers, NUM_LAYERS))
+        self.in_std = 1.0 / math.sqrt(geo.hidden)
+
+    def numpy_layer(self, prefix: str) -> dict[str, np.ndarray]:
+        geo, out = self.geo, {}
+        for e in range(geo.experts):
+            q = f"{prefix}mlp.experts.{e}."
+            out[q + "gate_proj.weight"] = (self.rng.standard_normal((geo.expert_intermediate, geo.hidden))
+                                           * self.in_std).astype(np.float32)
+            out[q + "up_proj.weight"] = (self.rng.standard_normal((geo.expert_intermediate, geo.hidden))
+                                         * self.in_std).astype(np.float32)
+            down = (self.rng.standard_normal((geo.hidden, geo.expert_intermediate)) * self.out_std).astype(np.float32)
+            down[[DOMAIN_DIM, BIAS_DIM], :] = 0.0
+            out[q + "down_proj.weight"] = down
+        return out
+
+    def torch_layer(self, layer: int, prefix: str) -> dict[str, Any]:
+        """One layer's experts drawn with torch (cast to the model dtype, on the CPU, contiguous)."""
+        import torch
+
+        geo = self.geo
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + layer)
+        dtype = getattr(torch, geo.dtype)
+        shape_in, shape_out = (geo.experts, geo.expert_intermediate, geo.hidden), \
+            (geo.experts, geo.hidden, geo.expert_intermediate)
+        gate = (torch.randn(shape_in, generator=gen, device=device) * self.in_std).to(dtype)
+        up = (torch.randn(shape_in, generator=gen, device=device) * self.in_std).to(dtype)
+        down = torch.randn(shape_out, generator=gen, device=device) * self.out_std
+        down[:, [DOMAIN_DIM, BIAS_DIM], :] = 0.0
+        down = down.to(dtype)
+        gate, up, down = gate.cpu(), up.cpu(), down.cpu()
+        out = {}
+        for e in range(geo.experts):  # separate storages: safetensors refuses tensors that share memory
+            q = f"{prefix}mlp.experts.{e}."
+            out[q + "gate_proj.weight"] = gate[e].clone()
+            out[q + "up_proj.weight"] = up[e].clone()
+            out[q + "down_proj.weight"] = down[e].clone()
+        return out
+
+
+def _layer_dense(rng: np.random.Generator, geo: Geometry, layer: int, prefix: str,
+                 experts: _ExpertSource | None) -> tuple[dict[str, np.ndarray], _LayerPlan]:
+    """One layer's attention, norms and router (numpy), and its experts when ``experts`` draws them with numpy."""
+    hidden, heads, kv_heads, head_dim = geo.hidden, geo.heads, geo.kv_heads, geo.head_dim
+    in_std = 1.0 / math.sqrt(hidden)
+    out_std = EXPERT_OUT_STD if experts is None else experts.out_std
 
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
     t: dict[str, np.ndarray] = {}
-    content = np.ones(HIDDEN, dtype=np.float32)
-    content[[DOMAIN_DIM, BIAS_DIM]] = 0.0
-    embed = normal((VOCAB_SIZE, HIDDEN), 1.0) * content
-    embed[:, DOMAIN_DIM] = EMBED_DOMAIN_SCALE * scores
-    embed[:, BIAS_DIM] = EMBED_BIAS
-    t["model.embed_tokens.weight"] = embed
+    p = prefix
+    t[p + "input_layernorm.weight"] = np.ones(hidden, dtype=np.float32)
+    t[p + "post_attention_layernorm.weight"] = np.ones(hidden, dtype=np.float32)
+    # Attention: near-uniform scores (small q/k norms); value/output carry the domain coordinate.
+    t[p + "self_attn.q_proj.weight"] = normal((heads * head_dim, hidden), in_std)
+    t[p + "self_attn.k_proj.weight"] = normal((kv_heads * head_dim, hidden), in_std)
+    t[p + "self_attn.q_norm.weight"] = np.full(head_dim, ATTN_QK_NORM, dtype=np.float32)
+    t[p + "self_attn.k_norm.weight"] = np.full(head_dim, ATTN_QK_NORM, dtype=np.float32)
+    v = normal((kv_heads * head_dim, hidden), in_std)
+    v[:, DOMAIN_DIM] = 0.0
+    v[[h * head_dim for h in range(kv_heads)], :] = 0.0
+    v[[h * head_dim for h in range(kv_heads)], DOMAIN_DIM] = 1.0
+    t[p + "self_attn.v_proj.weight"] = v
+    o = normal((hidden, heads * head_dim), out_std if geo.is_default else EXPERT_OUT_STD * math.sqrt(
+        HIDDEN / hidden))
+    o[[DOMAIN_DIM, BIAS_DIM], :] = 0.0
+    o[:, [h * head_dim for h in range(heads)]] = 0.0
+    gain = ATTN_DOMAIN_GAIN[layer] if layer < len(ATTN_DOMAIN_GAIN) else 0.0
+    o[DOMAIN_DIM, [h * head_dim for h in range(heads)]] = gain / heads
+    t[p + "self_attn.o_proj.weight"] = o
+    # Router: domain coordinate -> the layer's preferred experts, Zipf-shaped; bias coordinate -> shared ones.
+    plan = _plan_layer(rng, geo)
+    noise = ROUTER_NOISE if geo.is_default else ROUTER_NOISE * math.sqrt(HIDDEN / hidden)
+    gate = normal((geo.experts, hidden), noise)
+    gate[:, BIAS_DIM] = ROUTER_COLD_BIAS
+    gate[:, DOMAIN_DIM] = 0.0
+    gate[plan.shared, BIAS_DIM] = ROUTER_SHARED_GAIN * _zipf(geo.shared_hot)
+    zipf = _zipf(geo.domain_hot)
+    gate[plan.hot["code"], DOMAIN_DIM] = ROUTER_DOMAIN_GAIN * zipf
+    gate[plan.hot["prose"], DOMAIN_DIM] = -ROUTER_DOMAIN_GAIN * zipf
+    t[p + "mlp.gate.weight"] = gate
+    return t, plan
 
+
+def _weights(seed: int, scores: np.ndarray) -> tuple[dict[str, np.ndarray], list[_LayerPlan]]:
+    """All tensors of the default geometry as float32 numpy arrays (cast to bf16 on save), and the designed
+    expert sets per layer. The numpy draws come in one fixed order: the default model's bytes depend on it."""
+    rng = np.random.default_rng(seed)
+    geo = DEFAULT_GEOMETRY
+    experts = _ExpertSource(seed, geo, rng)
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": _embedding(rng, geo, scores)}
     plans = []
-    for layer in range(NUM_LAYERS):
+    for layer in range(geo.layers):
         p = f"model.layers.{layer}."
-        t[p + "input_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-        t[p + "post_attention_layernorm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-        # Attention: near-uniform scores (small q/k norms); value/output carry the domain coordinate.
-        t[p + "self_attn.q_proj.weight"] = normal((NUM_HEADS * HEAD_DIM, HIDDEN), EXPERT_IN_STD)
-        t[p + "self_attn.k_proj.weight"] = normal((NUM_KV_HEADS * HEAD_DIM, HIDDEN), EXPERT_IN_STD)
-        t[p + "self_attn.q_norm.weight"] = np.full(HEAD_DIM, ATTN_QK_NORM, dtype=np.float32)
-        t[p + "self_attn.k_norm.weight"] = np.full(HEAD_DIM, ATTN_QK_NORM, dtype=np.float32)
-        v = normal((NUM_KV_HEADS * HEAD_DIM, HIDDEN), EXPERT_IN_STD)
-        v[:, DOMAIN_DIM] = 0.0
-        v[[h * HEAD_DIM for h in range(NUM_KV_HEADS)], :] = 0.0
-        v[[h * HEAD_DIM for h in range(NUM_KV_HEADS)], DOMAIN_DIM] = 1.0
-        t[p + "self_attn.v_proj.weight"] = v
-        o = normal((HIDDEN, NUM_HEADS * HEAD_DIM), EXPERT_OUT_STD)
-        o[[DOMAIN_DIM, BIAS_DIM], :] = 0.0
-        o[:, [h * HEAD_DIM for h in range(NUM_HEADS)]] = 0.0
-        o[DOMAIN_DIM, [h * HEAD_DIM for h in range(NUM_HEADS)]] = ATTN_DOMAIN_GAIN[layer] / NUM_HEADS
-        t[p + "self_attn.o_proj.weight"] = o
-        # Router: domain coordinate -> the layer's preferred experts, Zipf-shaped; bias coordinate -> shared ones.
-        plan = _plan_layer(rng)
+        dense, plan = _layer_dense(rng, geo, layer, p, None)
+        t.update(dense)
         plans.append(plan)
-        gate = normal((NUM_EXPERTS, HIDDEN), ROUTER_NOISE)
-        gate[:, BIAS_DIM] = ROUTER_COLD_BIAS
-        gate[:, DOMAIN_DIM] = 0.0
-        gate[plan.shared, BIAS_DIM] = ROUTER_SHARED_GAIN * _zipf(SHARED_HOT)
-        zipf = _zipf(DOMAIN_HOT)
-        gate[plan.hot["code"], DOMAIN_DIM] = ROUTER_DOMAIN_GAIN * zipf
-        gate[plan.hot["prose"], DOMAIN_DIM] = -ROUTER_DOMAIN_GAIN * zipf
-        t[p + "mlp.gate.weight"] = gate
         # Experts: random; small outputs that never touch the domain and bias coordinates.
-        for e in range(NUM_EXPERTS):
-            q = f"{p}mlp.experts.{e}."
-            t[q + "gate_proj.weight"] = normal((MOE_INTERMEDIATE, HIDDEN), EXPERT_IN_STD)
-            t[q + "up_proj.weight"] = normal((MOE_INTERMEDIATE, HIDDEN), EXPERT_IN_STD)
-            down = normal((HIDDEN, MOE_INTERMEDIATE), EXPERT_OUT_STD)
-            down[[DOMAIN_DIM, BIAS_DIM], :] = 0.0
-            t[q + "down_proj.weight"] = down
-    t["model.norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-    lm_head = normal((VOCAB_SIZE, HIDDEN), 1.0) * content
-    lm_head[:, DOMAIN_DIM] = LM_HEAD_DOMAIN_GAIN * scores
-    t["lm_head.weight"] = lm_head
+        t.update(experts.numpy_layer(p))
+    t.update(_head(rng, geo, scores))
     return t, plans
 
 
-def _config(eos_id: int) -> dict[str, Any]:
+def _embedding(rng: np.random.Generator, geo: Geometry, scores: np.ndarray) -> np.ndarray:
+    content = np.ones(geo.hidden, dtype=np.float32)
+    content[[DOMAIN_DIM, BIAS_DIM]] = 0.0
+    embed = (rng.standard_normal((VOCAB_SIZE, geo.hidden)) * 1.0).astype(np.float32) * content
+    embed[:, DOMAIN_DIM] = EMBED_DOMAIN_SCALE * scores
+    embed[:, BIAS_DIM] = EMBED_BIAS
+    return embed
+
+
+def _head(rng: np.random.Generator, geo: Geometry, scores: np.ndarray) -> dict[str, np.ndarray]:
+    content = np.ones(geo.hidden, dtype=np.float32)
+    content[[DOMAIN_DIM, BIAS_DIM]] = 0.0
+    lm_head = (rng.standard_normal((VOCAB_SIZE, geo.hidden)) * 1.0).astype(np.float32) * content
+    lm_head[:, DOMAIN_DIM] = LM_HEAD_DOMAIN_GAIN * scores
+    return {"model.norm.weight": np.ones(geo.hidden, dtype=np.float32), "lm_head.weight": lm_head}
+
+
+def _config(eos_id: int, geo: Geometry = DEFAULT_GEOMETRY) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": HIDDEN,
-        "intermediate_size": 4 * HIDDEN,  # dense MLP size; unused, every layer is MoE
-        "moe_intermediate_size": MOE_INTERMEDIATE,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
+        "hidden_size": geo.hidden,
+        "intermediate_size": 4 * geo.hidden,  # dense MLP size; unused, every layer is MoE
+        "moe_intermediate_size": geo.expert_intermediate,
+        "num_hidden_layers": geo.layers,
+        "num_attention_heads": geo.heads,
+        "num_key_value_heads": geo.kv_heads,
+        "head_dim": geo.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
@@ -291,8 +452,8 @@ def _config(eos_id: int) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
-        "num_experts": NUM_EXPERTS,
-        "num_experts_per_tok": TOP_K,
+        "num_experts": geo.experts,
+        "num_experts_per_tok": geo.top_k,
         # vLLM and transformers both take softmax then top-k; renormalising the top-k weights changes mixing only.
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
@@ -304,7 +465,7 @@ def _config(eos_id: int) -> dict[str, Any]:
         "initializer_range": 0.02,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": geo.dtype,
     }
 
 
@@ -312,16 +473,53 @@ def _dump_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_model(tmp: Path, seed: int) -> None:
+def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry) -> list[_LayerPlan]:
+    """Any non-default geometry: one safetensors shard per layer (experts from torch) plus one for the embedding,
+    norm and head, and the index that names each tensor's shard."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, geo.dtype)
+    rng = np.random.default_rng(seed)
+    experts = _ExpertSource(seed, geo, rng)
+    n_files = geo.layers + 1
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def write(index: int, tensors: dict[str, Any]) -> None:
+        nonlocal total
+        name = f"model-{index + 1:05d}-of-{n_files:05d}.safetensors"
+        as_torch = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v).to(dtype).contiguous()
+                    for k, v in tensors.items()}
+        save_file(as_torch, str(tmp / name), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in as_torch.values())
+        weight_map.update(dict.fromkeys(as_torch, name))
+
+    embed = _embedding(rng, geo, scores)
+    plans = []
+    for layer in range(geo.layers):
+        p = f"model.layers.{layer}."
+        dense, plan = _layer_dense(rng, geo, layer, p, experts)
+        plans.append(plan)
+        write(layer, {**dense, **experts.torch_layer(layer, p)})
+    write(geo.layers, {"model.embed_tokens.weight": embed, **_head(rng, geo, scores)})
+    _dump_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return plans
+
+
+def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY) -> None:
     import torch
     from safetensors.torch import save_file
 
     tok = _train_tokenizer()
     eos_id = tok.token_to_id(EOS_TOKEN)
     scores = _token_domain_scores(tok)
-    tensors, plans = _weights(seed, scores)
-    save_file({k: torch.from_numpy(v).to(torch.bfloat16).contiguous() for k, v in tensors.items()},
-              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if geo.is_default:
+        tensors, plans = _weights(seed, scores)
+        save_file({k: torch.from_numpy(v).to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        plans = _write_sharded(tmp, seed, scores, geo)
     tmp.joinpath("tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     _dump_json(tmp / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -335,9 +533,9 @@ def _write_model(tmp: Path, seed: int) -> None:
         "model_max_length": MAX_POSITIONS,
     })
     _dump_json(tmp / "special_tokens_map.json", {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN})
-    _dump_json(tmp / "config.json", _config(eos_id))
+    _dump_json(tmp / "config.json", _config(eos_id, geo))
     _dump_json(tmp / "generation_config.json", {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False})
-    _dump_json(tmp / "pinsidecar_demo.json", {
+    info: dict[str, Any] = {
         "format_version": DEMO_FORMAT_VERSION,
         "seed": seed,
         "domains": list(DOMAINS),
@@ -345,15 +543,21 @@ def _write_model(tmp: Path, seed: int) -> None:
         # The experts each layer's router was built to prefer (hottest first); measured routing is in bench/.
         "designed_shared": [p.shared for p in plans],
         "designed_hot": {d: [p.shared + p.hot[d] for p in plans] for d in DOMAINS},
-    })
+    }
+    if not geo.is_default:  # the default model's file stays byte for byte what it always was
+        info["geometry"] = geo.as_dict()
+    _dump_json(tmp / "pinsidecar_demo.json", info)
 
 
-def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False) -> Path:
-    """Write the demo model to ``out_dir`` and return it; the same seed always gives the same bytes.
+def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
+                     geometry: Geometry = DEFAULT_GEOMETRY) -> Path:
+    """Write the demo model to ``out_dir`` and return it; the same seed always gives the same bytes (for a
+    non-default ``geometry``: on the same kind of device, see the module docstring).
 
     The model is built in a temporary directory beside ``out_dir`` and renamed into place, so a crash never leaves
     half a model. An existing non-empty ``out_dir`` is refused unless ``force`` (then it is replaced whole).
     """
+    geometry.check()
     out_dir = Path(out_dir).absolute()
     if out_dir.exists() and not out_dir.is_dir():
         raise DemoModelError(f"{out_dir} exists and is not a directory; pick another path or remove it")
@@ -367,7 +571,10 @@ def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False) -> Path:
         raise DemoModelError(f"cannot create {out_dir}: {exc.strerror}; check the path and its permissions") from exc
     old: Path | None = None
     try:
-        _write_model(tmp, seed)
+        if geometry.is_default:
+            _write_model(tmp, seed)
+        else:
+            _write_model(tmp, seed, geometry)
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

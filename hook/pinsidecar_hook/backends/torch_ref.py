@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.kernels.finalize import finalize
 from pinsidecar_hook.kernels.partition import partition
 
@@ -149,10 +150,15 @@ def split(
     hot_rows: int,
     expert_counts: torch.Tensor | None = None,
     cold_counts: torch.Tensor | None = None,
+    *,
+    num_real: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The split invoke: partition (with live counts when counters are given), the hot call, the cold call, the
-    shared finalize. Bit-identical to :func:`unsplit` over the original weights (module docstring)."""
-    hot_ids, cold_ids = partition(topk_ids, row_map, hot_rows, expert_counts, cold_counts)
+    """The split invoke: partition (with live counts when counters are given, CUDA-graph padding masked by
+    ``num_real``), the hot call, the cold call, the shared finalize. Bit-identical to :func:`unsplit` over the
+    original weights (module docstring)."""
+    hot_ids, cold_ids = partition(topk_ids, row_map, hot_rows, expert_counts, cold_counts, num_real=num_real,
+                                  token_counts=token_counts)
     rows = split_rows(x, w13_hot, w2_hot, w13_cold, w2_cold, hot_ids, cold_ids)
     return finalize(rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids)
 
@@ -167,6 +173,7 @@ def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
     """
     hot_w13, hot_w2 = layer.hot["w13_weight"], layer.hot["w2_weight"]
     cold_w13, cold_w2 = layer.cold["w13_weight"], layer.cold["w2_weight"]
+    num_real = vllm_seam.real_token_count(layer.row_map.device)
 
     def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
@@ -178,9 +185,9 @@ def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
             raise RuntimeError(f"the torch_ref split supports SiLU-and-mul with the router weight applied after the "
                                f"experts only (activation {act!r}, apply_router_weight_on_input "
                                f"{apply_router_weight_on_input})")
-        layer.token_counts.add_(topk_ids.shape[0])
         output.copy_(split(hidden_states, hot_w13, hot_w2, cold_w13, cold_w2, topk_weights, topk_ids, layer.row_map,
-                           layer.hot_rows, layer.expert_counts, layer.cold_counts))
+                           layer.hot_rows, layer.expert_counts, layer.cold_counts, num_real=num_real,
+                           token_counts=layer.token_counts))
 
     split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
     return split_apply

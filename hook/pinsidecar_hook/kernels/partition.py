@@ -11,7 +11,11 @@ Contract (shared by the torch and Triton versions, and by every backend adapter)
 - ``cold_ids[t, j] = row_map[topk_ids[t, j]] - H`` when that row is ``>= H``, else ``-1``;
 - ids whose row is ``-1`` (non-local experts) or that are themselves out of ``[0, E)`` are ``-1`` in both;
 - ``expert_counts[e] += number of selections of e`` (every in-range id, local or not) and
-  ``cold_counts[0] += number of selections landing on a cold row``, in place, when the counters are given.
+  ``cold_counts[0] += number of selections landing on a cold row``, in place, when the counters are given;
+- with ``num_real`` (an int64 ``[1]`` device tensor: the step's real token count, see
+  :func:`pinsidecar_hook.vllm_seam.real_token_count`) only the rows ``t < num_real`` are counted: the rows after
+  them are the padding CUDA graphs add (the ids are still partitioned, since the experts call computes them);
+- with ``token_counts`` (int64 ``[1]``), ``token_counts[0] += min(num_real, T)`` (``T`` without ``num_real``).
 
 Static shapes, no host sync, so both versions are safe inside a captured CUDA graph. The Triton version does it
 all in one launch: the counters are atomic adds in the same kernel, so live counting costs no extra launch or
@@ -37,6 +41,9 @@ __all__ = ["partition", "partition_torch", "partition_triton", "triton_available
 # Ids handled by one Triton program. 1024 int32 ids is 4 KiB: a decode step (T*k of a few hundred) is one
 # program, a 4096-token prefill at top-8 is 32 programs.
 _PARTITION_BLOCK = 1024
+# The smallest block: one warp's worth of lanes. Blocks are powers of two between the two, so at most 6 variants
+# of the kernel are compiled (32 .. 1024).
+_MIN_BLOCK = 32
 
 
 def triton_available(device: torch.device | None = None) -> bool:
@@ -57,6 +64,9 @@ def partition_torch(
     hot_rows: int,
     expert_counts: torch.Tensor | None = None,
     cold_counts: torch.Tensor | None = None,
+    *,
+    num_real: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch version of the partition contract (module docstring). Used on the CPU engine and as the reference."""
     num_experts = row_map.shape[0]
@@ -69,10 +79,17 @@ def partition_torch(
     minus_one = torch.full_like(rows, -1)
     hot_ids = torch.where(is_hot, rows, minus_one).to(torch.int32)
     cold_ids = torch.where(is_cold, rows - hot_rows, minus_one).to(torch.int32)
+    counted = in_range
+    if num_real is not None:
+        real_row = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) < num_real.to(ids.device)
+        counted = counted & real_row
     if expert_counts is not None:
-        expert_counts.index_add_(0, safe_ids.reshape(-1), in_range.reshape(-1).to(expert_counts.dtype))
+        expert_counts.index_add_(0, safe_ids.reshape(-1), counted.reshape(-1).to(expert_counts.dtype))
     if cold_counts is not None:
-        cold_counts.add_(is_cold.sum().to(cold_counts.dtype).reshape(1))
+        cold_counts.add_((is_cold & counted).sum().to(cold_counts.dtype).reshape(1))
+    if token_counts is not None:
+        tokens = ids.shape[0] if num_real is None else num_real.clamp(max=ids.shape[0]).reshape(1)
+        token_counts.add_(tokens)
     return hot_ids, cold_ids
 
 
@@ -86,10 +103,16 @@ if triton is not None:
         cold_ids_ptr,
         expert_counts_ptr,
         cold_counts_ptr,
+        num_real_ptr,
+        token_counts_ptr,
         numel,
         num_experts,
         hot_rows,
+        top_k,
+        num_tokens,
         COUNT: tl.constexpr,
+        MASK_REAL: tl.constexpr,
+        COUNT_TOKENS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -101,11 +124,20 @@ if triton is not None:
         is_cold = rows >= hot_rows
         tl.store(hot_ids_ptr + offs, tl.where(is_hot, rows, -1), mask=live)
         tl.store(cold_ids_ptr + offs, tl.where(is_cold, rows - hot_rows, -1), mask=live)
+        # Rows counted: all of them, or (MASK_REAL) the first min(num_real, T); the rest are CUDA-graph padding.
+        real = tl.zeros([], dtype=tl.int64) + num_tokens  # num_tokens may arrive as a constexpr (Triton specializes 1)
+        if MASK_REAL:
+            real = tl.minimum(tl.load(num_real_ptr), real)  # read at launch, so a replayed graph sees this step's
         if COUNT:
+            counted = in_range
+            if MASK_REAL:
+                counted = counted & ((offs // top_k) < real)
             # One atomic per selection on the [E] counter, one per program on the cold counter.
-            tl.atomic_add(expert_counts_ptr + ids, tl.full([BLOCK], 1, tl.int64), mask=in_range, sem="relaxed")
-            n_cold = tl.sum(is_cold.to(tl.int64), axis=0)
+            tl.atomic_add(expert_counts_ptr + ids, tl.full([BLOCK], 1, tl.int64), mask=counted, sem="relaxed")
+            n_cold = tl.sum((is_cold & counted).to(tl.int64), axis=0)
             tl.atomic_add(cold_counts_ptr, n_cold, sem="relaxed")
+        if COUNT_TOKENS:  # once per launch: program 0 adds the step's token count
+            tl.atomic_add(token_counts_ptr, real, mask=tl.program_id(0) == 0, sem="relaxed")
 
 
 def partition_triton(
@@ -114,8 +146,12 @@ def partition_triton(
     hot_rows: int,
     expert_counts: torch.Tensor | None = None,
     cold_counts: torch.Tensor | None = None,
+    *,
+    num_real: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of the partition contract: one launch, counters included. Needs both counters or none."""
+    """Triton version of the partition contract: one launch, counters (and the padding mask, and the token
+    counter) included. Needs both selection counters or none."""
     if triton is None:
         raise RuntimeError("partition_triton needs Triton; use partition() to fall back to torch")
     if (expert_counts is None) != (cold_counts is None):
@@ -125,13 +161,18 @@ def partition_triton(
     count = expert_counts is not None
     if count and (expert_counts.dtype != torch.int64 or cold_counts.dtype != torch.int64):
         raise ValueError("expert_counts and cold_counts must be int64")
+    for name, t in (("num_real", num_real), ("token_counts", token_counts)):
+        if t is not None and (t.dtype != torch.int64 or t.numel() != 1):
+            raise ValueError(f"{name} must be an int64 tensor of one element")
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     hot_ids = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     cold_ids = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     numel = ids.numel()
     if numel == 0:
         return hot_ids, cold_ids
-    grid = (triton.cdiv(numel, _PARTITION_BLOCK),)
+    # A decode step has a few dozen ids: a small block keeps the kernel's reductions short (one program either way).
+    block = min(_PARTITION_BLOCK, max(_MIN_BLOCK, triton.next_power_of_2(numel)))
+    grid = (triton.cdiv(numel, block),)
     _partition_kernel[grid](
         ids,
         row_map,
@@ -139,11 +180,17 @@ def partition_triton(
         cold_ids,
         expert_counts if count else hot_ids,
         cold_counts if count else hot_ids,
+        num_real if num_real is not None else hot_ids,
+        token_counts if token_counts is not None else hot_ids,
         numel,
         row_map.shape[0],
         hot_rows,
+        ids.shape[-1] if ids.dim() > 1 else 1,
+        ids.shape[0],
         COUNT=count,
-        BLOCK=_PARTITION_BLOCK,
+        MASK_REAL=num_real is not None,
+        COUNT_TOKENS=token_counts is not None,
+        BLOCK=block,
     )
     return hot_ids, cold_ids
 
@@ -154,10 +201,16 @@ def partition(
     hot_rows: int,
     expert_counts: torch.Tensor | None = None,
     cold_counts: torch.Tensor | None = None,
+    *,
+    num_real: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partition with the best implementation for the tensors' device: the fused Triton kernel on CUDA (one
-    launch, live counts included), torch elsewhere. Same results either way (tests check it)."""
+    launch, live counts, the padding mask and the token counter included), torch elsewhere. Same results either
+    way (tests check it)."""
     both_or_none = (expert_counts is None) == (cold_counts is None)
     if topk_ids.is_cuda and both_or_none and triton_available(topk_ids.device):
-        return partition_triton(topk_ids, row_map, hot_rows, expert_counts, cold_counts)
-    return partition_torch(topk_ids, row_map, hot_rows, expert_counts, cold_counts)
+        return partition_triton(topk_ids, row_map, hot_rows, expert_counts, cold_counts, num_real=num_real,
+                                token_counts=token_counts)
+    return partition_torch(topk_ids, row_map, hot_rows, expert_counts, cold_counts, num_real=num_real,
+                           token_counts=token_counts)
