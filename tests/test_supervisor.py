@@ -27,6 +27,7 @@ from pinsidecar.daemon.supervisor import (
     BootRecord,
     EngineState,
     Supervisor,
+    compile_cache_evidence,
     geometry_key,
     is_cache_miss,
 )
@@ -149,6 +150,20 @@ def test_operator_reboot_clears_failed(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert sup.boots[-1].reason == "drain-reboot"
+
+
+def test_compile_cache_evidence_reads_vllms_own_log_lines(tmp_path: Path) -> None:
+    """The engine's log decides when it says anything: vLLM logs a load on a hit and a compile on a miss."""
+    log = tmp_path / "engine.log"
+    assert compile_cache_evidence(log) is None  # no log
+    log.write_text("INFO Starting vLLM API server\nINFO Capturing CUDA graphs 100%\n")
+    assert compile_cache_evidence(log) is None  # eager, or nothing compiled: fall back to timing
+    log.write_text("INFO [backends.py:296] Directly load the compiled graph(s) for compile range (1, 8192) from "
+                   "the cache, took 1.2 s\n")
+    assert compile_cache_evidence(log) is False
+    log.write_text("INFO Directly load the compiled graph(s) for compile range (1, 8)\n"
+                   "INFO [backends.py:399] Compiling a graph for compile range (9, 8192) takes 20.31 s\n")
+    assert compile_cache_evidence(log) is True  # any compile is a miss, even when another range loaded
 
 
 def test_cache_miss_rule_and_geometry_key() -> None:
