@@ -1,0 +1,99 @@
+"""The rooms import downwards only: no import cycle between modules, nor between the daemon's packages.
+
+A cycle is how two rooms start to share one idea without anyone noticing (the hook's old ``patches`` <-> ``count``
+/ ``pin`` cycle was one). This reads every module's top-level imports (imports inside functions are deliberate lazy
+imports and are not counted) and fails naming the cycle. The hook's finer rules (every vLLM import in
+``vllm_seam``, modules importable without vLLM) are in ``test_hook_rooms.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"pinsidecar": ROOT / "pinsidecar", "pinsidecar_hook": ROOT / "hook" / "pinsidecar_hook"}
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = (package, *path.relative_to(folder).with_suffix("").parts)
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text()).body:  # top level only
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt] if nxt in path else [*path, nxt]
+            if nxt not in state:
+                found = visit(nxt, [*path, nxt])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
+def _room(module: str) -> str:
+    """``pinsidecar.remap.pipeline`` -> ``pinsidecar.remap``; top-level modules are rooms of their own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycle_between_modules() -> None:
+    cycle = _a_cycle(_import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_between_rooms() -> None:
+    rooms: dict[str, set[str]] = defaultdict(set)
+    for module, targets in _import_graph().items():
+        rooms[_room(module)].update(_room(t) for t in targets if _room(t) != _room(module))
+    cycle = _a_cycle(rooms)
+    assert cycle is None, "import cycle between rooms: " + " -> ".join(cycle or [])
+
+
+def test_the_check_sees_a_cycle() -> None:
+    """The detector itself: a graph with a cycle is caught, one without is not (so a pass above means something)."""
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_daemon_side_never_imports_hook_internals() -> None:
+    """The daemon shares only the contract with the hook (files in, files out); the testing helpers and benchmarks
+    may drive the hook's kernels directly."""
+    graph = _import_graph()
+    allowed = ("pinsidecar_hook.contract",)
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("pinsidecar.")
+                 and not m.startswith("pinsidecar.testing") for t in ts
+                 if t.startswith("pinsidecar_hook") and not t.startswith(allowed))
+    assert not bad, bad
