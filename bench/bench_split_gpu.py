@@ -20,7 +20,6 @@ import datetime as dt
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from gpu_timing import eager_time_us, graph_time_us, kernels_launched, pinned_view
 from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.kernels import finalize_triton, partition_torch, partition_triton
 from pinsidecar_hook.rehome import device_view_of_pinned
@@ -37,12 +37,6 @@ from pinsidecar.testing import moe
 __all__ = ["main"]
 
 HBM_READ_BYTES_PER_S = 3.89e12  # measured on the lent H200 (docs/design.md)
-
-
-def _pinned_view(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
-    return device_view_of_pinned(host)
 
 
 def bit_identity(num_experts: int, hidden: int, intermediate: int, use_uva: bool) -> dict:
@@ -62,7 +56,7 @@ def bit_identity(num_experts: int, hidden: int, intermediate: int, use_uva: bool
         w13_hot, w13_cold = moe.rehome_weights(w13, row_map, hot_rows)
         w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
         if use_uva and w13_cold.shape[0]:
-            w13_cold, w2_cold = _pinned_view(w13_cold), _pinned_view(w2_cold)
+            w13_cold, w2_cold = pinned_view(w13_cold), pinned_view(w2_cold)
         out = torch_ref.split(x, w13_hot, w2_hot, w13_cold, w2_cold, weights, ids, row_map, hot_rows)
         cases += 1
         if not torch.equal(out, ref):
@@ -80,20 +74,6 @@ def bit_identity(num_experts: int, hidden: int, intermediate: int, use_uva: bool
         "mismatches": mismatches,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-
-
-def _kernels_launched(fn: Callable[[], object]) -> list[str]:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return [n for n in names if not n.startswith(("Memcpy", "Memset"))]
 
 
 def launches(num_experts: int, num_tokens: int, top_k: int, hidden: int) -> dict:
@@ -124,7 +104,7 @@ def launches(num_experts: int, num_tokens: int, top_k: int, hidden: int) -> dict
     }
     result = {"num_experts": num_experts, "tokens": num_tokens, "top_k": top_k, "hidden": hidden, "kernels": {}}
     for name, fn in variants.items():
-        ks = _kernels_launched(fn)
+        ks = kernels_launched(fn)
         result["kernels"][name] = {"count": len(ks), "names": sorted({n[:100] for n in ks})}
     k = result["kernels"]
     fused = k["partition_triton_with_live_counts_fused"]["count"] + k["finalize_triton"]["count"]
@@ -136,44 +116,6 @@ def launches(num_experts: int, num_tokens: int, top_k: int, hidden: int) -> dict
         "note": "plus the experts kernels of the hot call and of the cold call (backend-specific)",
     }
     return result
-
-
-def _graph_time_us(fn: Callable[[], object], inner: int = 100, reps: int = 7) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / inner)
-    return statistics.median(times)
-
-
-def _eager_time_us(fn: Callable[[], object], reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
 
 
 def _experts_gemm_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> Callable[[], None]:
@@ -218,11 +160,11 @@ def timings(num_experts: int, top_k: int, hidden: int, intermediate: int, cold_f
         x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
         hot_ids, cold_ids = partition_triton(ids, row_map, hot_rows)
         rows = torch.randn(num_tokens, top_k, hidden, generator=g).to(torch.bfloat16).to(dev)
-        t_part = _graph_time_us(partial(partition_triton, ids, row_map, hot_rows, counts, cold))
-        t_fin = _graph_time_us(partial(finalize_triton, rows, weights, hot_ids=hot_ids, cold_ids=cold_ids))
+        t_part = graph_time_us(partial(partition_triton, ids, row_map, hot_rows, counts, cold))
+        t_fin = graph_time_us(partial(finalize_triton, rows, weights, hot_ids=hot_ids, cold_ids=cold_ids))
         all_hot_ids, _ = partition_triton(ids, row_map, num_experts)
-        t_experts = _eager_time_us(partial(torch_ref.expert_rows, x, w13_hot, w2_hot, all_hot_ids))
-        t_gemms = _graph_time_us(_experts_gemm_fn(x, w13_hot, w2_hot, all_hot_ids.long()), inner=1)
+        t_experts = eager_time_us(partial(torch_ref.expert_rows, x, w13_hot, w2_hot, all_hot_ids))
+        t_gemms = graph_time_us(_experts_gemm_fn(x, w13_hot, w2_hot, all_hot_ids.long()), inner=1)
         unique = int(torch.unique(ids).numel())
         floor_us = unique * expert_bytes / HBM_READ_BYTES_PER_S * 1e6
         out.append({
@@ -256,14 +198,14 @@ def uva_tier_gap(hidden: int, intermediate: int) -> dict:
     gd = torch.Generator(device=dev).manual_seed(4)
     w13 = torch.randn(1, 2 * intermediate, hidden, generator=gd, device=dev, dtype=torch.bfloat16) / 16
     w2 = torch.randn(1, hidden, intermediate, generator=gd, device=dev, dtype=torch.bfloat16) / 16
-    w13_c, w2_c = _pinned_view(w13), _pinned_view(w2)
+    w13_c, w2_c = pinned_view(w13), pinned_view(w2)
     nbytes = (w13.numel() + w2.numel()) * 2
     rows = []
     for num_tokens in (1, 16):
         x = torch.randn(num_tokens, hidden, generator=gd, device=dev).to(torch.bfloat16)
         ids = torch.zeros(num_tokens, 1, dtype=torch.int64, device=dev)
-        hbm = _graph_time_us(_experts_gemm_fn(x, w13, w2, ids), inner=20)
-        host = _graph_time_us(_experts_gemm_fn(x, w13_c, w2_c, ids), inner=20)
+        hbm = graph_time_us(_experts_gemm_fn(x, w13, w2, ids), inner=20)
+        host = graph_time_us(_experts_gemm_fn(x, w13_c, w2_c, ids), inner=20)
         same = torch.equal(torch_ref.expert_rows(x, w13, w2, ids), torch_ref.expert_rows(x, w13_c, w2_c, ids))
         rows.append({
             "tokens": num_tokens, "hbm_us": round(hbm, 1), "pinned_host_uva_us": round(host, 1),

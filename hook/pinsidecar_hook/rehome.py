@@ -139,6 +139,8 @@ def rehome_layer(
         # cold rows -> host (pinned on CUDA, so the device can read them in place)
         host = torch.empty((len(cold_local), *data.shape[1:]), dtype=data.dtype, device="cpu", pin_memory=on_cuda)
         host.copy_(data.index_select(0, cold_idx))
+        if on_cuda:  # give the staging copy's segment back now, or the next allocation splits it and strands it
+            torch.cuda.empty_cache()
         ledger.alloc("host", tensor_bytes(host))
         if on_cuda:
             view = device_view_of_pinned(host)
@@ -156,6 +158,8 @@ def rehome_layer(
             setattr(owner, name, hot_t)
             hot[name] = hot_t
         del data, original
+        if on_cuda:  # likewise the original's segment (tests/test_placement_gpu.py checks mem_get_info gets it back)
+            torch.cuda.empty_cache()
         ledger.free(hot_tier, original_bytes)
         cold[name] = view
         cold_host[name] = host
