@@ -15,6 +15,7 @@ reads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -80,14 +81,22 @@ def convert_value(key: str, typ: Any, value: Any, base: Path) -> Any:
     if typ is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {_describe(value)}")
-        return float(value)
+        # TOML has nan and inf, and integers beyond a float's range: none is a usable interval, size or rate
+        # (nan passes every `<` check, so it must be refused here, not left to the range rules).
+        try:
+            out = float(value)
+        except OverflowError:
+            out = math.inf
+        if not math.isfinite(out):
+            raise ConfigError(f"{key}: expected a finite number, got {_describe(value)}")
+        return out
     if typ is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {_describe(value)}")
         return value
     if typ is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{key}: expected a path (a non-empty string), got {_describe(value)}")
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise ConfigError(f"{key}: expected a path (a non-empty string without NUL), got {_describe(value)}")
         p = Path(os.path.expanduser(value))
         return p if p.is_absolute() else (base / p)
     if origin is list:
@@ -163,6 +172,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         return tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    except RecursionError:  # arrays nested deeper than the parser's stack
+        raise ConfigError(f"{p}: not valid TOML: nested too deeply") from None
 
 
 def apply_override(doc: dict[str, Any], dotted: str, value: Any) -> None:

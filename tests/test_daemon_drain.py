@@ -33,6 +33,8 @@ import httpx
 import psutil
 import pytest
 
+from pinsidecar.testing.streaming import load_during
+
 pytestmark = pytest.mark.vllm
 
 GATE, ENGINE, CONTROL, METRICS = 8284, 8285, 8286, 8287
@@ -201,104 +203,29 @@ def test_ready_notify_status_and_watchdog(daemon: Daemon) -> None:
     assert json.loads(daemon.cli("status", "--json").stdout)["engine"]["state"] == "ready"
 
 
-@dataclass
-class ClientStats:
-    sent: int = 0
-    completed: int = 0
-    failed: int = 0
-    errors: list[str] = field(default_factory=list)
-    longest_stall_s: float = 0.0
-    tokens: int = 0
-    completed_after_reboot: int = 0
-
-
-async def _client(i: int, stats: ClientStats, stop: asyncio.Event, rebooted: asyncio.Event) -> None:
-    prompts = ["def parse(line):", "The river ran", "import os\nfor p in", "Once upon a time"]
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{GATE}", timeout=httpx.Timeout(BOOT_LIMIT_S)) as c:
-        n = 0
-        while not stop.is_set():
-            body = {"model": "demo", "prompt": prompts[(i + n) % len(prompts)], "max_tokens": MAX_TOKENS,
-                    "temperature": 0.0, "stream": True, "ignore_eos": True}
-            n += 1
-            stats.sent += 1
-            after_reboot = rebooted.is_set()
-            last = time.monotonic()
-            done = finished = False
-            try:
-                async with c.stream("POST", "/v1/completions", json=body) as resp:
-                    if resp.status_code != 200:
-                        stats.failed += 1
-                        stats.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-                        continue
-                    async for line in resp.aiter_lines():
-                        now = time.monotonic()
-                        stats.longest_stall_s = max(stats.longest_stall_s, now - last)
-                        last = now
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[6:]
-                        if data == "[DONE]":
-                            done = True
-                            continue
-                        chunk = json.loads(data)
-                        stats.tokens += 1
-                        if chunk["choices"][0].get("finish_reason"):
-                            finished = True
-            except (httpx.HTTPError, json.JSONDecodeError) as exc:
-                stats.failed += 1
-                stats.errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            if done and finished:
-                stats.completed += 1
-                stats.completed_after_reboot += int(after_reboot)
-            else:
-                stats.failed += 1
-                stats.errors.append(f"stream ended without [DONE]/finish_reason (done={done}, finished={finished})")
-
-
 def test_drain_reboot_under_load_loses_nothing(daemon: Daemon, tmp_path: Path) -> None:
     before = daemon.status()["engine"]
-    stats = [ClientStats() for _ in range(CLIENTS)]
-    result: dict[str, Any] = {}
 
-    async def scenario() -> None:
-        stop, rebooted = asyncio.Event(), asyncio.Event()
-        tasks = [asyncio.create_task(_client(i, stats[i], stop, rebooted)) for i in range(CLIENTS)]
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        while sum(s.completed for s in stats) < 2 * CLIENTS:  # traffic is flowing on every client
-            assert loop.time() - t0 < 600, "no traffic through the gate"
-            assert not any(s.failed for s in stats), stats
-            await asyncio.sleep(0.2)
-        # the drain-reboot, through the real CLI, while all 8 clients stream
+    async def drain_reboot() -> dict[str, Any]:
+        """The drain-reboot, through the real CLI, while all 8 clients stream."""
         proc = await asyncio.create_subprocess_exec(
             PINSIDECAR, "drain-reboot", "--config", str(daemon.config), "--timeout", "120", "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await proc.communicate()
         assert proc.returncode == 0, (out.decode(), err.decode())
-        result.update(json.loads(out))
-        rebooted.set()
-        t1 = loop.time()
-        while min(s.completed_after_reboot for s in stats) < 2:  # every client is served by the new engine
-            assert loop.time() - t1 < 600, "clients not served after the reboot"
-            await asyncio.sleep(0.2)
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 600)
+        return json.loads(out)
 
-    asyncio.run(scenario())
+    load = asyncio.run(load_during(f"http://127.0.0.1:{GATE}", "demo", drain_reboot, clients=CLIENTS,
+                                   max_tokens=MAX_TOKENS))
+    result: dict[str, Any] = load.action
     after = daemon.status()
-    sent = sum(s.sent for s in stats)
-    completed = sum(s.completed for s in stats)
-    failed = sum(s.failed for s in stats)
-    lost = sent - completed - failed
     figure = {
-        "clients": CLIENTS, "max_tokens": MAX_TOKENS, "sent": sent, "completed": completed, "failed": failed,
-        "lost": lost, "longest_stall_s": round(max(s.longest_stall_s for s in stats), 3),
+        **load.figure(), "max_tokens": MAX_TOKENS,
         "drain_reboot": {k: result.get(k) for k in ("seconds", "drain_s", "boot_s", "in_flight_cut",
                                                      "hold_s", "held_at_release", "hash_hit")},
         "gate_counters": after["gate"]["counters"],
-        "errors": [e for s in stats for e in s.errors][:10],
     }
+    failed, lost, completed = figure["failed"], figure["lost"], figure["completed"]
     print("\nDRAIN-REBOOT FIGURE:", json.dumps(figure, indent=1))
     if os.environ.get("PINSIDECAR_FIGURES_DIR"):
         out = Path(os.environ["PINSIDECAR_FIGURES_DIR"]) / "drain_reboot.json"

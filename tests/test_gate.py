@@ -1,4 +1,5 @@
-"""The gate: transparent forwarding, unbuffered streaming, hold/release with bounded waits, 413, 502, drain counts.
+"""The gate: transparent forwarding, unbuffered streaming, hold/release with bounded waits, 413, 502, drain counts,
+requests the engine refused sent again, refusal when the engine failed, and a hung engine (504, error event).
 
 Runs against :class:`pinsidecar.testing.upstream.UpstreamStub` (a local OpenAI-like server whose chunk timing the
 test controls); the real engine behind the gate is the daemon's drain-reboot test.
@@ -7,6 +8,7 @@ test controls); the real engine behind the gate is the daemon's drain-reboot tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import Awaitable, Callable
@@ -188,25 +190,146 @@ def test_oversized_body_is_413_and_never_reaches_the_engine() -> None:
     run(body)
 
 
-def test_engine_refusing_connections_is_502_with_a_clear_body() -> None:
+def test_engine_refusing_connections_for_max_hold_s_is_502_with_a_clear_body() -> None:
     async def body(stub: UpstreamStub) -> None:
         dead = UpstreamStub()
         await dead.start()
         dead_url = dead.url
         await dead.stop()  # nothing listens there now
-        gate = await started(Gate("127.0.0.1", 0, dead_url))
+        gate = await started(Gate("127.0.0.1", 0, dead_url, max_hold_s=0.6))
         try:
             async with aiohttp.ClientSession() as s:
+                t0 = asyncio.get_running_loop().time()
                 r = await s.post(url(gate, "/v1/completions"), json={"prompt": "x"})
+                waited = asyncio.get_running_loop().time() - t0
                 assert r.status == 502
                 msg = (await r.json())["error"]["message"]
-                assert dead_url in msg and "not reachable" in msg
+                assert dead_url in msg and "has not been reachable for 0.6 s" in msg
+                assert 0.5 <= waited < 5.0  # retried within max_hold_s, then gave up
+                assert gate.unreachable_retries >= 2
                 gate.set_upstream(stub.url)
                 r = await s.post(url(gate, "/v1/completions"), json={"prompt": "x", "max_tokens": 1})
                 assert r.status == 200
         finally:
             await gate.stop()
         assert gate.counters["bad_gateway"] == 1
+
+
+def test_a_request_the_engine_refused_is_sent_again_once_the_engine_is_back() -> None:
+    """Connection refused means the engine never saw the request: it waits at the gate (retrying, then held when
+    the supervisor holds) and is served by the engine that comes back, instead of a 502."""
+
+    async def body(stub: UpstreamStub) -> None:
+        port = stub.port
+        await stub.stop()  # the engine "crashed": its port refuses connections
+        gate = await started(Gate("127.0.0.1", 0, stub.url, max_hold_s=30.0))
+        try:
+            async with aiohttp.ClientSession() as s:
+                early = asyncio.create_task(s.post(url(gate, "/v1/completions"), json={"prompt": "a",
+                                                                                       "max_tokens": 2}))
+                await wait_until(lambda: gate.unreachable_retries >= 1)
+                gate.hold()  # the supervisor noticed the exit
+                late = asyncio.create_task(s.post(url(gate, "/v1/completions"), json={"prompt": "b",
+                                                                                      "max_tokens": 2}))
+                await wait_until(lambda: gate.held == 2)
+                stub.port = port
+                await stub.start()  # the restarted engine
+                gate.release()
+                responses = await asyncio.gather(early, late)
+                assert [r.status for r in responses] == [200, 200]
+                assert [len((await r.json())["choices"]) for r in responses] == [1, 1]
+        finally:
+            await gate.stop()
+        assert stub.requests == 2
+        assert gate.counters["proxied"] == 2 and gate.counters["bad_gateway"] == 0
+
+    run(body)
+
+
+def test_refuse_answers_held_and_new_requests_503_at_once() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url, max_hold_s=60.0))
+        try:
+            async with aiohttp.ClientSession() as s:
+                gate.hold()
+                held = asyncio.create_task(s.get(url(gate, "/v1/models")))
+                await wait_until(lambda: gate.held == 1)
+                gate.refuse("the engine failed 3 times in a row")
+                r = await asyncio.wait_for(held, 5)
+                assert r.status == 503 and r.headers["Retry-After"] == "5"
+                assert "failed 3 times" in (await r.json())["error"]["message"]
+                r = await s.get(url(gate, "/v1/models"))
+                assert r.status == 503
+                assert gate.snapshot()["refusing"] == "the engine failed 3 times in a row"
+                gate.release()  # an operator's reboot brought it back
+                assert (await s.get(url(gate, "/v1/models"))).status == 200
+        finally:
+            await gate.stop()
+        assert gate.counters["rejected_engine_failed"] == 2
+
+    run(body)
+
+
+async def _silent_server(streams: list[asyncio.StreamWriter]) -> asyncio.Server:
+    """A hung engine: accepts connections, reads what comes, never answers (the gate-only case)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        streams.append(writer)
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_an_engine_that_accepts_but_never_answers_is_504_within_the_idle_timeout() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        streams: list[asyncio.StreamWriter] = []
+        silent = await _silent_server(streams)
+        port = silent.sockets[0].getsockname()[1]
+        gate = await started(Gate("127.0.0.1", 0, f"http://127.0.0.1:{port}", upstream_idle_timeout_s=0.5))
+        try:
+            async with aiohttp.ClientSession() as s:
+                t0 = asyncio.get_running_loop().time()
+                r = await s.post(url(gate, "/v1/completions"), json={"prompt": "x"})
+                waited = asyncio.get_running_loop().time() - t0
+                assert r.status == 504
+                msg = (await r.json())["error"]["message"]
+                assert "did not answer within 0.5 s" in msg and "hung" in msg
+                assert 0.4 <= waited < 5.0
+                assert gate.in_flight == 0
+        finally:
+            await gate.stop()
+            silent.close()
+        assert streams, "the request never reached the silent engine"
+        assert gate.counters["upstream_timeout"] == 1
+
+    run(body)
+
+
+def test_a_stream_that_stalls_mid_way_ends_with_an_error_event_and_a_cut_connection() -> None:
+    async def body(stub: UpstreamStub) -> None:
+        gate = await started(Gate("127.0.0.1", 0, stub.url, upstream_idle_timeout_s=0.4))
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(url(gate, "/v1/completions"),
+                                 json={"prompt": "p", "max_tokens": 3, "stream": True, "chunk_interval_s": 2.0})
+                assert r.status == 200
+                got = b""
+                with contextlib.suppress(aiohttp.ClientPayloadError):
+                    async for data in r.content.iter_any():
+                        got += data
+                assert b"[DONE]" not in got
+                last = got.strip().split(b"\n\n")[-1].removeprefix(b"data: ")
+                err = json.loads(last)["error"]
+                assert err["code"] == 504 and "sent nothing for 0.4 s" in err["message"]
+            await wait_until(lambda: gate.in_flight == 0 and stub.active == 0)
+        finally:
+            await gate.stop()
+        assert gate.counters["upstream_timeout"] == 1
+
+    run(body)
 
     run(body)
 

@@ -30,6 +30,7 @@ from pinsidecar.remap import STATES, RecordStore, RemapRecord
 from pinsidecar.remap.candidates import counts_path_for
 from pinsidecar.runs.count_boot import ProfileError
 from pinsidecar.testing import make_counts
+from pinsidecar.testing.fs import MountNotPermitted, fill, free_pages, remount, small_tmpfs
 from pinsidecar.testing.remap import FakeHookStats, FakeTools, InstantEngine
 
 CODE, PROSE = 0, 1
@@ -373,6 +374,51 @@ def test_a_failed_or_thin_count_boot_aborts_and_the_old_map_keeps_serving(tmp_pa
             assert h.daemon.watch is not None and not h.daemon.watch.detector.remap_running
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fault", ["full", "read_only"])
+def test_a_full_or_read_only_maps_folder_aborts_the_remap_and_the_old_map_keeps_serving(tmp_path: Path,
+                                                                                       fault: str) -> None:
+    """The candidate cannot be written (a real 64 KiB tmpfs as the maps folder, filled or remounted read-only):
+    the remap aborts in ``building`` saying where and why, nothing reboots, no partial file is left, and once the
+    disk takes writes again the next remap commits."""
+    maps = tmp_path / "maps"
+    try:
+        mount = small_tmpfs(maps, "64k")
+        mount.__enter__()
+    except MountNotPermitted as exc:
+        pytest.skip(str(exc))
+
+    async def scenario() -> None:
+        async with running(tmp_path, FakeTools(), drift=MANUAL_ONLY, remap='source = "live"') as h:
+            fillers = fill(maps) if fault == "full" else []
+            if fault == "read_only":
+                remount(maps, read_only=True)
+            h.domain = PROSE
+            await h.windows(2)
+            boots, before = InstantEngine.boots, served_hash(h)
+            rec = await h.wait_for_end((await h.daemon.request_remap(trigger="manual"))["remap_id"])
+            assert rec["outcome"] == "aborted" and states(rec) == ["choosing_workload", "library_check", "building"]
+            cause = "No space left on device" if fault == "full" else "Read-only file system"
+            assert "building the candidate failed: [Errno " in rec["error"]
+            assert "cannot write candidate map manual-" in rec["error"]
+            assert f"into {maps}: {cause}" in rec["error"] and "the old map keeps serving" in rec["error"]
+            assert InstantEngine.boots == boots and served_hash(h) == before
+            assert [p.name for p in maps.iterdir() if not p.name.startswith(".filler-")] == []
+            assert h.daemon.status()["remap"]["last"]["outcome"] == "aborted"
+            # the disk takes writes again: the next remap builds, reboots and commits
+            if fault == "full":
+                free_pages(fillers, len(fillers))
+            else:
+                remount(maps, read_only=False)
+            rec = await h.wait_for_end((await h.daemon.request_remap(trigger="manual"))["remap_id"])
+            assert rec["outcome"] == "committed", rec
+            assert Path(rec["candidate"]["path"]).parent == maps and served_hash(h) == rec["candidate"]["hash"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        mount.__exit__(None, None, None)
 
 
 def test_too_few_requests_aborts_before_anything_runs(tmp_path: Path) -> None:

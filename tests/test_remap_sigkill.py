@@ -11,8 +11,9 @@ state (a count boot whose fake count engine never answers the hook's reset, or t
 ``PINSIDECAR_TEST_REMAP_PAUSE_AT``, or a verification waiting for traffic that never comes), the sidecar is
 SIGKILLed, and a new one is started on the same state folder.
 
-The states before ``rebooting`` are covered in-process for each state by test_remap_pipeline.py; here the states
-where a killed sidecar leaves engines behind.
+Every state of :data:`pinsidecar.remap.STATES` is killed here, in a real process (test_remap_pipeline.py also
+covers each in-process, from a record left open on disk); the states before ``rebooting`` other than
+``count_boot`` run with ``source = "live"``, so ``building`` and ``evaluating`` have built and saved a candidate.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from pinsidecar_hook.contract import load_map
 
 from pinsidecar.engine import free_port, port_in_use
 from pinsidecar.placement import build_usage_map
-from pinsidecar.remap import PAUSE_ENV
+from pinsidecar.remap import PAUSE_ENV, STATES
 from pinsidecar.remap.candidates import counts_path_for
+from pinsidecar.remap.record import PRE_REBOOT_STATES
 from pinsidecar.testing import make_counts
 
 PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
@@ -246,12 +248,13 @@ def sidecars(tmp_path: Path) -> Iterator[list[Sidecar]]:
         p.kill()
 
 
-@pytest.mark.parametrize("state", ["count_boot", "rebooting", "verifying"])
+@pytest.mark.parametrize("state", STATES)
 def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_path: Path, sidecars: list[Sidecar],
                                                                              state: str) -> None:
     cfg, boot_map = _setup(tmp_path, 'source = "capture"' if state == "count_boot" else 'source = "live"')
     code_hash = load_map(boot_map).content_hash
-    env = {**os.environ, **({PAUSE_ENV: "rebooting"} if state == "rebooting" else {})}
+    # count_boot waits on its count engine and verifying on traffic by themselves; the others pause by the hook
+    env = {**os.environ, **({PAUSE_ENV: state} if state not in ("count_boot", "verifying") else {})}
     env.pop("NOTIFY_SOCKET", None)
     first = Sidecar(cfg, tmp_path, env, 1)
     sidecars.append(first)
@@ -293,7 +296,7 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
         assert not port_in_use("127.0.0.1", second.ports["count"])
     assert second.complete("def f(x):") == 200
     rec = json.loads((tmp_path / "state" / "remaps" / f"{remap_id}.json").read_text())
-    want = "aborted" if state == "count_boot" else "rolled_back"
+    want = "aborted" if state in PRE_REBOOT_STATES else "rolled_back"
     assert rec["state"] == rec["outcome"] == want and f"during {state}" in rec["error"]
     assert st["remap"]["last"]["id"] == remap_id and st["remap"]["current"] is None
     # no half-written map: every file in the library is a whole, valid map or the counts beside one

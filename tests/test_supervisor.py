@@ -14,14 +14,19 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import signal
 import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import psutil
 import pytest
 
 from pinsidecar.daemon.config import SupervisorConfig
+from pinsidecar.daemon.gate import Gate
 from pinsidecar.daemon.supervisor import (
     BootObserver,
     BootRecord,
@@ -302,5 +307,142 @@ state_dir = "{tmp_path}/state"
             assert exporter.engine.url() == f"http://127.0.0.1:{engine_port}"
         finally:
             await daemon.shutdown()
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------------------------------- the gate
+
+def _stub_engine(tmp_path: Path) -> Path:
+    """An "engine" that serves like vLLM's API server (the gate tests' UpstreamStub, on the spec's --port) in a real
+    process of its own, so it can be SIGKILLed and SIGSTOPped like one."""
+    code = ("import asyncio, sys\n"
+            "from pinsidecar.testing.upstream import UpstreamStub\n"
+            "async def main():\n"
+            "    await UpstreamStub(port=int(sys.argv[sys.argv.index(\"--port\") + 1])).start()\n"
+            "    await asyncio.Event().wait()\n"
+            "asyncio.run(main())\n")
+    return _script(tmp_path, f"exec {sys.executable} -c '{code}' \"$@\"\n")
+
+
+async def _gated(tmp_path: Path, script: Path, cfg: SupervisorConfig, states: list[tuple[str, str]],
+                 **gate_kwargs: Any) -> tuple[Supervisor, Gate]:
+    gate = Gate("127.0.0.1", 0, f"http://127.0.0.1:{PORT}", **gate_kwargs)
+    gate.hold()  # as the daemon starts it: held until the engine first serves
+    await gate.start()
+    sup = _supervisor(tmp_path, script, cfg, states, ready_timeout_s=60.0)  # the stub imports for ~2 s
+    sup.gate = gate
+    return sup, gate
+
+
+def test_an_engine_crash_in_service_is_noticed_at_once_and_the_gate_holds_until_the_restart(tmp_path: Path) -> None:
+    """The liveness poll is every 30 s here, so only the exit watch can notice the SIGKILL in under a second; the
+    request sent while the engine is down is held and served by the restarted one."""
+    states: list[tuple[str, str]] = []
+    cfg = SupervisorConfig(health_interval_s=30.0, backoff_initial_s=0.3, backoff_max_s=0.3, crash_loop_limit=3)
+
+    async def scenario() -> None:
+        sup, gate = await _gated(tmp_path, _stub_engine(tmp_path), cfg, states, max_hold_s=60.0)
+        task = asyncio.create_task(sup.run())
+        try:
+            await _until(lambda: sup.state == EngineState.READY, "first boot")
+            assert not gate.holding and gate.upstream_url == f"http://127.0.0.1:{PORT}"
+            async with aiohttp.ClientSession() as s:
+                assert (await s.get(f"http://127.0.0.1:{gate.port}/v1/models")).status == 200
+                pid = sup.launcher.pid if sup.launcher else None
+                assert pid is not None
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                os.killpg(pid, signal.SIGKILL)
+                await _until(lambda: sup.state != EngineState.READY, "the crash noticed", 5.0)
+                noticed = loop.time() - t0
+                assert noticed < 1.0, f"noticed after {noticed:.2f} s: the poll, not the exit watch"
+                assert gate.holding
+                snap = sup.snapshot()
+                assert snap["state"] == "restarting" and snap["pid"] is None, snap
+                during = asyncio.create_task(s.post(f"http://127.0.0.1:{gate.port}/v1/completions",
+                                                    json={"prompt": "x", "max_tokens": 2}))
+                await _until(lambda: sup.state == EngineState.READY and sup.launcher is not None
+                             and sup.launcher.pid != pid, "the restart")
+                r = await asyncio.wait_for(during, 30)
+                assert r.status == 200
+            assert not gate.holding
+            assert sup.boots[-1].reason == "crash" and sup.restarts_total == 1
+        finally:
+            await sup.close()
+            await asyncio.wait_for(task, 10)
+            await gate.stop()
+        assert gate.counters["bad_gateway"] == 0
+
+    asyncio.run(scenario())
+    assert any(s == EngineState.BACKOFF and "engine process exited" in d for s, d in states)
+
+
+def test_a_hung_engine_is_noticed_within_the_health_bound_and_restarted(tmp_path: Path) -> None:
+    """SIGSTOP: the process lives and accepts connections, but answers nothing. The supervisor restarts it after
+    ``health_failures`` timed-out checks; the request in flight at the engine gets the gate's 504."""
+    states: list[tuple[str, str]] = []
+    cfg = SupervisorConfig(health_interval_s=0.3, health_timeout_s=0.5, health_failures=2, backoff_initial_s=0.1,
+                           backoff_max_s=0.1, crash_loop_limit=3)
+    bound = cfg.health_failures * (cfg.health_interval_s + cfg.health_timeout_s) + cfg.health_interval_s
+
+    async def scenario() -> None:
+        sup, gate = await _gated(tmp_path, _stub_engine(tmp_path), cfg, states, max_hold_s=60.0,
+                                 upstream_idle_timeout_s=1.0)
+        task = asyncio.create_task(sup.run())
+        stopped: psutil.Process | None = None
+        try:
+            await _until(lambda: sup.state == EngineState.READY, "first boot")
+            pid = sup.launcher.pid if sup.launcher else None
+            assert pid is not None
+            stopped = psutil.Process(pid)
+            loop = asyncio.get_running_loop()
+            async with aiohttp.ClientSession() as s:
+                t0 = loop.time()
+                os.killpg(pid, signal.SIGSTOP)
+                stuck = asyncio.create_task(s.post(f"http://127.0.0.1:{gate.port}/v1/completions",
+                                                   json={"prompt": "x", "max_tokens": 2}))
+                await _until(lambda: gate.holding, "the hang noticed", 10.0)
+                noticed = loop.time() - t0
+                assert noticed <= bound + 0.5, f"hang noticed after {noticed:.2f} s (bound {bound:.1f} s)"
+                r = await asyncio.wait_for(stuck, 30)
+                assert r.status == 504 and "hung" in (await r.json())["error"]["message"]
+                held = asyncio.create_task(s.post(f"http://127.0.0.1:{gate.port}/v1/completions",
+                                                  json={"prompt": "y", "max_tokens": 2}))
+                await _until(lambda: sup.state == EngineState.READY and sup.launcher is not None
+                             and sup.launcher.pid != pid, "the restart")
+                assert (await asyncio.wait_for(held, 30)).status == 200
+            assert sup.boots[-1].reason == "unhealthy"
+        finally:
+            await sup.close()
+            await asyncio.wait_for(task, 10)
+            await gate.stop()
+        assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE  # the hung one was killed
+        assert gate.counters["upstream_timeout"] == 1
+
+    asyncio.run(scenario())
+    assert any(s == EngineState.BACKOFF and "engine hung" in d for s, d in states)
+
+
+def test_a_supervisor_that_gives_up_makes_the_gate_refuse_at_once(tmp_path: Path) -> None:
+    script = _script(tmp_path, "exit 1\n")
+    states: list[tuple[str, str]] = []
+    cfg = SupervisorConfig(health_interval_s=0.2, backoff_initial_s=0.1, backoff_max_s=0.1, crash_loop_limit=2)
+
+    async def scenario() -> None:
+        sup, gate = await _gated(tmp_path, script, cfg, states, max_hold_s=60.0)
+        task = asyncio.create_task(sup.run())
+        try:
+            async with aiohttp.ClientSession() as s:
+                held = asyncio.create_task(s.get(f"http://127.0.0.1:{gate.port}/v1/models"))
+                await _until(lambda: sup.state == EngineState.FAILED, "failed state")
+                r = await asyncio.wait_for(held, 5)  # not left to wait out max_hold_s
+                assert r.status == 503 and "Retry-After" in r.headers
+                assert "2 failures in a row" in (await r.json())["error"]["message"]
+        finally:
+            await sup.close()
+            await asyncio.wait_for(task, 10)
+            await gate.stop()
+        assert gate.refusing is not None
 
     asyncio.run(scenario())

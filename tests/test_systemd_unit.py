@@ -62,6 +62,15 @@ def test_unit_with_container_dropin_verifies_clean(tmp_path: Path) -> None:
     assert res.stderr.strip() == "", res.stderr
 
 
+@needs_systemd
+def test_unit_with_podman_dropin_verifies_clean(tmp_path: Path) -> None:
+    dropin = SYSTEMD / "pinsidecar.service.d" / "container-podman.conf"
+    res = _verify(tmp_path, UNIT.read_text() + "\n" + dropin.read_text())
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip() == "", res.stderr
+    assert "CONTAINER_HOST=unix:///run/podman/podman.sock" in dropin.read_text()
+
+
 def test_unit_settings_the_daemon_relies_on() -> None:
     s = _settings(UNIT.read_text())
     assert s["Type"] == ["notify"]

@@ -137,6 +137,11 @@ def _fmt_drift_and_remap(st: dict[str, Any]) -> list[str]:
         extra = f", cooldown {drift['cooldown_left_s']:.0f} s" if drift.get("cooldown_left_s") else ""
         lines.append(f"drift    {drift.get('state', '?')}: {drift.get('line') or drift.get('status', '')}"
                      f" ({drift.get('remaps_last_day', 0)} remaps in 24 h{extra})")
+        stats = drift.get("stats") or {}
+        if stats.get("error"):
+            lines.append(f"stats    unreadable, the drift watch is blind: {stats['error']}")
+        elif stats.get("stale"):
+            lines.append(f"stats    no new write for {stats['unchanged_s']:.0f} s, the drift watch is blind")
     remap = st.get("remap") or {}
     for key in ("current", "last"):
         rec = remap.get(key)
@@ -214,7 +219,7 @@ def register(main: click.Group) -> None:
     @main.command("drain-reboot")
     @config_option
     @click.option("--map", "map_ref", default=None,
-                  help="Boot with this map: a path, a file name in the maps folder, or a hash prefix.")
+                  help="Boot with this map: a file name or a path in the maps folder, or a hash prefix.")
     @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None,
                   help="Seconds in-flight requests get to finish [default: control.drain_timeout_s].")
     @json_option

@@ -111,7 +111,7 @@ def register(main: click.Group) -> None:
                   help="Show the decision and its figures (candidate and active cold rates on the held-out window, "
                        "margin, deploy or not and why); change nothing.")
     @click.option("--map", "map_ref", default=None,
-                  help="Use this map instead of rebuilding: a path, a file name or label in the maps folder, or a "
+                  help="Use this map instead of rebuilding: a file name, path or label in the maps folder, or a "
                        "hash prefix.")
     @click.option("--reason", default="", help="Why (recorded with the remap).")
     @click.option("--trigger", type=click.Choice(["manual", "timer"]), default="manual", show_default=True,

@@ -91,6 +91,8 @@ class GateConfig:
     max_queue: int = field(default=256, metadata={POSITIVE: True})  # requests held during a reboot
     max_hold_s: float = field(default=300.0, metadata={POSITIVE: True})  # longest a held request waits
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={POSITIVE: True})
+    # an engine that sends nothing (no header, no chunk) for this long is hung: the request gets 504
+    upstream_idle_timeout_s: float = field(default=600.0, metadata={POSITIVE: True})
     capture_dir: Path | None = None  # opt-in request capture store; absent = off
     capture_max_bytes: int = field(default=256 * 1024 * 1024, metadata={MIN: 8192})  # total, over all files
     capture_max_files: int = field(default=8, metadata={POSITIVE: True})

@@ -1,4 +1,5 @@
-"""The daemon's control API: ``GET /status``, ``POST /drain-reboot``, ``POST /remap``.
+"""The daemon's control API: ``GET /status``, ``POST /drain-reboot``, ``POST /remap``; ``GET /openapi.json``
+describes them (:mod:`pinsidecar.daemon.openapi`).
 
 ``POST /remap`` takes two kinds of body (told apart by shape, parsed in :mod:`pinsidecar.daemon.webhook`): a
 request from ``pinsidecar remap`` (``{"dry_run", "map", "reason", "trigger"}``), and an Alertmanager webhook
@@ -13,12 +14,13 @@ by ``aiohttp.web`` inside the daemon's event loop. The rules, and why:
 - **Mutating calls need ``Authorization: Bearer <token>``**, the token read from ``control.token_file``. The file
   must be mode 0600 (no group or other bits): a token anyone on the box can read protects nothing, so the daemon
   refuses to start otherwise. A missing or wrong token is answered 401 *before* anything is parsed or done.
-  ``GET /status`` is read-only and open on the loopback listener.
+  ``GET /status`` and ``GET /openapi.json`` are read-only and open on the loopback listener. Tokens are compared
+  with :func:`hmac.compare_digest` (constant time: a wrong token's answer time says nothing about the right one).
 - **Bodies are bounded** (``control.max_body_bytes``): a larger ``Content-Length`` (or a body that turns out larger)
   is 413 before anything is done.
-- Errors are JSON ``{"error": "..."}`` with a status that says whose fault it is (400 bad input, 409 busy,
-  422 an alert that does not start a remap, 429 cooldown or daily cap, 500/502 the operation failed, 503 still
-  starting).
+- Errors are JSON ``{"error": "..."}`` (aiohttp's own 404/405 and an unexpected exception too) with a status that
+  says whose fault it is (400 bad input, 409 busy, 422 an alert that does not start a remap, 429 cooldown or daily
+  cap, 500/502 the operation failed, 503 still starting).
 
 The daemon implements :class:`ControlTarget`; this module knows nothing about engines or gates.
 """
@@ -36,6 +38,7 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from pinsidecar.daemon.openapi import openapi_document
 from pinsidecar.daemon.webhook import (
     DEFAULT_REMAP_ALERTS,
     AlertMemory,
@@ -92,6 +95,11 @@ def read_token(path: Path, create: bool = False) -> str:
     return token
 
 
+def _no_constant(name: str) -> Any:
+    """Python's json reads NaN and Infinity, which are not JSON and pass every ``<`` check (a NaN timeout)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _json(payload: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, text=json.dumps(payload, default=str) + "\n",
                         content_type="application/json")
@@ -117,6 +125,7 @@ class ControlServer:
         self._runner: web.AppRunner | None = None
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
         self.app.router.add_get("/status", self._status)
+        self.app.router.add_get("/openapi.json", self._openapi)
         self.app.router.add_post("/drain-reboot", self._drain_reboot)
         self.app.router.add_post("/remap", self._remap)
 
@@ -170,6 +179,14 @@ class ControlServer:
             return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
         except ControlError as exc:
             return _error(exc.status, str(exc), **exc.payload)
+        except web.HTTPException as exc:  # aiohttp's own 404/405: JSON like every other error, Allow kept
+            headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+            response = _error(exc.status, f"{exc.reason}: {request.method} {request.path} (see GET /openapi.json)")
+            response.headers.update(headers)
+            return response
+        except Exception as exc:  # a bug: answer JSON and log it, rather than aiohttp's HTML 500
+            log.exception("control_handler_failed", path=request.path)
+            return _error(500, f"internal error ({type(exc).__name__}); see the daemon's log")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
@@ -178,7 +195,9 @@ class ControlServer:
         if not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_no_constant)
+        except RecursionError:
+            raise ControlError(400, "body is not usable JSON: nested too deeply") from None
         except ValueError as exc:
             raise ControlError(400, f"body is not JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -189,6 +208,9 @@ class ControlServer:
 
     async def _status(self, request: web.Request) -> web.Response:
         return _json(self.target.status())
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return _json(openapi_document())
 
     async def _drain_reboot(self, request: web.Request) -> web.Response:
         body = await self._body(request)

@@ -8,9 +8,20 @@ away), :meth:`Gate.drain` (wait, bounded, for requests already at the engine to 
 points the gate at it (:meth:`Gate.set_upstream` if its address changed) and calls :meth:`Gate.release`, which
 lets the held requests through in arrival order.
 
-Every wait is bounded: at most ``max_queue`` requests are held, each for at most ``max_hold_s``; beyond either the
-client gets ``503`` with ``Retry-After``. A body over ``max_body_bytes`` gets ``413`` (before anything reaches the
-engine), an engine that refuses connections while the gate is open gets ``502`` with a body that says so.
+The same hold covers an engine that crashed: the supervisor holds the gate the moment the engine exits and
+releases it once the restarted engine serves, and a request that could not reach the engine at all (the connection
+was refused, so the engine never saw it) is held and sent again rather than answered ``502``. Only requests the
+engine had already taken when it died fail, each with a body that says so (in an event stream, a last ``data:``
+event with an ``error`` before the connection is cut). When the supervisor gives up (crash loop) it calls
+:meth:`Gate.refuse`, and requests get ``503`` at once instead of waiting for a restart that will not come.
+
+Every wait is bounded: at most ``max_queue`` requests are held, and each waits at the gate (held, or retrying an
+engine that refuses connections) at most ``max_hold_s`` in all; beyond either the client gets ``503`` with
+``Retry-After`` (``502`` when the engine stayed unreachable with the gate open). A body over ``max_body_bytes`` gets
+``413`` (before anything reaches the engine). Clients get ``client_timeout_s`` to send their request head (aiohttp's
+keep-alive timer also covers an unfinished head) and their body (``408``), so slow-loris clients cannot hold
+connections for ever. An engine that sends nothing for ``upstream_idle_timeout_s`` (hung: accepts connections but
+never answers, or stalls mid-stream) gets the request answered ``504``, or its stream ended with an error event.
 
 The gate can also sample request bodies into a
 :class:`~pinsidecar.daemon.traffic_capture.CaptureStore` (opt-in), which later count boots replay.
@@ -22,8 +33,10 @@ Threading: all methods must be called from the event loop the gate runs on (use
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,7 +47,8 @@ from yarl import URL
 
 from pinsidecar.daemon.traffic_capture import CaptureStore
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "GATE_OUTCOMES", "HOP_BY_HOP_HEADERS", "SMALL_RESPONSE_BYTES", "Gate"]
+__all__ = ["DEFAULT_CLIENT_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_UPSTREAM_IDLE_TIMEOUT_S", "GATE_OUTCOMES",
+           "HOP_BY_HOP_HEADERS", "SMALL_RESPONSE_BYTES", "Gate"]
 
 log = structlog.get_logger(__name__)
 
@@ -47,13 +61,30 @@ HOP_BY_HOP_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
     "transfer-encoding", "upgrade",
 })
-GATE_OUTCOMES = ("proxied", "rejected_queue_full", "rejected_hold_timeout", "rejected_stopping", "too_large",
-                 "bad_gateway", "upstream_broken", "client_disconnected")
+GATE_OUTCOMES = ("proxied", "rejected_queue_full", "rejected_hold_timeout", "rejected_stopping",
+                 "rejected_engine_failed", "too_large", "client_timeout", "bad_gateway", "upstream_timeout",
+                 "upstream_broken", "client_disconnected")
 _STRIP_REQUEST = frozenset({"host", "content-length"})  # the client session sets both for the upstream
 _STRIP_SMALL_RESPONSE = frozenset({"content-length"})  # web.Response sets it from the body
 # Responses with a Content-Length up to this size (and not an event stream) are read whole and sent in one write;
 # anything larger, or without a length (streams), is relayed chunk by chunk as it arrives.
 SMALL_RESPONSE_BYTES = 256 * 1024
+# Between two tries of an engine that refuses connections while the gate is open (the supervisor holds the gate
+# within moments of a crash; this covers that moment and an engine nobody supervises).
+RETRY_S = 0.25
+# A client that has not sent its whole request (head and body) in this long is cut off: slow-loris bound.
+DEFAULT_CLIENT_TIMEOUT_S = 60.0
+# An engine that sends nothing (no header, no chunk) for this long is hung. Generous: a non-streaming completion
+# sends nothing until it is done, and a long one on a loaded GPU takes minutes.
+DEFAULT_UPSTREAM_IDLE_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class _NotSent:
+    """The engine could not be reached at all, so it never saw the request (safe to send again)."""
+
+    upstream: str
+    error: str
 
 
 def _filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str], extra: frozenset[str] = frozenset()
@@ -74,10 +105,13 @@ class Gate:
     def __init__(self, listen_host: str, listen_port: int, upstream_url: str, *, max_queue: int = 64,
                  max_hold_s: float = 120.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  capture: CaptureStore | None = None, retry_after_s: int = 5, connect_timeout_s: float = 5.0,
-                 shutdown_timeout_s: float = 5.0) -> None:
-        if max_queue < 0 or max_hold_s < 0 or max_body_bytes < 1:
+                 shutdown_timeout_s: float = 5.0, client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
+                 upstream_idle_timeout_s: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT_S) -> None:
+        if max_queue < 0 or max_hold_s < 0 or max_body_bytes < 1 or client_timeout_s <= 0 \
+                or upstream_idle_timeout_s <= 0:
             raise ValueError(f"gate limits must be non-negative (max_queue={max_queue}, max_hold_s={max_hold_s}, "
-                             f"max_body_bytes={max_body_bytes})")
+                             f"max_body_bytes={max_body_bytes}) and the timeouts positive (client_timeout_s="
+                             f"{client_timeout_s}, upstream_idle_timeout_s={upstream_idle_timeout_s})")
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.max_queue = max_queue
@@ -87,6 +121,9 @@ class Gate:
         self.retry_after_s = retry_after_s
         self.connect_timeout_s = connect_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.client_timeout_s = client_timeout_s
+        self.upstream_idle_timeout_s = upstream_idle_timeout_s
+        self.unreachable_retries = 0  # tries that found the engine refusing connections (each one sent again)
         self.counters: dict[str, int] = dict.fromkeys(GATE_OUTCOMES, 0)
         self.longest_hold_s = 0.0  # the longest any request waited during the latest hold (the reboot stall)
         self._upstream = upstream_url.rstrip("/")
@@ -96,6 +133,7 @@ class Gate:
         self._open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._holding = False
+        self._refusing: str | None = None  # why requests get 503 at once (the engine failed for good)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -114,6 +152,11 @@ class Gate:
     @property
     def holding(self) -> bool:
         return self._holding
+
+    @property
+    def refusing(self) -> str | None:
+        """Why the gate answers 503 at once (the engine failed for good), or None."""
+        return self._refusing
 
     @property
     def upstream_url(self) -> str:
@@ -143,12 +186,15 @@ class Gate:
             self._open.clear()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
+                                          sock_read=self.upstream_idle_timeout_s),
             auto_decompress=False,  # pass compressed bodies through byte for byte
         )
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # keepalive_timeout also bounds a connection whose request head is unfinished (aiohttp >= 3.10)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.client_timeout_s)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.listen_host, self.listen_port,
                                  shutdown_timeout=self.shutdown_timeout_s)
@@ -173,13 +219,23 @@ class Gate:
         if not self._holding:
             self.longest_hold_s = 0.0
         self._holding = True
+        self._refusing = None
         if self._open is not None:
             self._open.clear()
         log.info("gate holding new requests", in_flight=self._in_flight)
 
+    def refuse(self, why: str) -> None:
+        """From now on answer every request, and every held one, ``503`` at once with ``why`` (the engine failed
+        for good, so waiting for a restart is pointless). :meth:`release` or :meth:`hold` end it."""
+        self._refusing = why
+        if self._open is not None:
+            self._open.set()  # wake the held requests, which see _refusing and answer 503
+        log.warning("gate refusing requests", why=why, held=self._held)
+
     def release(self) -> None:
         """Let held and new requests through again."""
         self._holding = False
+        self._refusing = None
         if self._open is not None:
             self._open.set()
         log.info("gate released", held=self._held)
@@ -214,8 +270,11 @@ class Gate:
         return _error(503, f"pinsidecar gate: {why}; retry after {self.retry_after_s} s", "service_unavailable",
                       {"Retry-After": str(self.retry_after_s)})
 
-    async def _wait_open(self) -> web.Response | None:
+    async def _wait_open(self, deadline: float) -> web.Response | None:
+        """Wait (bounded by the request's ``deadline``) until the gate is open; None, or the answer to give."""
         assert self._open is not None
+        if self._refusing is not None:
+            return self._unavailable(self._refusing, "rejected_engine_failed")
         if self._open.is_set():
             return None
         if self._held >= self.max_queue:
@@ -224,14 +283,37 @@ class Gate:
         self._held += 1
         started = time.monotonic()
         try:
-            await asyncio.wait_for(self._open.wait(), self.max_hold_s)
+            await asyncio.wait_for(self._open.wait(), max(0.0, deadline - started))
         except TimeoutError:
             return self._unavailable(f"the engine is restarting and the request waited {self.max_hold_s:g} s",
                                      "rejected_hold_timeout")
         finally:
             self._held -= 1
             self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - started)
+        if self._refusing is not None:  # the restart being waited for gave up
+            return self._unavailable(self._refusing, "rejected_engine_failed")
         return None
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The whole request body, within ``max_body_bytes`` and ``client_timeout_s`` (a slow-loris body gets
+        408, not a file descriptor and a buffer held for ever)."""
+        try:
+            return await asyncio.wait_for(request.read(), self.client_timeout_s)
+        except web.HTTPRequestEntityTooLarge:
+            self._count("too_large")
+            return _error(413, f"pinsidecar gate: request body is over the limit of {self.max_body_bytes} bytes",
+                          "request_too_large")
+        except TimeoutError:
+            self._count("client_timeout")
+            resp = _error(408, f"pinsidecar gate: the request body did not arrive within {self.client_timeout_s:g} s",
+                          "request_timeout", {"Connection": "close"})
+            # answer and hang up now: aiohttp would otherwise linger, reading the rest of the body, for 10 s more
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.prepare(request)
+                await resp.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+            return resp
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if self._stopping:
@@ -240,34 +322,49 @@ class Gate:
             self._count("too_large")
             return _error(413, f"pinsidecar gate: request body of {request.content_length} bytes is over the "
                           f"limit of {self.max_body_bytes} bytes", "request_too_large")
-        refused = await self._wait_open()
-        if refused is not None:
-            return refused
-        if self._stopping:
-            return self._unavailable("the sidecar is shutting down", "rejected_stopping")
-        assert self._idle is not None
-        self._in_flight += 1
-        self._idle.clear()
-        try:
-            return await self._proxy(request)
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._idle.set()
-
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self._count("too_large")
-            return _error(413, f"pinsidecar gate: request body is over the limit of {self.max_body_bytes} bytes",
-                          "request_too_large")
+        body = await self._read_body(request)
+        if isinstance(body, web.StreamResponse):
+            return body
         if self.capture is not None and body and request.method == "POST":
             self.capture.offer(request.path, body)
         headers = _filter_headers(request.headers, _STRIP_REQUEST)
         if request.remote:
             prior = request.headers.get("X-Forwarded-For")
             headers["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
+        deadline = time.monotonic() + self.max_hold_s
+        while True:
+            refused = await self._wait_open(deadline)
+            if refused is not None:
+                return refused
+            if self._stopping:
+                return self._unavailable("the sidecar is shutting down", "rejected_stopping")
+            assert self._idle is not None
+            self._in_flight += 1
+            self._idle.clear()
+            try:
+                answer = await self._forward(request, body, headers)
+            finally:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._idle.set()
+            if not isinstance(answer, _NotSent):
+                return answer
+            # The engine refused the connection: it never saw the request, so it is safe to send it again once
+            # the engine is back. The supervisor notices a dead engine and holds the gate; until then (or when
+            # nothing supervises it), retry every RETRY_S, all of it within the request's max_hold_s.
+            self.unreachable_retries += 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._count("bad_gateway")
+                return _error(502, f"pinsidecar gate: the engine at {answer.upstream} has not been reachable for "
+                              f"{self.max_hold_s:g} s ({answer.error}); it may be down: check `pinsidecar status`",
+                              "bad_gateway")
+            await asyncio.sleep(min(RETRY_S, remaining))
+
+    async def _forward(self, request: web.Request, body: bytes, headers: CIMultiDict[str]
+                       ) -> web.StreamResponse | _NotSent:
+        """Send the request to the engine once and relay its answer; :class:`_NotSent` when no connection could be
+        made (so the engine never saw it)."""
         upstream = self._upstream
         assert self._session is not None
         try:
@@ -275,10 +372,22 @@ class Gate:
                 request.method, URL(upstream + request.raw_path, encoded=True), headers=headers, data=body or None,
                 allow_redirects=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
             )
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except aiohttp.ClientConnectorError as exc:  # connect() failed: nothing was sent
+            return _NotSent(upstream, f"{type(exc).__name__}: {exc.os_error.strerror or exc}")
+        except aiohttp.ConnectionTimeoutError as exc:  # connect() did not finish: nothing was sent either
+            return _NotSent(upstream, f"{type(exc).__name__}: no connection within {self.connect_timeout_s:g} s")
+        except (aiohttp.ServerTimeoutError, TimeoutError):
+            self._count("upstream_timeout")
+            return _error(504, f"pinsidecar gate: the engine at {upstream} did not answer within "
+                          f"{self.upstream_idle_timeout_s:g} s (it may be hung); the request may not have completed",
+                          "gateway_timeout")
+        except (aiohttp.ClientError, OSError) as exc:
+            # connected, then lost before any answer: the engine may have seen the request (it was in flight when
+            # the engine crashed), so it is not replayed behind the client's back
             self._count("bad_gateway")
-            return _error(502, f"pinsidecar gate: the engine at {upstream} is not reachable "
-                          f"({type(exc).__name__}: {exc}); it may be starting or restarting", "bad_gateway")
+            return _error(502, f"pinsidecar gate: the engine at {upstream} closed the connection before answering "
+                          f"({type(exc).__name__}: {exc}); it crashed or was restarted while this request was in "
+                          "flight; the request did not complete, send it again", "bad_gateway")
         async with up:
             length = up.content_length
             if length is not None and length <= SMALL_RESPONSE_BYTES and "event-stream" not in up.content_type:
@@ -292,25 +401,38 @@ class Gate:
                 self._count("proxied")
                 return web.Response(status=up.status, reason=up.reason, body=data,
                                     headers=_filter_headers(up.headers, _STRIP_SMALL_RESPONSE))
-            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=_filter_headers(up.headers))
-            try:
-                await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-            except ConnectionResetError:
-                # the client went away: closing the upstream response makes the engine abort the request
-                self._count("client_disconnected")
-                up.close()
-                return resp
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                # the engine died mid-response: cut the client's connection so it sees a broken response,
-                # never a clean end of a truncated one
-                self._count("upstream_broken")
-                log.warning("engine response broke off mid-stream", path=request.path, error=str(exc))
-                if request.transport is not None:
-                    request.transport.close()
-                return resp
+            return await self._relay(request, up, upstream)
+
+    async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, upstream: str) -> web.StreamResponse:
+        """Relay a streamed (or large) response chunk by chunk as it arrives."""
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=_filter_headers(up.headers))
+        try:
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionResetError:
+            # the client went away: closing the upstream response makes the engine abort the request
+            self._count("client_disconnected")
+            up.close()
+            return resp
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # the engine died or stalled mid-response: say so in the stream, then cut the client's connection so
+            # it sees a broken response, never a clean end of a truncated one
+            hung = isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError)
+            self._count("upstream_timeout" if hung else "upstream_broken")
+            why = (f"the engine sent nothing for {self.upstream_idle_timeout_s:g} s (hung)" if hung
+                   else f"the engine broke off its response ({type(exc).__name__}: {exc})")
+            log.warning("engine response broke off mid-stream", path=request.path, error=why)
+            up.close()
+            if "event-stream" in up.content_type:
+                event = {"error": {"message": f"pinsidecar gate: {why}; the response is incomplete",
+                                   "type": "upstream_error", "code": 504 if hung else 502}}
+                with contextlib.suppress(ConnectionResetError, RuntimeError):
+                    await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            if request.transport is not None:
+                request.transport.close()
+            return resp
         self._count("proxied")
         return resp
 
@@ -318,4 +440,5 @@ class Gate:
         """The gate's state for ``pinsidecar status``."""
         return {"upstream": self._upstream, "holding": self._holding, "held": self._held,
                 "in_flight": self._in_flight, "longest_hold_s": round(self.longest_hold_s, 3),
+                "refusing": self._refusing, "unreachable_retries": self.unreachable_retries,
                 "counters": dict(self.counters)}

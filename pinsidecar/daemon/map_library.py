@@ -25,13 +25,18 @@ from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-__all__ = ["MapEntry", "MapLibrary", "MapNotFound"]
+__all__ = ["MapEntry", "MapLibrary", "MapNotFound", "MapPathRefused"]
 
 log = structlog.get_logger(__name__)
 
 
 class MapNotFound(LookupError):
     """No map matches the reference given (path, file name in the library, or hash prefix)."""
+
+
+class MapPathRefused(MapNotFound):
+    """A map reference whose path leads out of the maps folder (``..``, an absolute path elsewhere, a symlink
+    pointing out). A :class:`MapNotFound`, so every caller that answers 400 for an unknown map answers 400 here."""
 
 
 @dataclass
@@ -158,14 +163,26 @@ class MapLibrary:
         return sorted(self._entries.values(), key=lambda e: str(e.path))
 
     def resolve(self, ref: str) -> Path:
-        """A map reference from an operator: a path, a file name in the library, or a hash (prefix, ``sha256:``
-        optional, at least 8 hex digits). Raises :class:`MapNotFound`."""
-        p = Path(ref).expanduser()
-        if p.is_file():
-            return p.resolve()
-        cand = self.directory / ref
-        if cand.is_file():
-            return cand
+        """A map reference from the control API: a file name in the library, a path inside the maps folder
+        (absolute, or relative to it), or a hash (prefix, ``sha256:`` optional, at least 8 hex digits). Raises
+        :class:`MapNotFound`; :class:`MapPathRefused` for a path that leads out of the maps folder.
+
+        Why confined: the reference comes over HTTP, and the engine would load whatever file it names. Every
+        path is resolved (``..`` and symlinks followed) and must end inside the maps folder; ``../x``,
+        ``/etc/passwd`` or a symlink in the folder pointing out are refused, before anything reads the file."""
+        if "\x00" in ref:
+            raise MapPathRefused(f"map reference {ref!r} contains a NUL byte")
+        root = self.directory.resolve()
+        target = (root / ref).resolve()  # an absolute ref replaces root; `..` and symlinks are followed
+        if not target.is_relative_to(root):
+            raise MapPathRefused(
+                f"map {ref!r} is outside the maps folder {root} (resolves to {target}); maps are taken only from "
+                f"that folder: copy the file there (cp FILE {root}/) and pass its name")
+        try:
+            if target.is_file():
+                return target
+        except OSError as exc:  # a name too long, a loop of symlinks: not a map either way
+            raise MapNotFound(f"no map {ref[:200]!r}: {exc.strerror}") from None
         digest = ref.removeprefix("sha256:").lower()
         if len(digest) >= 8 and all(c in "0123456789abcdef" for c in digest):
             hits = [e for e in self._entries.values() if e.valid and e.hash.removeprefix("sha256:").startswith(digest)]

@@ -55,6 +55,7 @@ from pinsidecar.daemon.sdnotify import Notifier
 from pinsidecar.daemon.supervisor import EngineState, Supervisor
 from pinsidecar.drift import NO_SKEW, DriftWatch, WindowRecord
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
+from pinsidecar.engine.ports import check_ports_free
 from pinsidecar.engine.process import stop_recorded_engine
 from pinsidecar.live_stats import StatsReader
 from pinsidecar.remap import admission
@@ -96,7 +97,7 @@ class Daemon:
         self.notifier = notifier or Notifier.from_env()
         self.state_dir = cfg.daemon.state_dir
         self.launcher_factory = launcher_factory or make_launcher_factory(cfg)
-        self.started_at = time.time()
+        self.started_at = time.monotonic()  # for uptime: an interval, so never the wall clock
         self.exporter: Exporter | None = None
         self.gate: Any = None
         self.control: ControlServer | None = None
@@ -170,6 +171,7 @@ class Daemon:
         token = self._token or read_token(cfg.control.token_file, create=cfg.control.create_token)  # type: ignore[arg-type]
         self.state_dir.mkdir(parents=True, exist_ok=True)
         await self._clean_up_after_a_crash()
+        check_ports_free(self._listen_ports())  # after the clean-up: a leftover engine of ours held its port
         spec = self._spec_for(None)
         if cfg.metrics.enabled:
             from pinsidecar.metrics import Exporter
@@ -195,7 +197,8 @@ class Daemon:
                 capture = self.capture_store = self._capture_store()
             self.gate = Gate(cfg.gate.host, cfg.gate.port, spec.base_url, max_queue=cfg.gate.max_queue,
                              max_hold_s=cfg.gate.max_hold_s, max_body_bytes=cfg.gate.max_body_bytes,
-                             capture=capture)
+                             capture=capture, upstream_idle_timeout_s=cfg.gate.upstream_idle_timeout_s)
+            self.gate.hold()  # until the engine first serves: the supervisor releases it then
             await self.gate.start()
         self.control = ControlServer(self, token, host=cfg.control.host, port=cfg.control.port,
                                      unix_socket=cfg.control.unix_socket, max_body_bytes=cfg.control.max_body_bytes,
@@ -205,12 +208,24 @@ class Daemon:
         self.supervisor = Supervisor(
             self._spec_for, self.launcher_factory, cfg.supervisor, ready_timeout_s=cfg.engine.ready_timeout_s,
             stop_timeout_s=cfg.engine.stop_timeout_s, map_path=self._initial_map(), observer=self.exporter,
-            on_state=self._on_state)
+            on_state=self._on_state, gate=self.gate)
         self._tasks.append(asyncio.create_task(self.supervisor.run(), name="supervisor"))
         self._start_drift_watch(spec)
         log.info("daemon_started", version=__version__, config=str(cfg.path), control=self.control.address,
                  gate=f"{cfg.gate.host}:{cfg.gate.port}" if self.gate else None,
                  metrics=f"{cfg.metrics.host}:{cfg.metrics.port}" if self.exporter else None)
+
+    def _listen_ports(self) -> dict[str, tuple[str, int]]:
+        """Every TCP port the daemon and its engine listen on, by config key (checked before anything starts)."""
+        c = self.cfg
+        wanted = {"engine.port": (c.engine.host, c.engine.port)}
+        if c.gate.enabled:
+            wanted["gate.port"] = (c.gate.host, c.gate.port)
+        if c.control.unix_socket is None:
+            wanted["control.port"] = (c.control.host, c.control.port)
+        if c.metrics.enabled:
+            wanted["metrics.port"] = (c.metrics.host, c.metrics.port)
+        return wanted
 
     async def _clean_up_after_a_crash(self) -> None:
         """Stop engines a killed predecessor left running (they hold the ports), close its open remap records."""
@@ -218,6 +233,13 @@ class Daemon:
             found = await asyncio.to_thread(stop_recorded_engine, self.state_dir / name)
             if found is not None and found.get("stopped"):
                 log.warning("engine_leftover_stopped", file=name, pid=found["pid"], port=found.get("port"))
+        if self.cfg.engine.launcher == "container":  # a leftover engine container holds the name and the port
+            from pinsidecar.engine.container import remove_leftover_containers
+
+            try:
+                await asyncio.to_thread(remove_leftover_containers, self.cfg.container, self.state_dir)
+            except EngineError as exc:  # the runtime is missing or down: the supervisor's boot says so, in status
+                log.warning("container_leftover_check_failed", error=str(exc))
         for rec in close_open_records(self.remaps.store, self.state_dir / ACTIVE_MAP_FILE):
             self.remaps.last = rec
         self.remaps.store.prune(KEEP_RECORDS)
@@ -250,7 +272,8 @@ class Daemon:
         watch, reader = self.watch, self._stats_reader
         if watch is None or reader is None:
             return []
-        records = watch.feed_reading(reader.read(), now) + watch.poll(now)
+        reading = reader.read()
+        records = watch.feed_reading(reading, now, error=reader.last_error) + watch.poll(now)
         for rec in records:
             sig = rec.signals
             log.info("drift_window", index=rec.index, tokens=rec.window.get("tokens"), judged=rec.judged,
@@ -341,7 +364,8 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         sup = self.supervisor
         return {
-            "daemon": {"version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - self.started_at, 1),
+            "daemon": {"version": __version__, "pid": os.getpid(),
+                       "uptime_s": round(time.monotonic() - self.started_at, 1),
                        "config": str(self.cfg.path) if self.cfg.path else None,
                        "control": self.control.address if self.control else None,
                        "metrics": f"http://{self.cfg.metrics.host}:{self.cfg.metrics.port}/metrics"
@@ -508,10 +532,12 @@ class Daemon:
                                                   result)
                 finally:
                     if self.gate is not None:
-                        if sup.launcher is not None:
-                            self.gate.set_upstream(sup.launcher.base_url)
                         result["held_at_release"] = self.gate.held  # requests that waited out the reboot
-                        self.gate.release()
+                        if sup.launcher is not None and sup.state == EngineState.READY:
+                            self.gate.set_upstream(sup.launcher.base_url)
+                            self.gate.release()
+                        # else no engine serves: the gate keeps holding until the supervisor's own restart
+                        # serves (or refuses, once the supervisor has given up)
                         result["hold_s"] = round(time.monotonic() - hold_t0, 3)
         finally:
             self._drain_busy = False

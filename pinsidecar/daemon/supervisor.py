@@ -6,9 +6,17 @@ The supervisor owns the engine's lifecycle and nothing else; the daemon drives d
 - **Blocking launcher calls run in threads.** :class:`~pinsidecar.engine.Launcher` is synchronous (it is shared
   with the CLI tools), and a boot waits minutes; the daemon's event loop must keep feeding the systemd watchdog
   and answering the control API meanwhile.
-- **Liveness** is the process (or container) alive *and* ``/health`` answering. A dead process is acted on at
-  the next check (every ``health_interval_s``); a live one must fail ``health_failures`` checks in a row, since
-  one missed probe is a GC pause, not a hang.
+- **Liveness** is the process (or container) alive *and* ``/health`` answering (within ``health_timeout_s``).
+  A local engine process that exits is noticed at once: the event loop watches a pidfd of it (:class:`_ExitWatch`,
+  no thread, no poll), so the state leaves ``ready`` and the gate holds in the same moment; a container's exit
+  is noticed at the next check (every ``health_interval_s``). A live engine must fail ``health_failures`` checks
+  in a row (one missed probe is a GC pause, not a hang), so a hung one is restarted within
+  ``health_failures x (health_interval_s + health_timeout_s)``.
+- **The gate follows the engine** (:class:`EngineGate`, the daemon's gate): the supervisor holds it the moment
+  it loses the engine (crash or hang), points it at the restarted engine and releases it once that serves, and
+  makes it refuse (503 at once) when it gives up. Requests that arrive meanwhile wait, bounded, exactly as during
+  a drain-reboot; only those the engine had taken when it died fail. A drain-reboot holds the supervisor's lock
+  and drives the gate itself.
 - **Backoff and the crash loop.** Each failed boot or crash in a row doubles the wait before the next boot
   (``backoff_initial_s`` .. ``backoff_max_s``); ``crash_loop_limit`` of them in a row puts the supervisor in the
   ``failed`` state: it stops restarting, the daemon stays up, and status and metrics say why. An engine that
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,8 +52,8 @@ from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
 from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 
-__all__ = ["BootObserver", "BootRecord", "EngineState", "Supervisor", "compile_cache_evidence", "geometry_key",
-           "is_cache_miss"]
+__all__ = ["BootObserver", "BootRecord", "EngineGate", "EngineState", "Supervisor", "compile_cache_evidence",
+           "geometry_key", "is_cache_miss"]
 
 log = structlog.get_logger(__name__)
 
@@ -84,6 +93,50 @@ class BootObserver(Protocol):
 
     def on_map(self, emap: ExpertMap) -> None:
         """The engine that just booted serves ``emap``."""
+
+
+@runtime_checkable
+class EngineGate(Protocol):
+    """What the supervisor does to the gate in front of the engine (:class:`pinsidecar.daemon.gate.Gate`)."""
+
+    def hold(self) -> None:
+        """New requests wait (bounded) instead of reaching the engine."""
+
+    def release(self) -> None:
+        """Let held and new requests through."""
+
+    def refuse(self, why: str) -> None:
+        """Answer every request 503 at once: no engine is coming back."""
+
+    def set_upstream(self, url: str) -> None:
+        """Send requests to ``url`` from now on."""
+
+
+class _ExitWatch:
+    """Calls ``on_exit`` on the event loop the moment process ``pid`` exits: a pidfd (Linux >= 5.3) becomes readable
+    then. The process must be our child and not yet reaped (Popen reaps only when asked), so the pid cannot have
+    been reused. Without pidfd support nothing is watched and the liveness check finds the exit instead."""
+
+    def __init__(self, pid: int, on_exit: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._on_exit = on_exit
+        self._fd: int | None = None
+        try:
+            self._fd = os.pidfd_open(pid)
+        except (OSError, AttributeError) as exc:
+            log.info("engine_exit_watch_unavailable", pid=pid, error=str(exc), fallback="liveness check")
+            return
+        self._loop.add_reader(self._fd, self._fire)
+
+    def _fire(self) -> None:
+        self.close()
+        self._on_exit()
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            self._loop.remove_reader(fd)
+            os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -155,7 +208,7 @@ class Supervisor:
     def __init__(self, spec_for: Callable[[Path | None], EngineSpec], make_launcher: Callable[[EngineSpec], Launcher],
                  cfg: SupervisorConfig, *, ready_timeout_s: float, stop_timeout_s: float,
                  map_path: Path | None = None, observer: BootObserver | None = None,
-                 on_state: Callable[[str, str], None] | None = None) -> None:
+                 on_state: Callable[[str, str], None] | None = None, gate: EngineGate | None = None) -> None:
         self.spec_for = spec_for
         self.make_launcher = make_launcher
         self.cfg = cfg
@@ -165,6 +218,7 @@ class Supervisor:
         self.map: ExpertMap | None = load_map(map_path) if map_path is not None else None
         self.observer = observer
         self.on_state = on_state
+        self.gate = gate
         self.launcher: Launcher | None = None
         self.state = EngineState.STOPPED
         self.detail = ""
@@ -176,6 +230,8 @@ class Supervisor:
         self._closing = False
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
+        self._exit_watch: _ExitWatch | None = None
+        self._exited: Launcher | None = None  # the serving engine's process exited; the loop has not acted yet
 
     # ------------------------------------------------------------------------------------------------ observer
 
@@ -256,13 +312,51 @@ class Supervisor:
         if emap is not None:
             served = emap
             self._tell(lambda o: o.on_map(served))
+        self._watch_exit(launcher)
         self._set_state(EngineState.READY)
         return rec
+
+    def _watch_exit(self, launcher: Launcher) -> None:
+        if self._exit_watch is not None:
+            self._exit_watch.close()
+            self._exit_watch = None
+        if isinstance(launcher, EngineProcess) and launcher.pid is not None:
+            self._exit_watch = _ExitWatch(launcher.pid, lambda: self._engine_exited(launcher))
+
+    def _engine_exited(self, launcher: Launcher) -> None:
+        """The serving engine's process just exited (called by the exit watch on the event loop)."""
+        if launcher is not self.launcher or self._closing:
+            return  # stopped on purpose (stop_engine drops it first), or replaced
+        self._exited = launcher
+        if self.lock.locked():
+            # a drain-reboot (or a boot) owns the engine now: the gate already holds and the owner reboots it
+            log.warning("engine_exited_during_drain_reboot", pid=launcher.pid)
+        else:
+            self.lose("engine process exited")
+        self.wake()
+
+    def lose(self, why: str) -> None:
+        """The serving engine is gone or hung: never say ready again until a new one serves, and hold the gate so
+        requests wait for the restart instead of failing at a dead engine."""
+        self.ready_since = None
+        self._set_state(EngineState.BACKOFF, f"{why}; restarting")
+        if self.gate is not None:
+            self.gate.hold()
+
+    def _serve(self) -> None:
+        """A boot of the loop's own reached ready: point the gate at the engine and let requests through."""
+        launcher = self.launcher
+        if self.gate is not None and launcher is not None:
+            self.gate.set_upstream(launcher.base_url)
+            self.gate.release()
 
     async def stop_engine(self, state: str = EngineState.STOPPED, timeout_s: float | None = None) -> int | None:
         """Stop the running engine (if any). Call with :attr:`lock` held."""
         launcher, self.launcher = self.launcher, None
         self.ready_since = None
+        if self._exit_watch is not None:
+            self._exit_watch.close()
+            self._exit_watch = None
         if launcher is None:
             return None
         if state == EngineState.STOPPED:
@@ -278,30 +372,35 @@ class Supervisor:
         return min(self.cfg.backoff_initial_s * 2 ** (n - 1), self.cfg.backoff_max_s)
 
     async def _sleep(self, seconds: float) -> None:
-        """Sleep, but wake early on :meth:`wake` (shutdown, or an operator clearing ``failed``)."""
+        """Sleep, but wake early on :meth:`wake` (shutdown, an operator clearing ``failed``, the engine exiting)."""
         self._wake.clear()
+        if self._exited is not None and self._exited is self.launcher:
+            return  # the engine exited before we got here: act now
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=seconds)
 
     def wake(self) -> None:
         self._wake.set()
 
-    def note_failure(self, reason: str) -> float | None:
+    def note_failure(self, reason: str, permanent: bool = False) -> float | None:
         """Count a crash or failed boot; returns the backoff to wait, or None once the crash-loop limit is hit
-        (state ``failed``)."""
+        or the failure is ``permanent`` (a missing runtime or image: a retry cannot fix it) (state ``failed``)."""
         self.failures_in_row += 1
         self.restarts_total += 1
-        if self.failures_in_row >= self.cfg.crash_loop_limit:
+        if permanent or self.failures_in_row >= self.cfg.crash_loop_limit:
+            why = "a retry cannot fix this" if permanent else f"{self.failures_in_row} failures in a row"
             self._set_state(EngineState.FAILED,
-                            f"{self.failures_in_row} failures in a row ({reason}); not restarting "
+                            f"{why} ({reason}); not restarting "
                             "(fix the cause, then `pinsidecar drain-reboot` or restart the daemon)")
+            if self.gate is not None:
+                self.gate.refuse(f"the engine failed ({self.detail})")
             return None
         wait = self._backoff_s()
         self._set_state(EngineState.BACKOFF, f"{reason}; next boot in {wait:.1f} s")
         return wait
 
-    async def _record_failure(self, reason: str) -> None:
-        wait = self.note_failure(reason)
+    async def _record_failure(self, reason: str, permanent: bool = False) -> None:
+        wait = self.note_failure(reason, permanent)
         if wait is not None:
             await self._sleep(wait)
 
@@ -330,6 +429,8 @@ class Supervisor:
             if self.state == EngineState.UNHEALTHY:
                 self._set_state(EngineState.READY)
             return None, 0
+        if self._exited is launcher:
+            return "crash", misses  # it exited while we probed: not a hang
         misses += 1
         if misses >= self.cfg.health_failures:
             return "unhealthy", misses
@@ -345,19 +446,21 @@ class Supervisor:
                 await self._sleep(self.cfg.health_interval_s)
                 continue
             if self.launcher is None:
-                failure = ""
+                failure, permanent = "", False
                 async with self.lock:
                     if self._closing or self.launcher is not None or self.state == EngineState.FAILED:
                         continue
                     try:
                         await self.boot(reason)
                         misses = 0
+                        self._serve()
                     except (EngineError, ArtifactError) as exc:
                         failure = f"boot failed: {str(exc).splitlines()[0]}"
+                        permanent = bool(getattr(exc, "permanent", False))  # EngineSetupError: no retry fixes it
                 if failure:
                     if self._closing:
                         break
-                    await self._record_failure(failure)  # sleeps the backoff outside the lock
+                    await self._record_failure(failure, permanent)  # sleeps the backoff outside the lock
                     reason = "retry"
                     continue
             await self._sleep(self.cfg.health_interval_s)
@@ -378,6 +481,9 @@ class Supervisor:
                     continue  # replaced or stopped while we looked
                 log.warning("engine_lost", reason=problem, pid=launcher.pid,
                             last_log=launcher.last_log_lines(5))
+                self.lose("engine process exited" if problem == "crash"
+                          else f"engine hung: /health failed {misses} time(s) in a row")
+                self._exited = None
                 await self.stop_engine(EngineState.BACKOFF, timeout_s=5.0)
             misses = 0
             reason = problem
@@ -409,9 +515,13 @@ class Supervisor:
     def snapshot(self) -> dict[str, Any]:
         launcher = self.launcher
         last_ok = next((b for b in reversed(self.boots) if b.ok), None)
+        state, detail = self.state, self.detail
+        if state == EngineState.READY and isinstance(launcher, EngineProcess) and not launcher.alive():
+            # the exit watch fires within a loop iteration; this covers the moment in between (and no pidfd)
+            state, detail = EngineState.BACKOFF, "engine process exited; restarting"
         return {
-            "state": self.state,
-            "detail": self.detail,
+            "state": state,
+            "detail": detail,
             "pid": launcher.pid if launcher is not None else None,
             "url": launcher.base_url if launcher is not None else None,
             "ready_for_s": round(time.monotonic() - self.ready_since, 1) if self.ready_since else None,

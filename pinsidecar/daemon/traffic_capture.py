@@ -14,7 +14,9 @@ Bounded, and safe to read while it writes:
   ``(max_files + 1) * max_file_bytes`` bytes;
 - after a crash, a torn last line in the active file is cut off on the next start.
 
-Opt-in: nothing is captured unless the daemon builds a store (config), because request bodies are user data.
+Opt-in: nothing is captured unless the daemon builds a store (``gate.capture_dir`` set; unset by default), because
+request bodies are user data. For the same reason the folder is created 0700 and every file 0600 (the active file
+is opened with that mode; a rotation renames it, keeping it), whatever the daemon's umask.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class CaptureStore:
         self.counters: dict[str, int] = dict.fromkeys(
             ("offered", "written", "skipped_invalid", "skipped_too_large", "rotations", "write_errors"), 0)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # 0700 / 0600: request bodies are user data, readable by the daemon's user alone
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ValueError(f"capture directory {self.directory}: cannot create it ({exc.strerror}); "
                              "pick a writable directory") from None

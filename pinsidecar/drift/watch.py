@@ -7,6 +7,10 @@ same code: the daemon feeds it every stats reading (:meth:`DriftWatch.feed_readi
 counts for the divergence, and the previous judged window (the out-of-sample candidate is built from it). It does
 no I/O; the remap pipeline reads :meth:`DriftWatch.held_out_window` to judge a candidate and reports back with
 :meth:`DriftWatch.remap_finished`.
+
+It also says how its input looks (``status()["stats"]``): how long since a new stats write arrived (monotonic
+seconds: a hook that stopped writing leaves the watch blind, and it must say so rather than look steady), how many
+engine restarts the counters went back over, and why the file could not be read, if it could not.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ log = structlog.get_logger(__name__)
 # traffic; the daemon's metrics only need the last one.
 KEEP_WINDOWS = 16
 KEEP_RECORDS = 256
+# No new stats write for this long while the engine serves: the watch is blind. The same bound as the
+# PinsidecarStatsStale alert (grafana/alerts.yml), so status and the alert agree.
+STATS_STALE_S = 120.0
 
 
 class DriftWatch:
@@ -50,17 +57,32 @@ class DriftWatch:
         self.previous: Window | None = None
         self.recent: deque[Window] = deque(maxlen=KEEP_WINDOWS)
         self.records: deque[WindowRecord] = deque(maxlen=KEEP_RECORDS)
+        self._stats: dict[str, Any] = {"boot_id": None, "seq": None, "restarts": 0, "error": None}
+        self._stats_changed_at: float | None = None
 
     # ----------------------------------------------------------------------------------------------- feeding
     def feed(self, sample: LiveSample) -> list[WindowRecord]:
         """One stats reading's deltas; returns the records of the windows it closed (usually none)."""
         return [self.observe(w) for w in self.windows.feed(sample)]
 
-    def feed_reading(self, reading: Any, now: float | None = None) -> list[WindowRecord]:
-        """A :class:`~pinsidecar.live_stats.StatsReading` (None, from a missing stats file, is ignored)."""
+    def feed_reading(self, reading: Any, now: float | None = None, error: str | None = None) -> list[WindowRecord]:
+        """A :class:`~pinsidecar.live_stats.StatsReading` (None, from a missing or unreadable stats file, feeds
+        nothing); ``error``: the reader's reason when the file could not be read (shown in the status)."""
+        self._note_stats(reading, error, self.clock() if now is None else now)
         if reading is None:
             return []
         return self.feed(sample_from_reading(reading, now))
+
+    def _note_stats(self, reading: Any, error: str | None, now: float) -> None:
+        st = self._stats
+        st["error"] = error if reading is None else None
+        if reading is None:
+            return
+        snap = reading.snapshot
+        if (snap.boot_id, snap.seq) != (st["boot_id"], st["seq"]):
+            st["restarts"] += int(bool(reading.restarted) and not reading.first)
+            st["boot_id"], st["seq"] = snap.boot_id, snap.seq
+            self._stats_changed_at = now
 
     def poll(self, now: float | None = None) -> list[WindowRecord]:
         """Close a quiet engine's window once its time cap has passed; call it on the daemon's timer."""
@@ -117,8 +139,12 @@ class DriftWatch:
 
     def status(self, now: float | None = None) -> dict[str, Any]:
         """What the daemon's status and metrics show: the detector's state and the last window's signals."""
+        now = self.clock() if now is None else now
         last = self.last_record
+        changed = self._stats_changed_at
+        unchanged = None if changed is None else round(max(0.0, now - changed), 3)
+        stats = {**self._stats, "unchanged_s": unchanged, "stale": unchanged is not None and unchanged >= STATS_STALE_S}
         return {**self.detector.snapshot(now), "active_map": self.active.content_hash,
                 "open_window_tokens": self.windows.open_tokens,
                 "last_window": last.as_dict() if last else None,
-                "status": last.status if last else "no window closed yet"}
+                "status": last.status if last else "no window closed yet", "stats": stats}

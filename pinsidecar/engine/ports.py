@@ -3,14 +3,21 @@
 Every launcher checks its port before it starts anything (a second engine on a busy port fails only after a 20 s
 boot, with "address already in use" deep in its log), and every command that boots an engine for itself (parity,
 the tests, the benchmarks) needs a port nobody uses. Both questions are answered here, once.
+
+The daemon asks :func:`check_ports_free` for all its ports (engine, gate, control API, exporter) before it starts
+anything: a port taken by another process is one clear error naming the setting, the port and who holds it, before
+the engine's long boot, not a bind error from deep inside a server or an engine that fails its boots in a loop.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 
-__all__ = ["PORT_RANGE_ENV", "free_port", "port_in_use"]
+import psutil
+
+__all__ = ["PORT_RANGE_ENV", "PortsTakenError", "check_ports_free", "free_port", "port_holder", "port_in_use"]
 
 # PINSIDECAR_TEST_PORTS="8150-8199" keeps free_port() inside a range: on a box shared by several test runs, each
 # run owns a range and the runs never take each other's ports.
@@ -55,3 +62,36 @@ def free_port(lo: int | None = None, hi: int | None = None, host: str = "127.0.0
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+class PortsTakenError(OSError):
+    """One or more of the ports a daemon needs are held by another process (an ``OSError``, like a failed bind)."""
+
+
+def port_holder(port: int) -> str | None:
+    """``"pid 1234 (nginx)"`` for the process listening on ``port``, when the system lets us see it."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.Error, OSError):  # not root on some systems: the port is still named, without its holder
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            try:
+                return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
+            except psutil.Error:
+                return f"pid {c.pid}"
+    return None
+
+
+def check_ports_free(wanted: Mapping[str, tuple[str, int]]) -> None:
+    """Raise :class:`PortsTakenError` naming every setting in ``wanted`` (``{"gate.port": (host, port)}``) whose
+    port cannot be bound now, who holds it, and how to fix it. Port 0 (the OS picks) is never taken."""
+    taken, ports = [], []
+    for key, (host, port) in wanted.items():
+        if port and port_in_use(host, port):
+            holder = port_holder(port)
+            taken.append(f"{key} = {port} on {host} is taken" + (f" by {holder}" if holder else ""))
+            ports.append(f"`ss -ltnp 'sport = :{port}'`")
+    if taken:
+        raise PortsTakenError(f"{'; '.join(taken)}: stop whatever listens there ({', '.join(ports)} shows it) or "
+                              "set another port in the config")

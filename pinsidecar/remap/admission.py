@@ -7,7 +7,8 @@ check and count against the *same* figures, so an operator's remap starts the co
 other way round. There is no force flag: an operator who must bypass waits or edits ``[drift]``.
 
 The detector's bookkeeping lives in memory; :func:`seed_from_history` replays the starts of remaps recorded on disk
-into it when the daemon starts, so a restart does not reset the cooldown or the cap.
+into it when the daemon starts, so a restart does not reset the cooldown or the cap. Across a restart the records'
+wall-clock start times are all there is; everything after that runs on the detector's monotonic clock.
 """
 
 from __future__ import annotations
@@ -59,9 +60,14 @@ def seed_from_history(detector: DriftDetector, records: Iterable[RemapRecord], *
     starts = []
     for rec in records:
         started = _epoch(rec.started_at)
-        if rec.dry_run or started is None or not 0 <= wall_now - started < DAY_S:
+        if rec.dry_run or started is None:
             continue
-        starts.append(now - (wall_now - started))
+        # A start "in the future" means the wall clock was set back since: count it as starting now (the cooldown
+        # is kept, never skipped by a clock step). Older than a day: no longer counts.
+        age = max(0.0, wall_now - started)
+        if age >= DAY_S:
+            continue
+        starts.append(now - age)
     for t in sorted(starts):
         detector.count_past_remap(t)
     return len(starts)

@@ -7,13 +7,15 @@ engine to rebuild what is already on disk. :func:`library_maps` lists the labell
 
 **A candidate lands atomically, beside its counts.** :func:`save_candidate` writes the counts the map was built
 from as ``<map>.counts.json`` first, then the map, each with write-fsync-rename, into a *new* file named after
-its label and hash: a crash leaves either no map or a whole one, and a candidate never replaces the file of the
+its label and hash: a crash leaves either no map or a whole one (a write refused by a full or read-only folder
+leaves neither: the counts already written are removed), and a candidate never replaces the file of the
 map that serves (the active map's file is never written). The counts beside a map are what the drift watch
 measures divergence against once that map serves (:func:`reference_counts`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -83,7 +85,16 @@ def save_candidate(maps_dir: Path, emap: ExpertMap, counts: CountsArtifact | Non
                 counts.save(counts_path_for(path))
             return path
     path = Path(maps_dir) / f"{_safe(emap.label)}-{emap.short_hash}.json"
-    if counts is not None:
-        counts.save(counts_path_for(path))
-    emap.save(path)
+    wrote: list[Path] = []
+    try:
+        if counts is not None:
+            counts.save(counts_path_for(path))
+            wrote.append(counts_path_for(path))
+        emap.save(path)
+    except OSError as exc:  # a full or read-only folder: leave nothing of this candidate behind, say where
+        for p in wrote:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        raise OSError(exc.errno, f"cannot write candidate map {path.name} into {maps_dir}: {exc.strerror}; free "
+                      "space there or set maps.dir to a writable folder") from exc
     return path

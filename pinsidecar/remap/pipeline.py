@@ -450,7 +450,7 @@ class RemapPipeline:
             run.candidate_path = await asyncio.to_thread(save_candidate, host.cfg.maps_dir, run.candidate, counts,
                                                          lib)
         except (ArtifactError, OSError, ValueError) as exc:
-            raise Aborted(f"building the candidate failed: {_first_line(exc)}") from None
+            raise Aborted(f"building the candidate failed: {_first_line(exc)}; the old map keeps serving") from None
         await self._enter(run, "evaluating", {"path": str(run.candidate_path), "hash": run.candidate.content_hash,
                                               "label": label, "tokens": counts.tokens,
                                               "in_sample_cold_rate": run.candidate.predicted_cold_rate})

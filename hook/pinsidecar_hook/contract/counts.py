@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from pinsidecar_hook.contract.io import (
+    COUNT_LIMIT,
     COUNTS_FORMAT,
     VERSION,
     ArtifactError,
@@ -124,9 +125,15 @@ class CountsArtifact:
         counts = counts.astype(np.int64, copy=False)
         if (counts < 0).any():
             raise ArtifactError(path, "negative counts", "the file is corrupt; regenerate it")
+        # Every sum over a layer (selections, digests, merges) is int64: a value that could overflow one is corrupt.
+        if counts.size and int(counts.max()) > COUNT_LIMIT // num_experts:
+            raise ArtifactError(path, f"a count of {int(counts.max())} is too large (a layer's sum would overflow "
+                                "64-bit integers)", "the file is corrupt; regenerate it")
         tokens = _field(doc, "tokens", int, path)
         if tokens < 0:
             raise ArtifactError(path, f"tokens must be >= 0, got {tokens}")
+        if tokens > COUNT_LIMIT:
+            raise ArtifactError(path, f"tokens must be at most {COUNT_LIMIT} (64-bit counters), got {tokens}")
         art = cls(
             layer_ids=layer_ids, num_experts=num_experts, top_k=top_k, counts=counts, tokens=tokens,
             model=ModelInfo.from_json(doc.get("model", {}), path),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -21,6 +22,9 @@ from typing import Any
 __all__ = [
     "COUNTS_FORMAT",
     "MAP_FORMAT",
+    "MAX_EXPERTS",
+    "MAX_FILE_BYTES",
+    "MAX_LAYERS",
     "STATS_FORMAT",
     "VERSION",
     "ArtifactError",
@@ -34,6 +38,16 @@ MAP_FORMAT = "pinsidecar.map"
 STATS_FORMAT = "pinsidecar.stats"
 # One version for all three; bump it (and keep a reader for the old one) whenever a field changes meaning.
 VERSION = 1
+# Bounds on what a reader accepts, checked before anything is allocated from a header's dimensions: a corrupt or
+# hostile header claiming 10^12 experts is refused with a message, not an attempt to build a 10^12-entry table.
+# Far above any real MoE (DeepSeek-V3: 61 layers x 256 experts), far below what would hurt a host.
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
+# A counts, map or stats file is kilobytes to a few MB (a histogram of MAX_LAYERS x MAX_EXPERTS would not fit
+# anyway); a larger file is not one of ours, and reading it whole would be the allocation the caps prevent.
+MAX_FILE_BYTES = 256 * 1024 * 1024
+# Counters are held in int64 (numpy tables, Prometheus deltas): a larger value in a file is corruption.
+COUNT_LIMIT = 2**63 - 1
 
 
 class ArtifactError(ValueError):
@@ -98,6 +112,10 @@ def _sha256(obj: Any) -> str:
 def _read_json(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
     p = Path(path)
     try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ArtifactError(p, f"file is {size} bytes, over the {MAX_FILE_BYTES}-byte limit of a "
+                                f"{fmt.split('.')[-1]} file", "this is not a pinsidecar artifact")
         raw = p.read_bytes()
     except FileNotFoundError:
         raise ArtifactError(p, "file not found", "check the path") from None
@@ -107,6 +125,9 @@ def _read_json(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
         raise ArtifactError(p, "file is empty", f"regenerate the {fmt.split('.')[-1]} file")
     try:
         doc = json.loads(raw)
+    except RecursionError:  # "[[[[..." nested deeper than the parser's stack: corrupt, not a crash
+        raise ArtifactError(p, "JSON nested too deeply; the file is corrupt",
+                            f"regenerate the {fmt.split('.')[-1]} file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(
             p, f"not valid JSON ({exc}); the file is corrupt or truncated",
@@ -118,7 +139,7 @@ def _read_json(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
     if found != fmt:
         raise ArtifactError(p, f"format is {found!r}, expected {fmt!r}", "pass the right kind of file")
     version = doc.get("version")
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:  # `true` and `1.0` compare equal to 1 but are not versions
         raise ArtifactError(
             p, f"format version {version!r} is not supported (this pinsidecar reads version {VERSION})",
             "rebuild the file with this pinsidecar version, or upgrade pinsidecar",
@@ -138,6 +159,21 @@ def _field(doc: dict[str, Any], key: str, typ: type | tuple[type, ...], path: An
     return value
 
 
+def _finite(value: Any, what: str, path: Any, lo: float | None = None, hi: float | None = None) -> float:
+    """An optional number field as a float: finite (JSON readers accept NaN and Infinity) and within [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ArtifactError(path, f"field {what!r} should be a number, got {type(value).__name__}")
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond float's range
+        out = math.inf
+    if not math.isfinite(out) or (lo is not None and out < lo) or (hi is not None and out > hi):
+        bounds = f" in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else ""
+        raise ArtifactError(path, f"field {what!r} must be a finite number{bounds}, got {value!r}",
+                            "the file is corrupt or hand-edited; regenerate it")
+    return out
+
+
 def _int_list(value: Any, what: str, path: Any) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ArtifactError(path, f"{what} must be a list of integers")
@@ -147,6 +183,12 @@ def _int_list(value: Any, what: str, path: Any) -> list[int]:
 def _check_dims(layer_ids: list[int], num_experts: int, top_k: int, path: Any) -> None:
     if not layer_ids:
         raise ArtifactError(path, "no layers")
+    if len(layer_ids) > MAX_LAYERS:
+        raise ArtifactError(path, f"{len(layer_ids)} layers, more than the {MAX_LAYERS} a file may describe",
+                            "the file is corrupt; regenerate it")
+    if num_experts > MAX_EXPERTS:
+        raise ArtifactError(path, f"num_experts is {num_experts}, more than the {MAX_EXPERTS} a file may describe",
+                            "the file is corrupt; regenerate it")
     if len(set(layer_ids)) != len(layer_ids) or any(i < 0 for i in layer_ids):
         raise ArtifactError(path, f"layer_ids must be distinct non-negative integers, got {layer_ids}")
     if num_experts < 1:
@@ -171,6 +213,6 @@ def _guarded(parse: Any, doc: dict[str, Any], path: Any) -> Any:
         return parse(doc, path)
     except ArtifactError:
         raise
-    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+    except (ValueError, TypeError, AttributeError, KeyError, OverflowError) as exc:  # int(inf) is an OverflowError
         raise ArtifactError(path, f"malformed field ({type(exc).__name__}: {exc})",
                             "the file is corrupt or hand-edited; regenerate it") from None

@@ -17,6 +17,7 @@ from pinsidecar_hook.contract.io import (
     VERSION,
     ArtifactError,
     _field,
+    _finite,
     _guarded,
     _int_list,
     _read_dims,
@@ -172,7 +173,10 @@ class ExpertMap:
         geom = _field(doc, "geometry", dict, path)
         hot_rows = _field(geom, "hot_rows", int, path)
         cold_rows = _field(geom, "cold_rows", int, path)
-        expert_bytes = int(geom.get("expert_bytes", 0) or 0)
+        expert_bytes = geom.get("expert_bytes", 0) or 0
+        if isinstance(expert_bytes, bool) or not isinstance(expert_bytes, int) or expert_bytes < 0:
+            raise ArtifactError(path, f"geometry expert_bytes must be a non-negative integer, got {expert_bytes!r}",
+                                "the map is corrupt; rebuild it")
         if hot_rows < 0 or cold_rows < 0 or hot_rows + cold_rows != num_experts:
             raise ArtifactError(path, f"geometry hot_rows={hot_rows} + cold_rows={cold_rows} != num_experts "
                                 f"({num_experts})", "the map is corrupt; rebuild it")
@@ -197,7 +201,8 @@ class ExpertMap:
             layers=tuple(layers), expert_bytes=expert_bytes, model=ModelInfo.from_json(doc.get("model", {}), path),
             policy=str(doc.get("policy", "usage")), label=str(doc.get("label", "")),
             source_counts=tuple(str(s) for s in doc.get("source_counts", []) or []),
-            predicted_cold_rate=None if pcr is None else float(pcr), created_at=str(doc.get("created_at", "")),
+            predicted_cold_rate=None if pcr is None else _finite(pcr, "predicted_cold_rate", path, 0.0, 1.0),
+            created_at=str(doc.get("created_at", "")),
             meta=dict(doc.get("meta", {}) or {}),
         )
         stated = doc.get("hash")
@@ -220,7 +225,7 @@ def _check_partition(lid: int, hot: Sequence[int], cold: Sequence[int], num_expe
     dup = sorted({e for e in ids if e in seen or seen.add(e)})  # type: ignore[func-returns-value]
     if dup:
         raise ArtifactError(path, f"layer {lid} lists experts {dup[:8]} more than once")
-    missing = sorted(set(range(num_experts)) - seen)
+    missing = sorted(set(range(num_experts)) - seen)  # bounded: _read_dims capped num_experts at MAX_EXPERTS
     if missing:
         raise ArtifactError(path, f"layer {lid} does not place experts {missing[:8]}")
 

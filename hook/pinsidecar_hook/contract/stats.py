@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from pinsidecar_hook.contract.io import (
+    COUNT_LIMIT,
     STATS_FORMAT,
     VERSION,
     ArtifactError,
     _field,
+    _finite,
     _guarded,
     _int_list,
     _read_dims,
@@ -94,13 +96,22 @@ class StatsSnapshot:
             for i, row in enumerate(hist):
                 if len(_int_list(row, f"histogram row {i}", path)) != num_experts:
                     raise ArtifactError(path, f"histogram row {i} must have {num_experts} entries")
+            for i, row in enumerate(hist):
+                if any(not 0 <= v <= COUNT_LIMIT for v in row):
+                    raise ArtifactError(path, f"histogram row {i} has counts outside 0..{COUNT_LIMIT}")
+        if any(s > COUNT_LIMIT for s in sel):
+            raise ArtifactError(path, f"selections must be at most {COUNT_LIMIT} (64-bit counters)")
         seq = _field(doc, "seq", int, path)
+        tokens = _field(doc, "tokens", int, path)
+        if not (0 <= seq <= COUNT_LIMIT and 0 <= tokens <= COUNT_LIMIT):
+            raise ArtifactError(path, f"seq and tokens must be >= 0, got seq={seq}, tokens={tokens}",
+                                "the file is corrupt; it is rewritten at the engine's next stats write")
         return cls(
             boot_id=str(_field(doc, "boot_id", str, path)), seq=seq, layer_ids=layer_ids,
             num_experts=num_experts, top_k=top_k, selections=sel, cold_selections=cold,
-            tokens=_field(doc, "tokens", int, path), map_hash=str(doc.get("map_hash", "")),
+            tokens=tokens, map_hash=str(doc.get("map_hash", "")),
             map_label=str(doc.get("map_label", "")), pid=int(doc.get("pid", 0) or 0),
-            written_at=float(doc.get("written_at", 0.0) or 0.0),
+            written_at=_finite(doc.get("written_at", 0.0) or 0.0, "written_at", path, 0.0),
             tier_bytes={str(k): int(v) for k, v in (doc.get("tier_bytes") or {}).items()},
             histogram=hist, errors={str(k): int(v) for k, v in (doc.get("errors") or {}).items()},
             flush_token=str(doc.get("flush_token", "") or ""), meta=dict(doc.get("meta", {}) or {}),

@@ -1,0 +1,123 @@
+"""Streaming clients through the gate while something happens to the engine: the drain-reboot figure's load.
+
+:func:`load_during` runs ``clients`` clients that each stream completions in a loop; once every client's traffic
+flows it awaits ``action`` (a drain-reboot), then waits until every client has been served twice by the new
+engine, and stops. Each request counts as completed (``[DONE]`` and a finish reason), failed (HTTP error, broken
+stream, a stream without an end) or lost (sent, neither); the longest stall is the longest gap a client saw
+before a response's first chunk or between two chunks (a request held by the gate across a reboot waits it out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+__all__ = ["ClientStats", "LoadResult", "load_during", "stream_client"]
+
+PROMPTS = ("def parse(line):", "The river ran", "import os\nfor p in", "Once upon a time")
+
+
+@dataclass
+class ClientStats:
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    longest_stall_s: float = 0.0
+    tokens: int = 0
+    completed_after: int = 0  # completed requests sent after the action returned
+
+
+@dataclass
+class LoadResult:
+    clients: list[ClientStats]
+    action: Any  # what the action returned
+
+    def figure(self) -> dict[str, Any]:
+        sent = sum(s.sent for s in self.clients)
+        completed = sum(s.completed for s in self.clients)
+        failed = sum(s.failed for s in self.clients)
+        return {"clients": len(self.clients), "sent": sent, "completed": completed, "failed": failed,
+                "lost": sent - completed - failed,
+                "longest_stall_s": round(max(s.longest_stall_s for s in self.clients), 3),
+                "errors": [e for s in self.clients for e in s.errors][:10]}
+
+
+async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, stop: asyncio.Event,
+                        after: asyncio.Event, *, max_tokens: int = 32, timeout_s: float = 900.0) -> None:
+    """One client: streamed completions (``ignore_eos``, so each streams ``max_tokens`` chunks) until ``stop``."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s)) as c:
+        n = 0
+        while not stop.is_set():
+            body = {"model": model, "prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": max_tokens,
+                    "temperature": 0.0, "stream": True, "ignore_eos": True}
+            n += 1
+            stats.sent += 1
+            sent_after = after.is_set()
+            last = time.monotonic()
+            done = finished = False
+            try:
+                async with c.stream("POST", "/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        stats.failed += 1
+                        stats.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+                        continue
+                    async for line in resp.aiter_lines():
+                        now = time.monotonic()
+                        stats.longest_stall_s = max(stats.longest_stall_s, now - last)
+                        last = now
+                        if not line.startswith("data: "):
+                            continue
+                        if line[6:] == "[DONE]":
+                            done = True
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:  # an error event (vLLM's, or the gate's when the engine broke off)
+                            raise ValueError(f"error event: {chunk['error'].get('message')}")
+                        stats.tokens += 1
+                        if chunk["choices"][0].get("finish_reason"):
+                            finished = True
+            except (httpx.HTTPError, ValueError) as exc:  # ValueError: also a JSONDecodeError
+                stats.failed += 1
+                stats.errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            if done and finished:
+                stats.completed += 1
+                stats.completed_after += int(sent_after)
+            else:
+                stats.failed += 1
+                stats.errors.append(f"stream ended without [DONE]/finish_reason (done={done}, finished={finished})")
+
+
+async def load_during(base_url: str, model: str, action: Callable[[], Awaitable[Any]], *, clients: int = 8,
+                      max_tokens: int = 32, limit_s: float = 600.0) -> LoadResult:
+    """Run ``clients`` streaming clients, await ``action`` once all of them are served, then let each be served
+    twice more and stop. Raises ``AssertionError`` when traffic never flows (before or after the action)."""
+    stats = [ClientStats() for _ in range(clients)]
+    stop, after = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(stream_client(base_url, model, i, stats[i], stop, after, max_tokens=max_tokens))
+             for i in range(clients)]
+    loop = asyncio.get_running_loop()
+    try:
+        t0 = loop.time()
+        while min(s.completed for s in stats) < 2:
+            if loop.time() - t0 > limit_s or any(s.failed for s in stats):
+                raise AssertionError(f"traffic does not flow through {base_url}: {stats}")
+            await asyncio.sleep(0.2)
+        result = await action()
+        after.set()
+        t1 = loop.time()
+        while min(s.completed_after for s in stats) < 2:
+            if loop.time() - t1 > limit_s:
+                raise AssertionError(f"clients not served after the action: {stats}")
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), limit_s)
+    return LoadResult(stats, result)
