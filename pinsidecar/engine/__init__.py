@@ -13,7 +13,14 @@ Everything that starts an engine (the daemon's supervisor, the count boot, parit
 through here, so a map measured under one launcher is served the same way under another.
 """
 
-from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineBootError, EngineError, Launcher, PortInUseError
+from pinsidecar.engine.launcher import (
+    BOOT_LOG_LINES,
+    EngineBootError,
+    EngineError,
+    EngineSetupError,
+    Launcher,
+    PortInUseError,
+)
 from pinsidecar.engine.ports import free_port, port_in_use
 from pinsidecar.engine.process import EngineProcess
 from pinsidecar.engine.readiness import probe_health, probe_ready, wait_until_ready
@@ -35,6 +42,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineProcess",
+    "EngineSetupError",
     "EngineSpec",
     "Launcher",
     "PortInUseError",

@@ -16,6 +16,14 @@ What it guarantees, mirroring :class:`~pinsidecar.engine.EngineProcess`:
 - **GPU flags** per runtime: docker ``--gpus``, podman CDI ``--device nvidia.com/gpu=...``.
 - The container runs detached under a fixed name; its logs are followed into ``spec.log_path``; ``pid`` is the
   container's init pid on the host (what the metrics use to find its cgroup).
+- **Before the long boot, in this order:** a container left behind by a killed daemon (same name, or our label and
+  state folder) is removed, so neither its name nor its port is in the way; then the host port is checked
+  (:class:`~pinsidecar.engine.launcher.PortInUseError`, as the process launcher); then the image must be there or
+  be pullable. A missing runtime or image raises :class:`~pinsidecar.engine.launcher.EngineSetupError`, which the
+  supervisor does not retry; a runtime daemon that does not answer (docker's) is an ordinary, retried error.
+- **Stop** is the runtime's ``stop --time``: the image's stop signal (SIGTERM) to the container's init (``--init``:
+  catatonit/tini, which forwards it to vLLM, which drains for ``--shutdown-timeout``), SIGKILL after the timeout;
+  then the container is removed, so none is left.
 """
 
 from __future__ import annotations
@@ -23,23 +31,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import structlog
 
-from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineError
+from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineError, EngineSetupError, PortInUseError
+from pinsidecar.engine.ports import port_in_use
 from pinsidecar.engine.readiness import log_tail, probe_health, wait_until_ready
 from pinsidecar.engine.spec import EngineSpec
 from pinsidecar.schema import CHOICES
 
-__all__ = ["ContainerConfig", "ContainerEngine", "build_run_argv", "container_env", "hook_overlay"]
+__all__ = ["ENGINE_LABEL", "STATE_LABEL", "ContainerConfig", "ContainerEngine", "build_run_argv", "container_env",
+           "hook_overlay", "remove_leftover_containers", "run_cli", "runtime_trouble"]
 
 log = structlog.get_logger(__name__)
 
 _CLI_TIMEOUT_S = 30.0
+# A vendor vLLM image is ~10 GB: its first pull may take this long.
+_PULL_TIMEOUT_S = 3600.0
+# Every engine container carries these labels: what it is, and which daemon (state folder) started it.
+ENGINE_LABEL = "org.pinsidecar.engine"
+STATE_LABEL = "org.pinsidecar.state_dir"
+# How docker and podman say "no such image" (anything else from `image inspect` means the runtime is in trouble).
+_NO_IMAGE = re.compile(r"no such (image|object)|image not known|failed to find image|not found", re.IGNORECASE)
 # Variables from the engine environment that a container needs; the host's own PATH, HOME etc. stay outside.
 _VLLM_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                   "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
@@ -65,6 +84,12 @@ class ContainerConfig:
     ipc_host: bool = True
     extra_args: list[str] = field(default_factory=list)  # more `docker run` arguments, before the image
     mounts: list[str] = field(default_factory=list)  # more "host:container[:ro]" bind mounts
+
+
+def _last_line(text: str, limit: int = 300) -> str:
+    """The runtime's last message line (its error; the lines before it are progress), shortened."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][-limit:] if lines else "(no output)"
 
 
 def hook_overlay(dest: Path) -> Path:
@@ -94,8 +119,8 @@ def _container_path(host_path: Path, state_dir: Path, state_mount: str) -> str:
     try:
         rel = Path(host_path).resolve().relative_to(state_dir.resolve())
     except ValueError:
-        raise EngineError(f"{host_path} is outside the state folder {state_dir}; the container sees only that "
-                          "folder (move the file under daemon.state_dir or add a mount)") from None
+        raise EngineSetupError(f"{host_path} is outside the state folder {state_dir}; the container sees only that "
+                               "folder (move the file under daemon.state_dir or add a mount)") from None
     return str(Path(state_mount) / rel)
 
 
@@ -124,7 +149,7 @@ def build_run_argv(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path, hook
     inner = dataclasses.replace(spec, model=Path(cfg.model_mount), host=host, python=cfg.python,
                                 served_model_name=spec.served_model_name or str(spec.model)).argv()
     argv = [cfg.runtime, "run", "--detach", "--name", cfg.name, "--init",
-            "--label", "org.pinsidecar.engine=1",
+            "--label", f"{ENGINE_LABEL}=1", "--label", f"{STATE_LABEL}={state_dir}",
             "--stop-timeout", str(max(1, int(spec.shutdown_timeout_s) + 10))]
     if cfg.gpus:
         if cfg.runtime == "docker":
@@ -159,6 +184,54 @@ def build_run_argv(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path, hook
     return argv, env
 
 
+def run_cli(runtime: str, *args: str, check: bool = True, timeout: float = _CLI_TIMEOUT_S,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``runtime ARGS`` (never through a shell). A missing runtime is an :class:`EngineSetupError`; one that
+    hangs, or fails when ``check``, an :class:`EngineError` with its message."""
+    argv = [runtime, *args]
+    full_env = {**os.environ, **(env or {})}
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env,
+                             stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise EngineSetupError(f"container runtime {runtime!r} not found on PATH (install it, e.g. "
+                               f"`apt-get install {Path(runtime).name}`, or set container.runtime)") from None
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"`{' '.join(argv[:3])}` did not answer in {timeout:.0f} s "
+                          f"(is the {runtime} daemon healthy?)") from None
+    if check and res.returncode != 0:
+        raise EngineError(f"`{' '.join(argv[:3])}` failed ({res.returncode}): "
+                          f"{(res.stderr or res.stdout).strip()[-500:]}")
+    return res
+
+
+def runtime_trouble(runtime: str, res: subprocess.CompletedProcess[str]) -> str:
+    """What to tell the operator when the runtime answers a harmless query with an error (docker: no daemon)."""
+    hint = ("is the docker daemon running? `systemctl start docker`, and the daemon's user in the `docker` group"
+            if Path(runtime).name == "docker" else f"check `{runtime} info`")
+    return (f"container runtime {runtime!r} does not answer ({res.returncode}): "
+            f"{_last_line(res.stderr or res.stdout)} ({hint})")
+
+
+def remove_leftover_containers(cfg: ContainerConfig, state_dir: Path) -> list[str]:
+    """Remove engine containers a killed daemon left behind: the one holding ``cfg.name``, and any other with our
+    label and ``state_dir``. They hold the name, the port and maybe the GPUs; their engine is not ours to adopt
+    (its map and arguments are unknown), so it is removed, not reused. The daemon calls this when it starts
+    (before it checks its ports) and every boot calls it before ``run``. Returns the ids removed."""
+    found: set[str] = set()
+    for filt in (f"name=^{re.escape(cfg.name)}$", f"label={STATE_LABEL}={Path(state_dir)}"):
+        res = run_cli(cfg.runtime, "ps", "--all", "--quiet", "--no-trunc", "--filter", filt, check=False)
+        if res.returncode == 0:
+            found.update(line.strip() for line in res.stdout.splitlines() if line.strip())
+        elif filt.startswith("name="):  # the runtime is in trouble: say so now, not after a failed `run`
+            raise EngineError(runtime_trouble(cfg.runtime, res))
+    for cid in sorted(found):
+        log.warning("container_leftover_removed", container=cid[:12], name=cfg.name,
+                    hint="an engine container from an earlier daemon run was still there; removed")
+        run_cli(cfg.runtime, "rm", "--force", cid, check=False, timeout=120.0)
+    return sorted(found)
+
+
 class ContainerEngine:
     """One vLLM server in a container; implements :class:`~pinsidecar.engine.Launcher`."""
 
@@ -172,6 +245,7 @@ class ContainerEngine:
             tempfile.mkstemp(prefix=f"pinsidecar-container-{spec.port}-", suffix=".log")[1])
         self.container_id: str | None = None
         self._pid: int | None = None
+        self._pid_started: float | None = None
         self._follower: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
 
@@ -179,21 +253,28 @@ class ContainerEngine:
 
     def _cli(self, *args: str, check: bool = True, timeout: float = _CLI_TIMEOUT_S,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        argv = [self.cfg.runtime, *args]
-        full_env = {**os.environ, **(env or {})}
-        try:
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env,
-                                 stdin=subprocess.DEVNULL)
-        except FileNotFoundError:
-            raise EngineError(f"container runtime {self.cfg.runtime!r} not found on PATH "
-                              "(install it or set container.runtime)") from None
-        except subprocess.TimeoutExpired:
-            raise EngineError(f"`{' '.join(argv[:3])}` did not answer in {timeout:.0f} s "
-                              f"(is the {self.cfg.runtime} daemon healthy?)") from None
-        if check and res.returncode != 0:
-            raise EngineError(f"`{' '.join(argv[:3])}` failed ({res.returncode}): "
-                              f"{(res.stderr or res.stdout).strip()[-500:]}")
-        return res
+        return run_cli(self.cfg.runtime, *args, check=check, timeout=timeout, env=env)
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove engine containers a killed daemon left behind (:func:`remove_leftover_containers`)."""
+        return remove_leftover_containers(self.cfg, self.state_dir)
+
+    def ensure_image(self) -> None:
+        """The image must be present or pullable before the boot. No image (and no pull) cannot be retried
+        away: :class:`EngineSetupError`."""
+        image = self.cfg.image
+        res = self._cli("image", "inspect", "--format", "{{.Id}}", image, check=False)
+        if res.returncode == 0:
+            return
+        if not _NO_IMAGE.search(res.stderr or res.stdout):
+            raise EngineError(runtime_trouble(self.cfg.runtime, res))
+        log.info("container_image_pull", image=image)
+        pulled = self._cli("pull", image, check=False, timeout=_PULL_TIMEOUT_S)
+        if pulled.returncode != 0:
+            raise EngineSetupError(
+                f"container image {image!r} is not on this host and cannot be pulled: "
+                f"{_last_line(pulled.stderr or pulled.stdout)} (pull or load it first: `{self.cfg.runtime} "
+                f"pull {image}` or `{self.cfg.runtime} load -i IMAGE.tar`, or fix container.image)")
 
     def _inspect(self, fmt: str) -> str | None:
         ref = self.container_id or self.cfg.name
@@ -215,16 +296,22 @@ class ContainerEngine:
             raise EngineError(f"container {self.cfg.name} was already started ({self.container_id[:12]})")
         if not Path(self.spec.model).exists():
             raise EngineError(f"model directory {self.spec.model} does not exist (pass a model folder)")
+        self.remove_leftovers()
+        if port_in_use(self.spec.host, self.spec.port):
+            raise PortInUseError(
+                f"port {self.spec.port} on {self.spec.host} is already in use on the host; stop whatever listens "
+                f"there (`ss -ltnp 'sport = :{self.spec.port}'`) or pick another engine.port")
+        self.ensure_image()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         hook_overlay(self.hook_dir)
-        # A container left over from a crashed daemon holds the name (and maybe the GPU): remove it first.
-        self._cli("rm", "--force", self.cfg.name, check=False)
         argv, env = build_run_argv(self.spec, self.cfg, self.state_dir, self.hook_dir, self.cache_dir)
         log.info("container_start", argv=argv, log=str(self.log_path))
-        res = self._cli(*argv[1:], env=env, timeout=300.0)  # the first run may pull the image
+        res = self._cli(*argv[1:], env=env, timeout=120.0)
         self.container_id = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else self.cfg.name
         pid = self._inspect("{{.State.Pid}}")
         self._pid = int(pid) if pid and pid.isdigit() and int(pid) > 0 else None
+        with contextlib.suppress(psutil.Error, TypeError):  # not visible here (a remote runtime): inspect only
+            self._pid_started = psutil.Process(self._pid).create_time()  # type: ignore[arg-type]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(self.log_path, "ab")  # noqa: SIM115 - handed to the follower process
         try:
@@ -234,7 +321,21 @@ class ContainerEngine:
             fh.close()
 
     def alive(self) -> bool:
-        return self._inspect("{{.State.Running}}") == "true"
+        """The container runs. While its init process (``pid``, with the start time seen at ``start``) lives, that
+        is the answer, without a runtime call: ``wait_ready`` asks twice a second, and a ``podman inspect`` each
+        time costs a 2-core box a quarter of a core. Once it is gone the runtime confirms. A runtime that does not
+        answer in time (a busy box, a restarting dockerd) says nothing about the engine: it counts as alive, and
+        ``/health`` decides (the supervisor checks both)."""
+        if self._pid is not None and self._pid_started is not None:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(self._pid)
+                if abs(proc.create_time() - self._pid_started) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE:
+                    return True
+        try:
+            return self._inspect("{{.State.Running}}") == "true"
+        except EngineError as exc:
+            log.warning("container_inspect_failed", container=self.cfg.name, error=str(exc))
+            return True
 
     def health(self) -> bool:
         return probe_health(self.base_url)

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from pinsidecar.engine.spec import EngineSpec
 
-__all__ = ["BOOT_LOG_LINES", "EngineBootError", "EngineError", "Launcher", "PortInUseError"]
+__all__ = ["BOOT_LOG_LINES", "EngineBootError", "EngineError", "EngineSetupError", "Launcher", "PortInUseError"]
 
 # How many log lines an EngineBootError carries: enough for a Python traceback and the line that caused it.
 BOOT_LOG_LINES = 30
@@ -22,6 +22,13 @@ BOOT_LOG_LINES = 30
 
 class EngineError(RuntimeError):
     """The engine could not be started or stopped as asked. The message says what and what to do."""
+
+
+class EngineSetupError(EngineError):
+    """The engine cannot start until an operator fixes the set-up (the container runtime or the image is missing).
+    Retrying cannot help, so the supervisor goes to ``failed`` at once instead of backing off and retrying."""
+
+    permanent = True
 
 
 class PortInUseError(EngineError):

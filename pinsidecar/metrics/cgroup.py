@@ -6,6 +6,11 @@ Read the engine's cgroup, not ``/proc/meminfo``, which inside a container shows 
 ordinary process memory. cgroup v2 is the target; on a hybrid or v1 host whose memory controller is mounted v1
 the same metrics come from ``memory.usage_in_bytes``, ``memory.limit_in_bytes`` and
 ``total_rss``/``total_cache``/``total_shmem``.
+
+Which cgroup was read is exported as ``pinsidecar_engine_cgroup_info{version, path, container_id}`` (1), so the
+memory series can be joined to the container (``container_id`` is empty for a process engine). A container engine
+is found through its init pid (the container's cgroup: ``/libpod_parent/libpod-<id>`` under podman's cgroupfs
+manager on v1, ``machine.slice/libpod-<id>.scope`` under systemd on v2), or through its id when no pid is known.
 """
 
 from __future__ import annotations
@@ -61,11 +66,13 @@ def cgroup_v1_memory_path_for_pid(pid: int, *, proc_root: Path = Path("/proc"),
 
 
 def cgroup_path_for_container(container_id: str, *, cgroup_root: Path = Path("/sys/fs/cgroup")) -> Path:
-    """Find a docker or podman container's cgroup by its id (full or a prefix of at least 12 hex digits)."""
-    for pattern in _CONTAINER_CGROUP_GLOBS:
-        hits = sorted(p for p in cgroup_root.glob(pattern.format(id=container_id)) if p.is_dir())
-        if hits:
-            return hits[0]
+    """Find a docker or podman container's cgroup by its id (full or a prefix of at least 12 hex digits): the v2
+    directory, or on a v1 host the memory controller's (``<root>/memory/...``)."""
+    for base in (cgroup_root, cgroup_root / "memory"):
+        for pattern in _CONTAINER_CGROUP_GLOBS:
+            hits = sorted(p for p in base.glob(pattern.format(id=container_id)) if p.is_dir())
+            if hits:
+                return hits[0]
     raise FileNotFoundError(f"no cgroup for container {container_id} under {cgroup_root}; pass the engine pid "
                             "(the container's init pid) instead")
 
@@ -121,8 +128,23 @@ class CgroupMemoryCollector:
             return 2, v2  # reading memory.current fails in collect(), with the path in the message
         container_id = self.container_id()
         if container_id:
-            return 2, cgroup_path_for_container(container_id, cgroup_root=self.cgroup_root)
+            path = cgroup_path_for_container(container_id, cgroup_root=self.cgroup_root)
+            return (1 if (path / _V1_FILES["current"]).exists() else 2), path
         return None
+
+    def _info(self, version: int, cg: Path) -> Metric:
+        root = self.cgroup_root / "memory" if version == 1 else self.cgroup_root
+        try:
+            rel = "/" + str(cg.relative_to(root))
+        except ValueError:
+            rel = str(cg)
+        container_id = self.container_id() or ""
+        fam = GaugeMetricFamily("pinsidecar_engine_cgroup_info",
+                                "The cgroup the engine's memory is read from (1): cgroup version, path under the "
+                                "cgroup root, and the container id (empty for a process engine).",
+                                labels=["version", "path", "container_id"])
+        fam.add_metric([str(version), rel, container_id], 1)
+        return fam
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -141,6 +163,7 @@ class CgroupMemoryCollector:
             self.status.fail(f"{cg / current_file}: {exc} (is the memory controller enabled for this cgroup?)")
             return
         self.status.ok()
+        yield self._info(version, cg)
         yield GaugeMetricFamily("pinsidecar_engine_cgroup_memory_current_bytes",
                                 "Memory charged to the engine's cgroup (memory.current).", value=current)
         missing: list[str] = []

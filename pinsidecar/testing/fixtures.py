@@ -15,6 +15,8 @@ once per session.
 - ``engine_factory`` (session): ``engine_factory(model_dir, mode="count", **kw)`` starts a ready
   :class:`~pinsidecar.testing.engine.HookedEngine` (arguments of :func:`~pinsidecar.testing.engine.start_engine`)
   and stops every engine it started at the end of the session, so a module can keep one boot for all its tests.
+- ``podman_lane`` (session): a :class:`~pinsidecar.testing.container.PodmanLane`, podman with its own storage and
+  the engine image built (about a second); skips with podman's reason only where podman cannot run a container.
 
 This is the one module of :mod:`pinsidecar.testing` that imports pytest.
 """
@@ -28,9 +30,11 @@ from typing import Any
 
 import pytest
 
+from pinsidecar.testing.container import PodmanLane, PodmanUnavailable
+from pinsidecar.testing.container import podman_lane as build_podman_lane
 from pinsidecar.testing.engine import MODEL_DIR_ENV, HookedEngine, start_engine
 
-__all__ = ["demo_model_dir", "engine_factory", "fresh_logging"]
+__all__ = ["demo_model_dir", "engine_factory", "fresh_logging", "podman_lane"]
 
 
 @pytest.fixture(autouse=True)
@@ -77,3 +81,20 @@ def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
     yield factory
     for eng in started:
         eng.stop()
+
+
+@pytest.fixture(scope="session")
+def podman_lane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodmanLane]:
+    """podman with the engine image, its own storage, removed (with every container in it) after the session.
+    Its ``CONTAINERS_*`` variables are set in this process for the session, so a launcher the tests run here
+    (which calls the podman CLI with this process's environment) uses the lane's storage too."""
+    try:
+        lane = build_podman_lane(tmp_path_factory.mktemp("podman"))
+    except PodmanUnavailable as exc:
+        pytest.skip(f"podman cannot run a container on this machine: {exc}")
+    env = pytest.MonkeyPatch()
+    for key, value in lane.env.items():
+        env.setenv(key, value)
+    yield lane
+    env.undo()
+    lane.close()

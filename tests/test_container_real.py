@@ -1,0 +1,459 @@
+"""The container lane for real: the daemon supervises vLLM CPU in a real podman container (the lane of
+:mod:`pinsidecar.testing.container`: a local image, this venv's vLLM bind-mounted, the hook overlay exactly as
+in production).
+
+Engine boots are few and in sequence, so the module's tests run in file order and share them:
+
+1. a count-mode container (the launcher alone): counts exactly; its counts make map A;
+2. ``pinsidecar run`` with ``engine.launcher = "container"`` in pin mode on map A: serves, the hook's stats are
+   read on the host, the exporter reads the container's cgroup memory;
+3. a drain-reboot to map B under 8 streaming clients: 0 failed, 0 lost (the figure is printed, and written to
+   ``$PINSIDECAR_FIGURES_DIR/container_drain_reboot.json`` when set);
+4. ``podman kill`` from outside: noticed, restarted, status and metrics say so;
+5. the sidecar SIGKILLed, then started again: the container it left is removed, one engine container remains;
+6. SIGTERM to the daemon: drains, stops the container within its timeout, no container left.
+
+Faults that need no engine (a missing image, a taken port, a permanent error not retried) run first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from pinsidecar_hook.contract import load_map, load_stats
+from pinsidecar_hook.contract.env import HookConfig
+
+from pinsidecar.daemon.config import SupervisorConfig
+from pinsidecar.daemon.supervisor import EngineState, Supervisor
+from pinsidecar.engine import EngineConfig, EngineSetupError, PortInUseError, free_port, hooked_spec
+from pinsidecar.engine.container import ContainerEngine
+from pinsidecar.placement import build_usage_map
+from pinsidecar.runs.count_boot import request_counts
+from pinsidecar.testing import write_map
+from pinsidecar.testing.container import PodmanLane
+from pinsidecar.testing.streaming import load_during
+
+PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
+BOOT_LIMIT_S = 900.0
+STOP_TIMEOUT_S = 40.0
+SHUTDOWN_TIMEOUT_S = 5
+NAME = f"pinsidecar-test-{os.getpid()}"
+GATE, ENGINE, CONTROL, METRICS = (free_port() for _ in range(4))
+
+
+def _wait(cond: Callable[[], Any], what: str, limit_s: float = BOOT_LIMIT_S, proc: subprocess.Popen[bytes] | None
+          = None, log: Path | None = None) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"daemon exited ({proc.returncode}) waiting for {what}:\n"
+                                 + (log.read_text(errors="replace")[-3000:] if log else ""))
+        if time.monotonic() - t0 > limit_s:
+            raise AssertionError(f"not reached within {limit_s} s: {what}")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _conmons(container_id: str) -> list[psutil.Process]:
+    """conmon processes still watching ``container_id`` (an orphan would show here)."""
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if p.info["name"] == "conmon" and container_id in " ".join(p.info.get("cmdline") or []):
+            out.append(p)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- faults
+
+
+def _lone_engine(lane: PodmanLane, model: Path, state: Path, port: int, **cfg: Any) -> ContainerEngine:
+    spec = hooked_spec(EngineConfig(model=model, enforce_eager=True, served_model_name="demo"), None, port=port,
+                       log_path=state / "engine.log")
+    return ContainerEngine(spec, lane.container_config(f"{NAME}-fault", **cfg), state)
+
+
+def test_missing_image_is_a_setup_error_naming_the_fix(podman_lane: PodmanLane, demo_model_dir: Path,
+                                                       tmp_path: Path) -> None:
+    eng = _lone_engine(podman_lane, demo_model_dir, tmp_path, free_port(), image="localhost/no-such-image:1")
+    with pytest.raises(EngineSetupError, match=r"'localhost/no-such-image:1' is not on this host and cannot be "
+                                               r"pulled.*podman pull localhost/no-such-image:1.*podman load"):
+        eng.start()
+    assert eng.container_id is None and podman_lane.containers(f"{NAME}-fault") == []
+
+
+def test_port_taken_on_the_host_fails_before_anything_runs(podman_lane: PodmanLane, demo_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        eng = _lone_engine(podman_lane, demo_model_dir, tmp_path, port)
+        t0 = time.monotonic()
+        with pytest.raises(PortInUseError, match=rf"port {port} on 127.0.0.1 is already in use.*ss -ltnp"):
+            eng.start()
+        assert time.monotonic() - t0 < 15  # before the long boot
+    assert podman_lane.containers(f"{NAME}-fault") == []
+
+
+def test_a_setup_error_fails_at_once_without_retrying(podman_lane: PodmanLane, demo_model_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """The daemon's supervisor with a container whose image is missing: one boot, state failed, no crash loop."""
+    made: list[ContainerEngine] = []
+
+    def make(spec: Any) -> ContainerEngine:
+        made.append(ContainerEngine(spec, podman_lane.container_config(f"{NAME}-fault",
+                                                                       image="localhost/no-such-image:1"), tmp_path))
+        return made[-1]
+
+    spec = hooked_spec(EngineConfig(model=demo_model_dir), None, port=free_port())
+    sup = Supervisor(lambda _: spec, make, SupervisorConfig(health_interval_s=0.2, backoff_initial_s=0.1,
+                                                            crash_loop_limit=5), ready_timeout_s=60, stop_timeout_s=5)
+
+    seen: dict[str, str] = {}
+
+    async def scenario() -> None:
+        task = asyncio.create_task(sup.run())
+        t0 = time.monotonic()
+        while sup.state != EngineState.FAILED and time.monotonic() - t0 < 60:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # a retry (backoff 0.1 s) would have happened by now
+        seen.update(state=sup.state, detail=sup.detail)
+        await sup.close()
+        await task
+
+    asyncio.run(scenario())
+    assert seen["state"] == EngineState.FAILED and "a retry cannot fix this" in seen["detail"]
+    assert len(made) == 1 and len(sup.boots) == 1 and not sup.boots[0].ok
+    assert "podman pull" in sup.boots[0].error
+    assert sup.failures_in_row == 1
+
+
+# ---------------------------------------------------------------------------------------------------- count mode
+
+
+@pytest.fixture(scope="module")
+def counted(podman_lane: PodmanLane, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> dict[str, Any]:
+    """A count-mode engine in a container (the launcher alone): exact counts, then map A from them."""
+    tmp = tmp_path_factory.mktemp("container-count")
+    state = tmp / "state"
+    state.mkdir()
+    hook = HookConfig(mode="count", counts_path=state / "counts.json", flush_interval_s=1.0, workload="test")
+    spec = hooked_spec(EngineConfig(model=demo_model_dir, enforce_eager=True, served_model_name="demo"), hook,
+                       port=ENGINE, log_path=tmp / "count-engine.log")
+    eng = ContainerEngine(spec, podman_lane.container_config(f"{NAME}-count"), state)
+    eng.start()
+    try:
+        boot_s = eng.wait_ready(BOOT_LIMIT_S)
+        request_counts(hook.counts_path, "reset", eng)
+        processed = 0
+        for i, prompt in enumerate(["def parse(line):", "The river ran into the sea", "import os"]):
+            r = httpx.post(f"{eng.base_url}/v1/completions", timeout=300, json={
+                "model": "demo", "prompt": prompt, "max_tokens": 3 + 2 * i, "temperature": 0.0, "ignore_eos": True})
+            r.raise_for_status()
+            usage = r.json()["usage"]
+            processed += usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        counts = request_counts(hook.counts_path, "flush", eng)
+        container_id, pid = eng.container_id, eng.pid
+    finally:
+        code = eng.stop(STOP_TIMEOUT_S)
+    maps = tmp / "daemon-state" / "maps"  # under the state folder: the container sees only that
+    maps.mkdir(parents=True)
+    a = maps / "a.json"
+    build_usage_map([counts], counts.num_experts // 2, label="A").save(a)
+    b = write_map(maps / "b.json", num_layers=counts.num_layers, num_experts=counts.num_experts, top_k=counts.top_k,
+                  hot_rows=counts.num_experts // 2, seed=2, label="B", layer_ids=list(counts.layer_ids))
+    return {"counts": counts, "processed": processed, "boot_s": boot_s, "id": container_id, "pid": pid,
+            "code": code, "maps": maps, "a": a, "b": b, "tmp": tmp}
+
+
+@pytest.mark.vllm
+def test_count_mode_in_a_container_counts_exactly(counted: dict[str, Any], podman_lane: PodmanLane) -> None:
+    counts, processed = counted["counts"], counted["processed"]
+    assert counts.counts.sum(axis=1).tolist() == [processed * counts.top_k] * counts.num_layers
+    assert counts.selections == counts.num_layers * processed * counts.top_k
+    assert counted["pid"] and counted["id"]
+    # stopped and removed: no container, no conmon left
+    assert podman_lane.containers(f"{NAME}-count") == [] and _conmons(counted["id"]) == []
+    assert counted["code"] is not None
+
+
+# ---------------------------------------------------------------------------------------------------- the daemon
+
+
+@dataclass
+class Sidecar:
+    proc: subprocess.Popen[bytes]
+    config: Path
+    log: Path
+    started: float
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"http://127.0.0.1:{CONTROL}/status", timeout=10).json()
+
+    def engine_state(self) -> str | None:
+        try:
+            return self.status()["engine"]["state"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{METRICS}/metrics", timeout=30).text
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, what: str) -> float:
+        def ready() -> bool:
+            state = self.engine_state()
+            if state == "failed":
+                raise AssertionError(f"engine failed waiting for {what}: {self.status()['engine']['detail']}")
+            return state == "ready"
+
+        return _wait(ready, what, BOOT_LIMIT_S, self.proc, self.log)
+
+
+def _start_sidecar(cfg: Path, lane: PodmanLane, n: int) -> Sidecar:
+    env = {**os.environ, **lane.env}
+    env.pop("NOTIFY_SOCKET", None)
+    log = cfg.parent / f"daemon-{n}.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([PINSIDECAR, "run", "--config", str(cfg)], env=env, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return Sidecar(proc, cfg, log, time.monotonic())
+
+
+@dataclass
+class Lane:
+    sidecars: list[Sidecar]
+    lane: PodmanLane
+    counted: dict[str, Any]
+    state: Path
+
+    @property
+    def current(self) -> Sidecar:
+        return self.sidecars[-1]
+
+    def container(self) -> dict[str, Any]:
+        found = self.lane.containers(NAME)
+        assert len(found) == 1, found
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def daemon(counted: dict[str, Any], podman_lane: PodmanLane, demo_model_dir: Path) -> Iterator[Lane]:
+    tmp = counted["tmp"]
+    cfg = tmp / "pinsidecar.toml"
+    cfg.write_text(f"""
+[engine]
+launcher = "container"
+model = "{demo_model_dir}"
+served_model_name = "demo"
+port = {ENGINE}
+enforce_eager = true
+hook_mode = "pin"
+map = "{counted['a']}"
+shutdown_timeout_s = {SHUTDOWN_TIMEOUT_S}
+ready_timeout_s = {BOOT_LIMIT_S}
+stop_timeout_s = {STOP_TIMEOUT_S}
+{podman_lane.config_toml(NAME)}
+[supervisor]
+health_interval_s = 1
+health_failures = 3
+backoff_initial_s = 1
+backoff_max_s = 5
+crash_loop_limit = 3
+[gate]
+port = {GATE}
+max_queue = 64
+max_hold_s = {BOOT_LIMIT_S}
+[control]
+port = {CONTROL}
+token_file = "{tmp}/control.token"
+create_token = true
+drain_timeout_s = 120
+[metrics]
+port = {METRICS}
+nvml = false
+[maps]
+dir = "{counted['maps']}"
+[daemon]
+state_dir = "{tmp}/daemon-state"
+""")
+    lane = Lane([_start_sidecar(cfg, podman_lane, 1)], podman_lane, counted, tmp / "daemon-state")
+    try:
+        lane.current.wait_ready("the daemon's first container boot")
+        yield lane
+    finally:
+        for s in lane.sidecars:
+            if s.proc.poll() is None:
+                os.killpg(s.proc.pid, signal.SIGTERM)
+                try:
+                    s.proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(s.proc.pid, signal.SIGKILL)
+                    s.proc.wait()
+        podman_lane.podman("rm", "--force", "--time", "0", NAME, check=False)
+
+
+def _complete(prompt: str = "def f(x):", max_tokens: int = 4) -> int:
+    return httpx.post(f"http://127.0.0.1:{GATE}/v1/completions", timeout=300,
+                      json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens}).status_code
+
+
+def _cgroup(text: str) -> tuple[dict[str, str], int]:
+    """(labels of pinsidecar_engine_cgroup_info, memory.current) from a scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    info: dict[str, str] = {}
+    current = -1
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "pinsidecar_engine_cgroup_info":
+                info = dict(s.labels)
+            elif s.name == "pinsidecar_engine_cgroup_memory_current_bytes":
+                current = int(s.value)
+    return info, current
+
+
+@pytest.mark.vllm
+def test_daemon_serves_pin_mode_from_a_container(daemon: Lane) -> None:
+    st = daemon.current.status()["engine"]
+    box = daemon.container()
+    assert box["State"] == "running" and box["Labels"]["org.pinsidecar.state_dir"] == str(daemon.state)
+    assert st["state"] == "ready" and st["last_boot"]["reason"] == "start"
+    assert st["pid"] == box["Pid"]  # the container's init pid, as the host sees it
+    emap = load_map(daemon.counted["a"])
+    assert st["map"]["hash"] == emap.content_hash
+    assert _complete() == 200
+    # the hook's live stats, written inside the container, read from the host side
+    stats_path = daemon.state / "stats.json"
+    _wait(lambda: load_stats(stats_path).tokens > 0, "the hook's periodic stats write after a request", 60)
+    assert load_stats(stats_path).map_hash == emap.content_hash
+    # the hook was loaded from the overlay mounted into the container
+    assert (daemon.state / "hook" / "pinsidecar_hook-0.1.0.dist-info" / "entry_points.txt").is_file()
+
+
+@pytest.mark.vllm
+def test_exporter_reads_the_container_cgroup_memory(daemon: Lane) -> None:
+    box = daemon.container()
+    info, before = _cgroup(daemon.current.metrics())
+    assert info["container_id"] == box["Id"]
+    assert box["Id"] in info["path"]  # v1: /libpod_parent/libpod-<id>; v2: .../libpod-<id>.scope
+    assert before > 50 * 2**20  # an engine with a model loaded, not an empty cgroup
+    # something in the engine's container allocates 256 MiB: the exported value follows
+    alloc = subprocess.Popen(["podman", "exec", NAME, daemon.lane.python, "-c",
+                              "import time; b = bytearray(256 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                              "print('held', flush=True); time.sleep(8)"],
+                             env={**os.environ, **daemon.lane.env}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert alloc.stdout is not None and alloc.stdout.readline().strip() == "held"
+        _, during = _cgroup(daemon.current.metrics())
+    finally:
+        alloc.wait(30)
+    assert during - before > 200 * 2**20, (before, during)
+    _wait(lambda: _cgroup(daemon.current.metrics())[1] < during - 200 * 2**20, "memory released", 30)
+
+
+@pytest.mark.vllm
+def test_drain_reboot_to_another_map_under_8_streaming_clients(daemon: Lane) -> None:
+    before = daemon.current.status()["engine"]
+    old_id = daemon.container()["Id"]
+
+    async def reboot() -> dict[str, Any]:
+        proc = await asyncio.create_subprocess_exec(
+            PINSIDECAR, "drain-reboot", "--config", str(daemon.current.config), "--map", str(daemon.counted["b"]),
+            "--timeout", "120", "--json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, (out.decode(), err.decode())
+        return json.loads(out)
+
+    res = asyncio.run(load_during(f"http://127.0.0.1:{GATE}", "demo", reboot, clients=8))
+    result = res.action
+    figure = {**res.figure(), "max_tokens": 32, "launcher": "container (podman)",
+              "drain_reboot": {k: result.get(k) for k in ("seconds", "drain_s", "boot_s", "in_flight_cut",
+                                                           "hold_s", "held_at_release", "hash_hit")}}
+    print("\nCONTAINER DRAIN-REBOOT FIGURE:", json.dumps(figure, indent=1))
+    if os.environ.get("PINSIDECAR_FIGURES_DIR"):
+        out = Path(os.environ["PINSIDECAR_FIGURES_DIR"]) / "container_drain_reboot.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(figure, indent=1) + "\n")
+    assert result["ok"] is True and result["in_flight_cut"] == 0 and not result["rolled_back"]
+    assert figure["failed"] == 0, figure["errors"]
+    assert figure["lost"] == 0 and figure["completed"] >= 32
+    after = daemon.current.status()["engine"]
+    assert after["last_boot"]["reason"] == "drain-reboot" and after["pid"] != before["pid"]
+    assert daemon.container()["Id"] != old_id  # a new container, the old one removed
+    b_hash = load_map(daemon.counted["b"]).content_hash
+    assert after["map"]["hash"] == b_hash
+    assert _complete() == 200
+    stats_path = daemon.state / "stats.json"  # the new engine's stats, on the host
+    _wait(lambda: load_stats(stats_path).map_hash == b_hash and load_stats(stats_path).tokens > 0,
+          "the new engine's stats", 60)
+    assert result["held_at_release"] > 0
+
+
+@pytest.mark.vllm
+def test_podman_kill_is_noticed_and_restarted(daemon: Lane) -> None:
+    sidecar = daemon.current
+    old = daemon.container()
+    daemon.lane.podman("kill", NAME)
+    noticed = _wait(lambda: sidecar.engine_state() != "ready", "the daemon noticing the kill", 20)
+    print(f"\npodman kill noticed after {noticed:.2f} s")
+    sidecar.wait_ready("the restart after podman kill")
+    after = sidecar.status()["engine"]
+    assert after["last_boot"]["reason"] == "crash" and after["restarts_total"] >= 1
+    new = daemon.container()
+    assert new["Id"] != old["Id"] and new["State"] == "running"
+    assert _complete() == 200
+    text = sidecar.metrics()
+    assert 'pinsidecar_engine_boots_total{reason="crash"} 1.0' in text
+    assert 'pinsidecar_engine_state{state="ready"} 1.0' in text
+    assert _cgroup(text)[0]["container_id"] == new["Id"]  # the exporter follows the new container
+
+
+@pytest.mark.vllm
+def test_sidecar_sigkilled_then_restarted_removes_the_container_left_behind(daemon: Lane) -> None:
+    first = daemon.current
+    left = daemon.container()
+    os.kill(first.proc.pid, signal.SIGKILL)  # the sidecar alone; conmon and the container live on
+    first.proc.wait(30)
+    assert daemon.container()["Id"] == left["Id"] and daemon.container()["State"] == "running"
+    second = _start_sidecar(first.config, daemon.lane, len(daemon.sidecars) + 1)
+    daemon.sidecars.append(second)
+    second.wait_ready("the restarted sidecar's boot")
+    now = daemon.container()  # exactly one engine container: no name conflict, no orphan
+    assert now["Id"] != left["Id"]
+    assert _conmons(left["Id"]) == []
+    assert "container_leftover_removed" in second.log_text() and left["Id"][:12] in second.log_text()
+    assert _complete() == 200
+
+
+@pytest.mark.vllm
+def test_sigterm_drains_then_stops_the_container_within_its_timeout(daemon: Lane) -> None:
+    sidecar = daemon.current
+    box = daemon.container()
+    t0 = time.monotonic()
+    sidecar.proc.send_signal(signal.SIGTERM)
+    assert sidecar.proc.wait(STOP_TIMEOUT_S + 60) == 0
+    took = time.monotonic() - t0
+    print(f"\nSIGTERM to exit: {took:.1f} s")
+    assert took < STOP_TIMEOUT_S + 30
+    assert daemon.lane.containers(NAME) == []  # stopped and removed
+    assert _conmons(box["Id"]) == []
+    text = sidecar.log_text()
+    assert "engine_state" in text and "stopping" in text
