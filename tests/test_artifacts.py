@@ -105,7 +105,7 @@ def test_counts_and_stats_echo_the_request_token_in_one_top_level_field(tmp_path
 def test_hook_request_round_trip_and_garbage_is_ignored(tmp_path: Path) -> None:
     art = tmp_path / "counts.json"
     token = A.write_hook_request(art, "flush")
-    assert A.read_hook_request(art) == ("flush", token)
+    assert A.read_hook_request(art) == A.HookRequest("flush", token, {})
     A.request_path(art).write_text("{not json")
     assert A.read_hook_request(art) is None
     assert not A.request_path(art).exists()
@@ -129,7 +129,7 @@ def _answer_requests(path: Path, *, after_s: float = 0.3, half_written_first: bo
                     time.sleep(0.2)
                 _stats(flush_token="someone-else").save(path)
                 time.sleep(0.2)
-                _stats(flush_token=req[1], tokens=7).save(path)
+                _stats(flush_token=req.token, tokens=7).save(path)
                 return
             time.sleep(0.02)
 

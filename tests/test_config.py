@@ -129,6 +129,40 @@ def test_bad_other_sections(tmp_path: Path, model_dir: Path, token_file: Path, e
         load_config(p)
 
 
+def test_remap_in_place_defaults_and_its_keys_are_validated(tmp_path: Path, model_dir: Path,
+                                                            token_file: Path) -> None:
+    cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file)))
+    assert cfg.remap.in_place is True and cfg.remap.apply_timeout_s == 60.0
+    cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file,
+                                                "[remap]\nin_place = false\napply_timeout_s = 5\n")))
+    assert cfg.remap.in_place is False and cfg.remap.apply_timeout_s == 5.0
+    for extra, pattern in (
+            ('[remap]\nin_place = "yes"\n', r"remap\.in_place: expected true or false, got 'yes'"),
+            ("[remap]\napply_timeout_s = 0\n", r"remap\.apply_timeout_s: must be > 0, got 0"),
+            ("[remap]\napply_timeout_s = -1.5\n", r"remap\.apply_timeout_s: must be > 0"),
+            ("[remap]\napply_timeout_s = 900\n",
+             r"remap\.apply_timeout_s: must be below gate\.upstream_idle_timeout_s \(600\), got 900"),
+            ("[remap]\napply_tmeout_s = 5\n", r"remap\.apply_tmeout_s: unknown key")):
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(_write(tmp_path, _minimal(model_dir, token_file, extra)))
+    # the cross-check is about streams through the gate: a long timeout is fine without in-place applies
+    cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file,
+                                                "[remap]\nin_place = false\napply_timeout_s = 900\n")))
+    assert cfg.remap.apply_timeout_s == 900.0
+
+
+def test_the_examples_deploy_in_place_with_their_timeout(model_dir: Path, token_file: Path, tmp_path: Path) -> None:
+    cpu = load_config(EXAMPLES / "cpu-demo.toml", {"engine.model": str(model_dir)})
+    assert cpu.remap.in_place is True and cpu.remap.apply_timeout_s == 30.0
+    state = tmp_path / "state"
+    (state / "maps").mkdir(parents=True)
+    mp = write_map(state / "maps" / "agent.json", label="agent")
+    gpu = load_config(EXAMPLES / "gpu-container.toml", {
+        "engine.model": str(model_dir), "engine.map": str(mp), "control.token_file": str(token_file),
+        "daemon.state_dir": str(state)})
+    assert gpu.remap.in_place is True and gpu.remap.apply_timeout_s == 120.0
+
+
 def test_duplicate_ports_are_refused(tmp_path: Path, model_dir: Path, token_file: Path) -> None:
     text = _minimal(model_dir, token_file).replace("[gate]\nport = 8250", "[gate]\nport = 8251")
     with pytest.raises(ConfigError, match=r"gate\.port: port 8251 is also used by engine\.port"):

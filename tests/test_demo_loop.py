@@ -3,10 +3,11 @@
 The end-to-end case is the one full adaptation loop in CI: a count boot on code, the code map, a real
 ``pinsidecar run`` daemon serving it in pin mode, clients sending held-out code through the gate and then prose,
 the drift trip, the remap (captured prose counted on a second engine, a map of the same geometry, judged on a window
-that began after the capture was cut, drain + hash-hit reboot with parity checked inside the hold, the live cold
-rate verified) and the commit. It asserts the issue's figure (the cold rate after the remap is at most half the
-rate at the trip), the timeline's stages, every gate request served through the reboot, and ``--json`` stdout
-being one JSON document. It is the test that keeps both the demo and the remap pipeline on a real engine true.
+that began after the capture was cut, applied in place while the clients stream with parity checked token for
+token on the same engine, the live cold rate verified) and the commit. It asserts the issue's figure (the cold
+rate after the remap is at most half the rate at the trip), the timeline's stages, every gate request served
+through the apply, and ``--json`` stdout being one JSON document. It is the test that keeps both the demo and
+the remap pipeline on a real engine true.
 
 The rest are fast: the demo's closing output, the command's wiring (the loop faked), its daemon config (validated
 by the daemon's own loader), its ports and its terminal indicator.
@@ -66,6 +67,14 @@ def test_the_demo_ends_with_the_timeline_and_the_figures() -> None:
     assert "812 sent, 812 completed, 0 failed" in text
     missed = format_summary({**SUMMARY, "cold_rate": {**SUMMARY["cold_rate"], "ok": False, "ratio": 0.8}})
     assert "-> MISSED" in missed
+    in_place = {**SUMMARY, "remap": {"id": "r1", "outcome": "committed", "reboot": None, "parity": {"ok": True},
+                                     "apply": {"outcome": "applied", "seconds": 0.0042, "rows": 40,
+                                               "bytes_moved": 5 * 2**20}}}
+    assert ("remap r1: committed; applied in place in 4.2 ms (40 rows, 5.00 MiB), the gate never held; parity ok"
+            in format_summary(in_place))
+    fell = {**SUMMARY, "remap": {**SUMMARY["remap"], "apply": {"outcome": "fell_back_reboot",
+                                                               "reason": "the hook refused the apply: x"}}}
+    assert "gate held 31.0 s (not in place: the hook refused the apply: x); parity ok" in format_summary(fell)
 
 
 def test_elapsed_time_reads_as_minutes_and_seconds() -> None:
@@ -193,7 +202,7 @@ def test_demo_runs_the_whole_loop_on_vllm_cpu(tmp_path: Path) -> None:
     starts = [s["start_s"] for s in summary["timeline"]]
     assert starts == sorted(starts)
 
-    # Every request through the gate was served, through the drain and the reboot.
+    # Every request through the gate was served, through the apply (which never held the gate).
     req = summary["requests"]
     assert req["failed"] == 0 and req["completed"] == req["sent"] > 0, req
     assert req["completed_by_domain"]["code"] > 0 and req["completed_by_domain"]["prose"] > 0
@@ -203,7 +212,11 @@ def test_demo_runs_the_whole_loop_on_vllm_cpu(tmp_path: Path) -> None:
     assert rec["outcome"] == "committed" and rec["trigger"] == "drift"
     assert [s["state"] for s in rec["steps"]] == list(loop.REMAP_STATES)
     assert rec["decision"]["deploy"] and rec["decision"]["after_capture_cut"] is True
-    assert rec["verify"]["reboot"]["hash_hit"] is True and rec["verify"]["reboot"]["cache_miss"] is False
+    # deployed in place: the hook swapped the rows, no reboot; parity token for token on the same engine
+    assert rec["apply"]["in_place"] is True and rec["apply"]["outcome"] == "applied", rec["apply"]
+    assert rec["apply"]["requests"][0]["result"] == "applied" and rec["apply"]["requests"][0]["rows"] > 0
+    assert rec["verify"]["in_place"] is True and "reboot" not in rec["verify"]
+    assert summary["remap"]["deploy"] == "in place" and summary["remap"]["apply"]["seconds"] is not None
     assert rec["verify"]["parity"]["ok"] is True and rec["verify"]["parity"]["tokens"] > 0
     assert rec["verify"]["cold_rate"]["status"] == "verified"
     assert rec["verify"]["cold_rate"]["live_cold_rate"] == cold["after"]

@@ -26,7 +26,8 @@ ALLOWED = {
     "rehome": {"vllm_seam"},
     "backends": {"vllm_seam", "contract", "kernels"},
     "count": {"vllm_seam", "contract", "flusher", "kernels"},  # kernels: the GPU count is one partition launch
-    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends"},
+    "swap": {"contract"},  # the in-place apply works on pin mode's layers through a protocol, not pin itself
+    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "swap"},
     "modes": {"vllm_seam", "contract", "count", "pin"},
     "plugin": {"contract", "modes"},
 }

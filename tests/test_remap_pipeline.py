@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from pinsidecar_hook.contract import load_map
+from pinsidecar_hook.contract.requests import apply_args, request_path, write_hook_request
 
 from pinsidecar.daemon.config import load_config
 from pinsidecar.daemon.control import ControlError
@@ -28,10 +29,11 @@ from pinsidecar.engine import free_port
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap import STATES, RecordStore, RemapRecord
 from pinsidecar.remap.candidates import counts_path_for
+from pinsidecar.remap.record import PRE_REBOOT_STATES
 from pinsidecar.runs.count_boot import ProfileError
 from pinsidecar.testing import make_counts
 from pinsidecar.testing.fs import MountNotPermitted, fill, free_pages, remount, small_tmpfs
-from pinsidecar.testing.remap import FakeHookStats, FakeTools, InstantEngine
+from pinsidecar.testing.remap import FakeApplyClient, FakeHookStats, FakeTools, InstantEngine
 
 CODE, PROSE = 0, 1
 # Tests that request remaps themselves switch the detector's own trips off (it would race them on prose traffic).
@@ -89,8 +91,9 @@ def write_config(tmp: Path, code_map: Path, *, drift: str = "", remap: str = "",
     for _ in range(5):
         ports.append(free_port(ports[-1] + 1) if ports else free_port())
     engine, gate, control, metrics_port, count = ports
+    # in_place off: most tests here are the drain-reboot deploy's; the in-place tests turn it on (the default)
     remap_defaults = {"workloads": f'["{fixture}"]', "count_boot_port": str(count), "watch_interval_s": "0.03",
-                      "held_out_wait_s": "5", "verify_tokens": "400", "verify_timeout_s": "10"}
+                      "held_out_wait_s": "5", "verify_tokens": "400", "verify_timeout_s": "10", "in_place": "false"}
     cfg = tmp / "pinsidecar.toml"
     cfg.write_text(f"""
 [engine]
@@ -98,6 +101,10 @@ model = "{model}"
 port = {engine}
 hook_mode = "pin"
 map = "{code_map}"
+[supervisor]
+# the instant engine answers no /health: without this the liveness check would restart it every few seconds
+# (a test that kills it tells the supervisor the way the exit watch does)
+health_interval_s = 3600
 [gate]
 port = {gate}
 [control]
@@ -220,7 +227,7 @@ def test_a_drift_trip_count_boots_builds_evaluates_reboots_verifies_and_commits(
             rec = await h.wait_for_end(rid)
             assert rec["outcome"] == "committed", rec
             assert rec["trigger"] == "drift"
-            assert states(rec) == list(STATES)  # every state, in order
+            assert states(rec) == [s for s in STATES if s != "applying"]  # every reboot-path state, in order
             assert all(s["seconds"] >= 0 for s in rec["steps"])
             # the count boot ran beside the serving engine, on its own port, with the fixture replayed
             (boot,) = tools.count_boots
@@ -574,6 +581,336 @@ def test_a_named_map_by_label_is_evaluated_and_deployed(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+# ---------------------------------------------------------------------------------------------------- in place
+IN_PLACE = "in_place = true"
+
+
+def kill_engine(h: Harness) -> Callable[[], None]:
+    """What the fake apply client calls to make the engine die mid-apply (from its thread): the instant engine
+    stops, and the supervisor hears it the way the pidfd exit watch tells it of a real engine's exit."""
+    loop = asyncio.get_running_loop()
+
+    def die() -> None:
+        sup = h.daemon.supervisor
+        assert sup is not None and sup.launcher is not None
+        launcher = sup.launcher
+        launcher.stop()
+        loop.call_soon_threadsafe(sup._engine_exited, launcher)
+
+    return die
+
+
+def boot_hashes(h: Harness) -> list[str | None]:
+    sup = h.daemon.supervisor
+    assert sup is not None
+    return [b.map_hash for b in sup.boots]
+
+
+def metric(text: str, line: str) -> bool:
+    return any(row == line for row in text.splitlines())
+
+
+def test_a_drift_trip_applies_in_place_verifies_and_commits_without_a_reboot(tmp_path: Path) -> None:
+    tools = FakeTools(make_counts(tokens=3000, domain=PROSE, seed=42))
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, remap=IN_PLACE, metrics=True) as h:
+            d = h.daemon
+            await h.windows(2)
+            boots, before = InstantEngine.boots, served_hash(h)
+            h.domain = PROSE
+            await until(lambda: d.remaps.last is not None or d.remaps.current is not None, "a drift trip")
+            rec = await h.wait_for_end((d.remaps.current or d.remaps.last).id)  # type: ignore[union-attr]
+            assert rec["outcome"] == "committed", rec
+            assert states(rec) == [s for s in STATES if s != "rebooting"]  # applying, never rebooting
+            assert InstantEngine.boots == boots  # no drain, no boot
+            cand = rec["candidate"]
+            # the hook was asked once, with the candidate's absolute path and hash
+            (call,) = tools.apply_client.calls
+            assert call["map"] == str(Path(cand["path"]).absolute()) and call["hash"] == cand["hash"]
+            assert call["timeout_s"] == d.cfg.remap.apply_timeout_s
+            app = rec["apply"]
+            assert app["in_place"] and app["outcome"] == "applied" and app["plan"]["from_hash"] == before
+            assert app["plan"]["rows"] > 0 and app["plan"]["to_hash"] == cand["hash"]
+            (req,) = app["requests"]
+            assert req["result"] == "applied" and req["rows"] == 8 and req["served_hash"] == cand["hash"]
+            # parity on the same engine, token for token, then the cold rate, then the commit
+            assert rec["verify"]["in_place"] and rec["verify"]["parity"]["ok"]
+            assert rec["verify"]["parity"]["compared"] == "token ids" and tools.parity_calls == 2
+            assert rec["verify"]["cold_rate"]["status"] == "verified"
+            assert served_hash(h) == cand["hash"] and active_map_record(h)["hash"] == cand["hash"]  # type: ignore
+            sup = d.supervisor
+            assert sup is not None and sup.restart_map is None  # committed: a restart boots the candidate now
+            assert d.watch is not None and d.watch.active.content_hash == cand["hash"]
+            # the gate never held for it
+            assert d.gate is not None and not d.gate.snapshot()["holding"]
+            st = d.status()
+            last = st["remap"]["last_apply"]
+            assert last["remap"] == rec["id"] and last["outcome"] == "applied" and last["rows"] == 8
+            assert last["result"] == "applied" and last["seconds"] == 0.002
+            assert st["remap"]["history"][-1]["apply"] == "applied"
+            assert d.exporter is not None
+            text = d.exporter.render().decode()
+            for line in ('pinsidecar_remap_apply_total{outcome="applied"} 1.0',
+                         'pinsidecar_remap_apply_total{outcome="fell_back_reboot"} 0.0',
+                         'pinsidecar_remap_apply_requests_total{result="applied"} 1.0',
+                         "pinsidecar_remap_apply_rows_swapped_total 8.0",
+                         f"pinsidecar_remap_apply_bytes_moved_total {16.0 * load_map(h.code_map).expert_bytes}",
+                         "pinsidecar_remap_apply_seconds_count 1.0", "pinsidecar_remap_apply_last_seconds 0.002",
+                         'pinsidecar_remaps_total{outcome="committed"} 1.0'):
+                assert metric(text, line), line
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("answer", ["refused", "failed", "timeout"])
+def test_an_apply_the_hook_refuses_or_fails_falls_back_to_the_drain_reboot(tmp_path: Path, answer: str) -> None:
+    tools = FakeTools(apply=FakeApplyClient((answer,)))
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, remap=IN_PLACE, metrics=True,
+                           library=(PROSE,)) as h:
+            h.domain = PROSE
+            await h.windows(1)
+            boots = InstantEngine.boots
+            res = await h.daemon.request_remap(trigger="manual", map_ref=f"class{PROSE}")
+            rec = await h.wait_for_end(res["remap_id"])
+            assert rec["outcome"] == "committed", rec
+            assert states(rec) == ["evaluating", "applying", "rebooting", "verifying"]
+            assert InstantEngine.boots == boots + 1  # the reboot deployed it
+            app = rec["apply"]
+            assert app["outcome"] == "fell_back_reboot" and app["requests"][0]["result"] == answer
+            want = {"refused": "the hook refused the apply", "failed": "the apply failed (the hook swapped back)",
+                    "timeout": "the hook did not answer within remap.apply_timeout_s"}[answer]
+            assert app["reason"].startswith(want) and app["reason"].endswith("deploying by a drain-reboot instead")
+            assert rec["steps"][1]["detail"]["in_place"] == app["reason"]  # the applying step says why too
+            assert rec["verify"]["reboot"]["ok"] and rec["verify"]["reboot"]["hash_hit"]
+            assert served_hash(h) == rec["candidate"]["hash"]
+            assert not request_path(h.state_dir / "stats.json").exists()  # nothing left for the next engine
+            text = h.daemon.exporter.render().decode()  # type: ignore[union-attr]
+            assert metric(text, 'pinsidecar_remap_apply_total{outcome="fell_back_reboot"} 1.0')
+            assert metric(text, f'pinsidecar_remap_apply_requests_total{{result="{answer}"}} 1.0')
+            assert metric(text, "pinsidecar_remap_apply_rows_swapped_total 0.0")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("rollback", ["in_place", "reboot"])
+def test_a_parity_difference_after_the_apply_puts_the_old_map_back(tmp_path: Path, rollback: str) -> None:
+    """The candidate applies, the same engine then answers the parity prompts differently: the old map goes back
+    in place (the cheap way); if the hook cannot do that either, a reboot with the old map does."""
+    answers = ("applied", "applied") if rollback == "in_place" else ("applied", "failed")
+    tools = FakeTools(parity_change=True, apply=FakeApplyClient(answers))
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, remap=IN_PLACE, metrics=True,
+                           library=(PROSE,)) as h:
+            h.domain = PROSE
+            await h.windows(1)
+            boots, before = InstantEngine.boots, served_hash(h)
+            res = await h.daemon.request_remap(trigger="manual", map_ref=f"class{PROSE}")
+            rec = await h.wait_for_end(res["remap_id"])
+            assert rec["outcome"] == "rolled_back", rec
+            assert states(rec) == ["evaluating", "applying"] and "parity after the apply" in rec["error"]
+            assert rec["verify"]["parity"]["ok"] is False and rec["verify"]["parity"]["differing_prompts"] > 0
+            first, back = rec["apply"]["requests"]
+            assert first["purpose"] == "candidate" and first["result"] == "applied"
+            assert back["purpose"] == "rollback" and back["map_hash"] == before
+            assert tools.apply_client.calls[1]["map"] == str(h.code_map.absolute())
+            if rollback == "in_place":
+                assert "rolled back in place: the old map serves" in rec["outcome_reason"]
+                assert InstantEngine.boots == boots
+            else:
+                assert "so the old map was rebooted: it serves" in rec["outcome_reason"]
+                assert InstantEngine.boots == boots + 1 and boot_hashes(h)[-1] == before
+            assert rec["apply"]["outcome"] == "rolled_back"
+            assert served_hash(h) == before and active_map_record(h) is None
+            assert h.daemon.watch is not None and h.daemon.watch.active.content_hash == before
+            sup = h.daemon.supervisor
+            assert sup is not None and sup.restart_map is None
+            text = h.daemon.exporter.render().decode()  # type: ignore[union-attr]
+            assert metric(text, 'pinsidecar_remap_apply_total{outcome="rolled_back"} 1.0')
+
+    asyncio.run(scenario())
+
+
+def test_a_candidate_of_another_geometry_is_rebooted_onto_saying_why(tmp_path: Path) -> None:
+    """An operator names a map with more hot rows (a budget change): judged like any other, it cannot be applied
+    in place (the hot tensor would change shape), so the drain-reboot deploys it and the record says why."""
+    tools = FakeTools()
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, remap=IN_PLACE, metrics=True) as h:
+            bigger = build_usage_map([make_counts(tokens=4000, domain=PROSE, seed=7)], HOT_ROWS + 8, label="big")
+            bigger.save(tmp_path / "maps" / "big.json")
+            h.domain = PROSE
+            await h.windows(1)
+            boots = InstantEngine.boots
+            res = await h.daemon.request_remap(trigger="manual", map_ref=str(tmp_path / "maps" / "big.json"))
+            rec = await h.wait_for_end(res["remap_id"])
+            assert rec["outcome"] == "committed", rec
+            assert states(rec) == ["evaluating", "rebooting", "verifying"]
+            assert "another geometry" in rec["decision"]["reason"] and rec["decision"]["deploy"]
+            why = rec["apply"]["reason"]
+            assert why.startswith("cannot apply in place: candidate big has another geometry") and \
+                why.endswith("; rebooting")
+            assert "hot_rows 48 -> 56" in why
+            assert rec["steps"][0]["detail"]["in_place"] == why  # the evaluating step hands over with it
+            assert rec["apply"]["outcome"] == "fell_back_reboot" and rec["apply"]["requests"] == []
+            assert not tools.apply_client.calls and InstantEngine.boots == boots + 1
+            assert rec["verify"]["reboot"]["hash_hit"] is False
+            assert served_hash(h) == bigger.content_hash
+            text = h.daemon.exporter.render().decode()  # type: ignore[union-attr]
+            assert metric(text, 'pinsidecar_remap_apply_total{outcome="fell_back_reboot"} 1.0')
+
+    asyncio.run(scenario())
+
+
+def test_with_in_place_off_the_remap_reboots_and_records_no_apply(tmp_path: Path) -> None:
+    tools = FakeTools()
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, library=(PROSE,)) as h:  # in_place = false
+            h.domain = PROSE
+            await h.windows(1)
+            rec = await h.wait_for_end((await h.daemon.request_remap(trigger="manual",
+                                                                     map_ref=f"class{PROSE}"))["remap_id"])
+            assert rec["outcome"] == "committed" and states(rec) == ["evaluating", "rebooting", "verifying"]
+            assert rec["apply"] is None and not tools.apply_client.calls
+            assert "in_place" not in rec["steps"][0]["detail"]
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_dying_mid_apply_restarts_with_the_committed_map_never_the_candidate(tmp_path: Path) -> None:
+    apply = FakeApplyClient(("die",))
+    tools = FakeTools(apply=apply)
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, remap=IN_PLACE, metrics=True,
+                           library=(PROSE,)) as h:
+            apply.on_die = kill_engine(h)
+            h.domain = PROSE
+            await h.windows(1)
+            before = served_hash(h)
+            booted = len(boot_hashes(h))
+            res = await h.daemon.request_remap(trigger="manual", map_ref=f"class{PROSE}")
+            rec = await h.wait_for_end(res["remap_id"])
+            assert rec["outcome"] == "rolled_back", rec
+            assert states(rec) == ["evaluating", "applying"]
+            assert rec["outcome_reason"] == "the engine died mid-apply; it restarts with the committed map code"
+            assert rec["apply"]["outcome"] == "engine_died" and rec["apply"]["requests"][0]["result"] == "engine_died"
+            sup = h.daemon.supervisor
+            assert sup is not None
+            await until(lambda: sup.state == "ready" and len(sup.boots) > booted, "the supervisor's restart")
+            assert boot_hashes(h)[booted:] == [before]  # restarted with the old map, never the candidate
+            assert sup.boots[-1].reason == "crash" and served_hash(h) == before
+            assert active_map_record(h) is None
+            assert not request_path(h.state_dir / "stats.json").exists()
+            assert h.daemon.watch is not None and h.daemon.watch.active.content_hash == before
+            text = h.daemon.exporter.render().decode()  # type: ignore[union-attr]
+            assert metric(text, 'pinsidecar_remap_apply_total{outcome="engine_died"} 1.0')
+            assert metric(text, 'pinsidecar_remap_apply_requests_total{result="engine_died"} 1.0')
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_restart_before_the_commit_boots_the_committed_map_and_rolls_back(tmp_path: Path) -> None:
+    """Applied in place, the engine then crashes while the new map is verified: the supervisor boots the committed
+    map (a map applied in place is not what a restart boots), verification sees it and the remap rolls back."""
+    tools = FakeTools()
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, remap=IN_PLACE, library=(PROSE,)) as h:
+            h.daemon.cfg = _with_remap(h.daemon.cfg, verify_tokens=10**9, verify_timeout_s=60)
+            h.domain = PROSE
+            await h.windows(1)
+            before = served_hash(h)
+            res = await h.daemon.request_remap(trigger="manual", map_ref=f"class{PROSE}")
+            d = h.daemon
+            await until(lambda: d.remaps.current is not None and d.remaps.current.state == "verifying", "verifying")
+            sup = d.supervisor
+            assert sup is not None and sup.restart_map is not None and sup.restart_map[1] is not None
+            assert sup.restart_map[1].content_hash == before and served_hash(h) != before
+            assert d.status()["engine"]["restart_map"]["hash"] == before
+            kill_engine(h)()
+            rec = await h.wait_for_end(res["remap_id"])
+            assert rec["outcome"] == "rolled_back" and states(rec) == ["evaluating", "applying", "verifying"]
+            assert "the engine restarted while the new map was being verified and serves code" in rec["error"]
+            assert "the engine serves the committed map code again" in rec["outcome_reason"]
+            assert served_hash(h) == before and boot_hashes(h)[-1] == before and active_map_record(h) is None
+            assert len(tools.apply_client.calls) == 1  # nothing to apply back: the restart did it
+
+    asyncio.run(scenario())
+
+
+def test_a_second_remap_during_an_apply_is_refused_naming_the_first_and_the_gate_keeps_serving(
+        tmp_path: Path) -> None:
+    hold = threading.Event()
+    tools = FakeTools(apply=FakeApplyClient(hold=hold))
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, remap=IN_PLACE, library=(PROSE,)) as h:
+            h.domain = PROSE
+            await h.windows(1)
+            d = h.daemon
+            first = await d.request_remap(trigger="manual", map_ref=f"class{PROSE}")
+            await until(lambda: bool(tools.apply_client.calls), "the apply request sent")
+            assert d.remaps.current is not None and d.remaps.current.state == "applying"
+            for trigger in ("manual", "alert", "timer", "drift"):
+                with pytest.raises(ControlError) as err:
+                    await d.request_remap(trigger=trigger)
+                assert err.value.status == 409
+                assert first["remap_id"] in str(err.value) and "state applying" in str(err.value)
+            with pytest.raises(ControlError) as err:
+                await d.drain_reboot(None, None)
+            assert err.value.status == 409 and first["remap_id"] in str(err.value)
+            # the engine keeps serving meanwhile: the gate does not hold, the supervisor is not draining
+            assert d.gate is not None and not d.gate.snapshot()["holding"]
+            assert d.supervisor is not None and d.supervisor.state == "ready"
+            assert d.status()["remap"]["current"]["state"] == "applying"
+            hold.set()
+            rec = await h.wait_for_end(first["remap_id"])
+            assert rec["outcome"] == "committed" and states(rec) == ["evaluating", "applying", "verifying"]
+
+    asyncio.run(scenario())
+
+
+def test_status_shows_the_last_apply() -> None:
+    from pinsidecar.cli.daemon import _fmt_status
+
+    st = {"engine": {"state": "ready"}, "maps": {"entries": [], "dir": "/m"}, "daemon": {}, "drift": None,
+          "remap": {"current": None, "last": None, "history": [], "last_apply": {
+              "remap": "r7", "remap_state": "committed", "in_place": True, "outcome": "applied", "reason": None,
+              "result": "applied", "seconds": 0.0123, "rows": 96, "bytes_moved": 3 * 2**20}}}
+    assert "apply    last (remap r7): applied; the hook swapped 96 rows (3.0 MiB) in 12.3 ms" in _fmt_status(st)
+    st["remap"]["last_apply"] = {"remap": "r8", "remap_state": "rebooting", "outcome": "fell_back_reboot",
+                                 "result": "refused", "reason": "the hook refused the apply: tp_size 2"}
+    assert ("apply    last (remap r8): fell_back_reboot; the hook's answer: refused  (the hook refused the apply: "
+            "tp_size 2)") in _fmt_status(st)
+
+
+@pytest.mark.parametrize("launcher", ["process", "container"])
+def test_the_apply_request_names_the_map_as_the_engine_sees_it(tmp_path: Path, launcher: str) -> None:
+    """A local engine reads the daemon's own absolute path; one in a container reads it through the mount of the
+    state folder (maps read-only at <state_mount>/maps), so that is the path the hook is asked to apply."""
+    text = write_config(tmp_path, code_map(tmp_path)).read_text()
+    text = text.replace(f'dir = "{tmp_path}/maps"', f'dir = "{tmp_path}/state/maps"')
+    if launcher == "container":
+        text = text.replace('hook_mode = "pin"', 'hook_mode = "pin"\nlauncher = "container"')
+        text += '\n[container]\nimage = "vllm/vllm-openai:test"\nstate_mount = "/var/lib/pinsidecar"\n'
+    (tmp_path / "pinsidecar.toml").write_text(text)
+    daemon = Daemon(load_config(tmp_path / "pinsidecar.toml"), launcher_factory=InstantEngine)
+    cand = tmp_path / "state" / "maps" / "prose.json"
+    want = "/var/lib/pinsidecar/maps/prose.json" if launcher == "container" else str(cand)
+    assert daemon.engine_map_path(cand) == want
+    if launcher == "container":  # a map the container cannot see is an error the pipeline turns into a fallback
+        from pinsidecar.engine.launcher import EngineSetupError
+
+        with pytest.raises(EngineSetupError, match="outside the state folder"):
+            daemon.engine_map_path(tmp_path / "elsewhere.json")
+
+
 # ---------------------------------------------------------------------------------------------------- recovery
 
 
@@ -597,13 +934,16 @@ def test_a_record_left_open_in_any_state_is_closed_at_start_and_the_old_map_serv
         (store.directory / f".{rec.id}.json.x1.tmp").write_text("{")  # a torn atomic write
         (tmp_path / "state" / ACTIVE_MAP_FILE).write_text(json.dumps({"path": str(boot_map),
                                                                      "hash": old.content_hash}))
+        request = request_path(tmp_path / "state" / "stats.json")
+        if state == "applying":  # killed with its apply request unanswered: the next engine must never see it
+            write_hook_request(tmp_path / "state" / "stats.json", "apply", apply_args(cand_path, cand.content_hash))
         cfg = load_config(write_config(tmp_path, boot_map))
         daemon = Daemon(cfg, launcher_factory=InstantEngine, remap_tools=FakeTools())
         await daemon.start()
         try:
             await until(lambda: daemon.supervisor is not None and daemon.supervisor.state == "ready", "ready")
             closed = json.loads(store.path(rec.id).read_text())
-            want = "aborted" if STATES.index(state) < STATES.index("rebooting") else "rolled_back"
+            want = "aborted" if state in PRE_REBOOT_STATES else "rolled_back"
             assert closed["state"] == closed["outcome"] == want
             assert f"during {state}" in closed["error"]
             assert daemon.supervisor is not None and daemon.supervisor.map is not None
@@ -611,6 +951,7 @@ def test_a_record_left_open_in_any_state_is_closed_at_start_and_the_old_map_serv
             assert load_map(cand_path).content_hash == cand.content_hash  # whole, never half-written
             assert not [p for p in store.directory.iterdir() if p.name.startswith(".")]
             assert daemon.status()["remap"]["last"]["id"] == rec.id
+            assert not request.exists()
         finally:
             await daemon.shutdown()
 

@@ -7,9 +7,11 @@ logprobs) and, in pin mode, writes the hook's live stats file from the prompts i
 "prose" routes like domain 1, anything else like domain 0, the domain the boot map was built from). It boots in a
 second, and it lives in its own process group like vLLM, so a SIGKILLed sidecar leaves it running and holding its
 port, as it would leave vLLM. Prose traffic through the gate trips the drift detector; the remap is caught in a
-state (a count boot whose fake count engine never answers the hook's reset, or the pipeline's test hook
-``PINSIDECAR_TEST_REMAP_PAUSE_AT``, or a verification waiting for traffic that never comes), the sidecar is
-SIGKILLed, and a new one is started on the same state folder.
+state (a count boot whose fake count engine never answers the hook's reset, an apply the fake engine holds, the
+pipeline's test hook ``PINSIDECAR_TEST_REMAP_PAUSE_AT``, or a verification waiting for traffic that never comes),
+the sidecar is SIGKILLed, and a new one is started on the same state folder. The fake engine answers the hook's
+requests beside its stats file as the hook does (``apply`` swaps its map; ``PINSIDECAR_TEST_APPLY_STALL_S`` makes
+it hold the apply first, like the hook's test hook), so the in-place deploy runs as in production.
 
 Every state of :data:`pinsidecar.remap.STATES` is killed here, in a real process (test_remap_pipeline.py also
 covers each in-process, from a record left open on disk); the states before ``rebooting`` other than
@@ -52,9 +54,10 @@ port, host = int(args[args.index("--port") + 1]), args[args.index("--host") + 1]
 mode = os.environ.get("PINSIDECAR_HOOK_MODE", "off")
 stats_path = os.environ.get("PINSIDECAR_STATS_PATH")
 lock = threading.Lock()
-state = {"seq": 0, "tokens": 0, "hist": None, "cold": None, "n": 0}
+state = {"seq": 0, "tokens": 0, "hist": None, "cold": None, "n": 0, "token": "", "meta": {}}
 boot_id = secrets.token_hex(4)
 emap = None
+hot = None
 if mode == "pin":
     import numpy as np
     from pinsidecar_hook.contract import StatsSnapshot, load_map
@@ -69,7 +72,36 @@ def write_stats():
     StatsSnapshot(boot_id=boot_id, seq=state["seq"], layer_ids=list(emap.layer_ids), num_experts=emap.num_experts,
                   top_k=emap.top_k, selections=state["hist"].sum(axis=1).tolist(),
                   cold_selections=state["cold"].tolist(), tokens=state["tokens"], map_hash=emap.content_hash,
-                  pid=os.getpid(), written_at=time.time(), histogram=state["hist"].tolist()).save(stats_path)
+                  pid=os.getpid(), written_at=time.time(), histogram=state["hist"].tolist(),
+                  flush_token=state["token"], meta=state["meta"]).save(stats_path)
+
+def serve_requests():
+    global emap, hot
+    from pinsidecar_hook.contract import load_map as load
+    from pinsidecar_hook.contract.requests import read_hook_request, request_path
+    from pinsidecar_hook.contract.swap import ApplyResult, plan_swap
+    while True:
+        time.sleep(0.1)
+        req = read_hook_request(stats_path)
+        if req is None or req.token == state["token"]:
+            continue
+        if req.op == "apply":
+            time.sleep(float(os.environ.get("PINSIDECAR_TEST_APPLY_STALL_S", "0") or 0))
+            new = load(req.args["map"])
+            plan = plan_swap(emap, new)
+            with lock:
+                result = ApplyResult(req.token, "applied", map_hash=new.content_hash, from_hash=emap.content_hash,
+                                     to_hash=new.content_hash, rows=plan.rows, bytes_moved=plan.bytes_moved,
+                                     seconds=0.001, layers=new.num_layers)
+                emap, hot = new, new.hot_mask()
+                state["meta"] = {"apply": result.to_json()}
+        with lock:
+            state["token"] = req.token
+            write_stats()
+        try:
+            os.unlink(request_path(stats_path))
+        except OSError:
+            pass
 
 def route(prompt):
     if emap is None:
@@ -79,7 +111,7 @@ def route(prompt):
         c = make_counts(emap.num_layers, emap.num_experts, emap.top_k, 100, seed=state["n"],
                         domain=1 if "prose" in prompt else 0)
         state["hist"] += c.counts
-        state["cold"] += np.where(hot, 0, c.counts).sum(axis=1)
+        state["cold"] += np.where(hot, 0, c.counts).sum(axis=1)  # under the map serving now
         state["tokens"] += 100
         write_stats()
 
@@ -114,6 +146,7 @@ class H(BaseHTTPRequestHandler):
 
 if emap is not None:
     write_stats()
+    threading.Thread(target=serve_requests, daemon=True).start()
 print(f"fake engine mode={mode} on {host}:{port}", flush=True)
 ThreadingHTTPServer((host, port), H).serve_forever()
 '''
@@ -160,7 +193,7 @@ class Sidecar:
         self.proc.wait(10)
 
 
-def _setup(tmp: Path, remap: str) -> tuple[Path, Path]:
+def _setup(tmp: Path, remap: str, engine_env: str = "") -> tuple[Path, Path]:
     script = tmp / "fake_vllm.py"
     script.write_text(FAKE_ENGINE)
     python = tmp / "fake-python"
@@ -190,6 +223,7 @@ hook_mode = "pin"
 map = "{boot_map}"
 ready_timeout_s = 60
 stop_timeout_s = 5
+{engine_env}
 [supervisor]
 health_interval_s = 0.5
 [gate]
@@ -251,10 +285,17 @@ def sidecars(tmp_path: Path) -> Iterator[list[Sidecar]]:
 @pytest.mark.parametrize("state", STATES)
 def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_path: Path, sidecars: list[Sidecar],
                                                                              state: str) -> None:
-    cfg, boot_map = _setup(tmp_path, 'source = "capture"' if state == "count_boot" else 'source = "live"')
+    remap = 'source = "capture"' if state == "count_boot" else 'source = "live"'
+    if state == "rebooting":  # the in-place deploy would apply it: rebooting is the fallback or in_place = false
+        remap += "\nin_place = false"
+    # applying: the fake engine holds the apply (the sidecar dies with its request pending, the engine mid-apply)
+    engine_env = 'env = { PINSIDECAR_TEST_APPLY_STALL_S = "600" }' if state == "applying" else ""
+    cfg, boot_map = _setup(tmp_path, remap, engine_env)
     code_hash = load_map(boot_map).content_hash
-    # count_boot waits on its count engine and verifying on traffic by themselves; the others pause by the hook
-    env = {**os.environ, **({PAUSE_ENV: state} if state not in ("count_boot", "verifying") else {})}
+    # count_boot waits on its count engine, applying on the engine and verifying on traffic by themselves; the
+    # others pause by the pipeline's test hook
+    waits = ("count_boot", "applying", "verifying")
+    env = {**os.environ, **({PAUSE_ENV: state} if state not in waits else {})}
     env.pop("NOTIFY_SOCKET", None)
     first = Sidecar(cfg, tmp_path, env, 1)
     sidecars.append(first)
@@ -278,6 +319,17 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
             assert time.monotonic() < deadline, "the count engine never started"
             time.sleep(0.1)
         count_engine = psutil.Process(json.loads(count_pid.read_text())["pid"])
+    request = tmp_path / "state" / "stats.json.request"
+    if state == "applying":  # the apply request is out, the engine holds it
+        deadline = time.monotonic() + LIMIT_S
+        while not request.exists():
+            assert time.monotonic() < deadline, "the apply request was never sent"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the fake engine has read it and stalls in the apply
+    if state == "verifying":  # applied in place: the old engine serves the candidate now
+        assert st["remap"]["current"]["apply"]["outcome"] is None
+        assert st["remap"]["current"]["apply"]["requests"][0]["result"] == "applied"
+        assert st["engine"]["map"]["hash"] != code_hash and st["engine"]["restart_map"]["hash"] == code_hash
 
     first.kill()
     assert old_engine.is_running()  # orphaned, as a killed sidecar leaves vLLM
@@ -295,6 +347,9 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
         assert not count_engine.is_running() or count_engine.status() == psutil.STATUS_ZOMBIE
         assert not port_in_use("127.0.0.1", second.ports["count"])
     assert second.complete("def f(x):") == 200
+    assert not request.exists()  # a leftover apply request was withdrawn before the new engine could see it
+    stats = json.loads((tmp_path / "state" / "stats.json").read_text())
+    assert stats["map_hash"] == code_hash  # the new engine serves the committed map, never the candidate
     rec = json.loads((tmp_path / "state" / "remaps" / f"{remap_id}.json").read_text())
     want = "aborted" if state in PRE_REBOOT_STATES else "rolled_back"
     assert rec["state"] == rec["outcome"] == want and f"during {state}" in rec["error"]

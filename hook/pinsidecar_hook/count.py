@@ -148,6 +148,8 @@ class CountState:
         counts_np, tokens_np = counts.cpu().numpy(), tokens.cpu().numpy()
         meta = dict(self.meta, seq=info.seq, pid=os.getpid(), engine_ready=self.engine_ready,
                     tokens_per_layer=[int(t) for t in tokens_np], write_errors=sum(info.errors.values()))
+        if info.apply is not None:  # an apply request was refused (count mode has no map): the client's answer
+            meta["apply"] = dict(info.apply)
         return CountsArtifact(
             layer_ids=list(self.layer_ids), num_experts=self.num_experts, top_k=self.top_k,
             counts=counts_np.astype(np.int64), tokens=int(tokens_np[0]), model=self.model_info,

@@ -10,10 +10,14 @@ about either mode:
 - **periodic writes**: every ``interval_s`` (``PINSIDECAR_FLUSH_INTERVAL_S``), so a worker killed without notice
   (vLLM's front end may SIGKILL it) loses at most one interval;
 - **requests** (:mod:`pinsidecar_hook.contract.requests`), looked for every
-  :data:`~pinsidecar_hook.contract.REQUEST_POLL_S`: ``flush`` writes now, ``reset`` zeroes then writes. The
+  :data:`~pinsidecar_hook.contract.REQUEST_POLL_S`: ``flush`` writes now, ``reset`` zeroes then writes,
+  ``apply`` hands the request's arguments to the source's ``apply(args, token)`` (pin mode's in-place remap,
+  :mod:`pinsidecar_hook.swap`; a source without one, count mode, answers ``refused``) and then writes. The
   request's token goes in the artifact's ``flush_token`` and stays there in every later write until the next
-  request; the request file is removed afterwards unless a newer one replaced it meanwhile; a request already
-  served (its file could not be removed) is not served twice; a malformed request file is dropped;
+  request; the last apply's :class:`~pinsidecar_hook.contract.ApplyResult` goes in ``meta["apply"]`` and stays
+  there until the next apply; the request file is removed afterwards unless a newer one replaced it meanwhile; a
+  request already served (its file could not be removed) is not served twice; a request file that cannot be read
+  is dropped;
 - **write failures** never stop serving: each is counted in ``errors[<write_error_key>]`` (which the next
   artifact carries), logged once, and, when the mode has one, the artifact goes to a fallback path instead (pin
   mode: :func:`~pinsidecar_hook.contract.fallback_stats_path`, which the daemon's reader also looks at);
@@ -33,11 +37,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pinsidecar_hook.contract import REQUEST_POLL_S, read_hook_request, request_path
+from pinsidecar_hook.contract import REQUEST_POLL_S, ApplyResult, read_hook_request, request_path
 
 __all__ = ["Artifact", "FlushSource", "Flusher", "WriteInfo"]
 
@@ -59,10 +64,12 @@ class WriteInfo:
     seq: int  # 1 for the first write of this flusher, +1 per write (fallback writes included)
     flush_token: str  # the last request served ("" before the first), to echo in the artifact
     errors: dict[str, int] = field(default_factory=dict)  # the flusher's error counters, a copy
+    apply: dict[str, Any] | None = None  # the last apply's answer (ApplyResult.to_json()), for meta["apply"]
 
 
 class FlushSource(Protocol):
-    """A mode's counters, as the flusher sees them."""
+    """A mode's counters, as the flusher sees them. A source may also have ``apply(args, token) ->
+    ApplyResult`` (pin mode's in-place remap); the flusher looks for it when an ``apply`` request comes."""
 
     def snapshot(self, info: WriteInfo) -> Artifact:
         """Copy the live counters into an artifact (cheap: a few small device-to-host copies)."""
@@ -91,13 +98,14 @@ class Flusher:
         self.write_error_key = write_error_key
         self.seq = 0
         self.flush_token = ""
+        self.last_apply: dict[str, Any] | None = None
         self.errors: dict[str, int] = {}
         self.last_written: Path | None = None
         self._logged: set[str] = set()
         self._saved_seq = 0
         self._stop = threading.Event()
         # Re-entrant: the SIGTERM handler runs on the main thread and may interrupt it while it holds either.
-        self._state_lock = threading.RLock()  # seq, flush_token, errors
+        self._state_lock = threading.RLock()  # seq, flush_token, last_apply, errors
         self._write_lock = threading.RLock()  # one save at a time, in seq order
         self._thread: threading.Thread | None = None
 
@@ -108,7 +116,8 @@ class Flusher:
         return self.errors[key]
 
     def _info(self) -> WriteInfo:
-        return WriteInfo(seq=self.seq, flush_token=self.flush_token, errors=dict(self.errors))
+        return WriteInfo(seq=self.seq, flush_token=self.flush_token, errors=dict(self.errors),
+                         apply=self.last_apply)
 
     def flush(self, token: str | None = None) -> Path | None:
         """Write a snapshot now; ``token``, when given, becomes the echoed ``flush_token``. Returns the path
@@ -137,7 +146,8 @@ class Flusher:
     def _write_failed(self, exc: OSError, seq: int) -> Path | None:
         with self._state_lock:
             self._count(self.write_error_key)
-            info = WriteInfo(seq=seq, flush_token=self.flush_token, errors=dict(self.errors))
+            info = WriteInfo(seq=seq, flush_token=self.flush_token, errors=dict(self.errors),
+                             apply=self.last_apply)
         fallback = self.fallback_path
         if self.write_error_key not in self._logged:
             self._logged.add(self.write_error_key)
@@ -157,16 +167,34 @@ class Flusher:
             self.last_written = fallback
             return fallback
 
+    def apply(self, args: Mapping[str, Any], token: str) -> ApplyResult:
+        """Hand an ``apply`` request to the source; a source without ``apply`` (count mode) refuses. The source's
+        own apply never raises (it answers ``failed``); anything that still escapes is answered ``failed`` here,
+        so the client gets an answer rather than a timeout."""
+        apply = getattr(self.source, "apply", None)
+        if apply is None:
+            return ApplyResult(token=token, outcome="refused", reason=f"{self.name} mode has no map to apply")
+        try:
+            result: ApplyResult = apply(args, token)
+        except Exception as exc:  # the side thread must survive, and the client must hear back
+            log.exception("pinsidecar %s: apply %s raised", self.name, token)
+            return ApplyResult(token=token, outcome="failed", reason=f"{type(exc).__name__}: {exc}")
+        return result
+
     def serve_request(self) -> bool:
-        """Serve a pending flush/reset request, if any; True when one was served."""
+        """Serve a pending flush/reset/apply request, if any; True when one was served."""
         req = read_hook_request(self.path)
         if req is None:
             return False
-        op, token = req
+        op, token, args = req
         served = token != self.flush_token  # equal: served already, but its file could not be removed
         if served:
             if op == "reset":
                 self.source.reset()
+            elif op == "apply":
+                answer = self.apply(args, token).to_json()
+                with self._state_lock:
+                    self.last_apply = answer
             self.flush(token)
             log.info("pinsidecar %s: served %s request %s", self.name, op, token)
         if read_hook_request(self.path) == req:  # not replaced by a newer request meanwhile

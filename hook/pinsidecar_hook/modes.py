@@ -6,7 +6,8 @@ configuration and hands :func:`pinsidecar_hook.vllm_seam.patch_workers` three ca
 - ``count``: :func:`pinsidecar_hook.count.attach` after ``load_model``, :func:`~pinsidecar_hook.count.on_engine_ready`
   after warm-up, and :func:`~pinsidecar_hook.count.step_guard` around each ``execute_model``;
 - ``pin``: :func:`pinsidecar_hook.pin.attach` after ``load_model``, :func:`~pinsidecar_hook.pin.on_engine_ready`
-  after warm-up;
+  after warm-up, and :func:`~pinsidecar_hook.pin.step_guard` around each ``execute_model`` (an in-place apply
+  runs between two steps, :mod:`pinsidecar_hook.swap`);
 - ``off``: nothing is patched (:mod:`pinsidecar_hook.plugin` does not even import this module).
 
 The imports point one way: ``plugin -> modes -> count | pin -> vllm_seam -> contract``. The mode modules receive
@@ -46,4 +47,5 @@ def install(cfg: HookConfig) -> None:
         def on_ready(worker: Any) -> None:
             pin.on_engine_ready()
 
-        vllm_seam.patch_workers(on_loaded, on_ready)
+        # An in-place apply swaps rows between steps: pin mode holds its step lock around each step.
+        vllm_seam.patch_workers(on_loaded, on_ready, step_guard=pin.step_guard)

@@ -16,7 +16,13 @@ loaded and repacked, KV cache not sized yet) and after warm-up. In order:
    (:class:`~pinsidecar_hook.contract.StatsSnapshot`) periodically and on request, to
    :func:`~pinsidecar_hook.contract.fallback_stats_path` when the stats directory cannot be written (counted in
    ``errors["stats_write"]``, logged once), and notices the map file changing on disk while serving (logged once,
-   recorded as ``meta["map_changed_on_disk"]``; the running placement stays the one loaded at boot).
+   recorded as ``meta["map_changed_on_disk"]``; the running placement stays the one loaded at boot, or applied
+   since).
+5. While serving, the side thread serves ``apply`` requests (:meth:`PinState.apply`, :mod:`pinsidecar_hook.swap`):
+   a candidate map of the same geometry is swapped in place, between two steps. That is why pin mode holds a
+   *step lock* around each ``execute_model`` (:func:`step_guard`, wrapped around it by :mod:`pinsidecar_hook.modes`)
+   and why it keeps the model's facts read at boot (:class:`ModelFacts`): the candidate is validated by the same
+   checks as the boot map, after re-homing has changed the tensors those facts were read from.
 
 Tensor parallel: every rank applies the same map to its shard of each expert. Expert parallel: each rank maps
 only its local experts (vLLM's ``expert_map``), so its row map sends non-local experts to -1.
@@ -24,24 +30,28 @@ only its local experts (vLLM's ``expert_map``), so its row map sends non-local e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pinsidecar_hook import vllm_seam
+from pinsidecar_hook import swap, vllm_seam
 from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, load_backend, select_backend
-from pinsidecar_hook.contract import ExpertMap, StatsSnapshot, fallback_stats_path, load_map
+from pinsidecar_hook.contract import ApplyResult, ExpertMap, StatsSnapshot, fallback_stats_path, load_map
 from pinsidecar_hook.contract.env import HookConfig
 from pinsidecar_hook.flusher import Flusher, WriteInfo
 from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, rehome_layer, tensor_bytes
 
-__all__ = ["LayerPin", "PinMapMismatch", "PinState", "attach", "on_engine_ready", "state", "validate"]
+__all__ = ["LayerPin", "ModelFacts", "PinMapMismatch", "PinState", "attach", "check_map", "model_facts",
+           "on_engine_ready", "state", "step_guard", "validate"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -79,6 +89,10 @@ class LayerPin:
     hot_bytes: int = 0
     cold_bytes: int = 0
     keepalive: list[Any] = field(default_factory=list)  # host storage behind the cold device views
+    cold_host: dict[str, torch.Tensor] = field(default_factory=dict)  # the same by name: an apply writes it
+    # Backends that derive tensors from the row map (triton_experts' tier maps) add a refresher here; an in-place
+    # apply calls them right after it flips the row map.
+    row_map_listeners: list[Callable[[], None]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.expert_counts.zero_()
@@ -110,9 +124,14 @@ class PinState:
     flusher: Flusher | None = None
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # new each boot: readers tell restarts apart
     map_changed: bool = False
+    facts: ModelFacts | None = None  # the model as read at boot, to validate an applied candidate
+    # Held around each execute_model (step_guard) and by an in-place apply: the apply falls between two steps.
+    # Re-entrant, as count mode's: the SIGTERM handler runs on the main thread, which may be mid-step.
+    step_lock: Any = field(default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
-        self._map_identity = _file_identity(self.cfg.map_path)
+        self.map_path: Path | None = self.cfg.map_path  # the map file served: the boot map, or the last applied
+        self._map_identity = _file_identity(self.map_path)
 
     # ------------------------------------------------------------------------------------------ flush source
 
@@ -121,13 +140,37 @@ class PinState:
             layer.reset()
 
     def check_map_file(self) -> bool:
-        """Whether the map file changed on disk (size, mtime or inode) since boot; logged the first time."""
-        if not self.map_changed and self.cfg.map_path is not None \
-                and _file_identity(self.cfg.map_path) != self._map_identity:
+        """Whether the served map file changed on disk (size, mtime or inode) since it was loaded; logged the first
+        time."""
+        if not self.map_changed and self.map_path is not None \
+                and _file_identity(self.map_path) != self._map_identity:
             self.map_changed = True
-            log.warning("pinsidecar pin: map file %s changed on disk while serving; ignored until the next boot "
-                        "(the running placement is still map %s)", self.cfg.map_path, self.emap.short_hash)
+            log.warning("pinsidecar pin: map file %s changed on disk while serving; ignored (the running placement "
+                        "is still map %s; an apply request or a reboot changes it)", self.map_path,
+                        self.emap.short_hash)
         return self.map_changed
+
+    # ------------------------------------------------------------------------------------------ apply (remap)
+
+    def apply(self, args: Mapping[str, Any], token: str) -> ApplyResult:
+        """Serve an ``apply`` request: swap the candidate map in place between two steps
+        (:func:`pinsidecar_hook.swap.apply_map`). Never raises; the answer says applied, refused or failed."""
+        return swap.apply_map(self, args, token)
+
+    def check_candidate(self, candidate: ExpertMap, source: str) -> None:
+        """The boot checks (:func:`check_map`) for a candidate; :class:`PinMapMismatch` when it does not fit."""
+        if self.facts is None:
+            raise PinMapMismatch("this pin state holds no model facts (it was not built by attach)")
+        check_map(candidate, self.facts, self.tp_size, source)
+
+    def adopt(self, candidate: ExpertMap, map_path: Path) -> None:
+        """The rows now follow ``candidate``: serve it under its hash and label, and watch its file from now on."""
+        self.emap = candidate
+        self.map_path = map_path
+        self._map_identity = _file_identity(map_path)
+        self.map_changed = False
+        self.summary.update(map=str(map_path), map_hash=candidate.content_hash, label=candidate.label,
+                            predicted_cold_rate=candidate.predicted_cold_rate)
 
     def snapshot(self, info: WriteInfo) -> StatsSnapshot:
         """Copy the device counters (small) into a stats snapshot. Counts may be mid-step: a periodic write can
@@ -143,10 +186,11 @@ class PinState:
             cold_selections=cold, tokens=tokens, map_hash=emap.content_hash, map_label=emap.label, pid=os.getpid(),
             written_at=time.time(), tier_bytes=dict(self.summary["tier_bytes"]),
             histogram=hist if self.cfg.histogram else None, errors=dict(info.errors), flush_token=info.flush_token,
-            meta={"map_path": str(self.cfg.map_path or ""), "map_changed_on_disk": self.check_map_file(),
+            meta={"map_path": str(self.map_path or ""), "map_changed_on_disk": self.check_map_file(),
                   "backend": self.backend, "tp_size": self.tp_size,
                   "peak_extra_bytes": self.summary["peak_extra_total_bytes"],
-                  "predicted_cold_rate": emap.predicted_cold_rate, "stats_path": str(self.cfg.stats_path or "")},
+                  "predicted_cold_rate": emap.predicted_cold_rate, "stats_path": str(self.cfg.stats_path or ""),
+                  **({"apply": dict(info.apply)} if info.apply is not None else {})},
         )
 
     def make_flusher(self) -> Flusher:
@@ -164,28 +208,46 @@ def state() -> PinState | None:
     return _state
 
 
+@contextlib.contextmanager
+def step_guard() -> Iterator[None]:
+    """Held around each ``execute_model``: an in-place apply waits for the step to finish, and the next step waits
+    for the apply."""
+    st = _state
+    if st is None:
+        yield
+        return
+    with st.step_lock:
+        yield
+
+
 # ---------------------------------------------------------------------------------------------------- validation
 
 
-def validate(emap: ExpertMap, layers: list[tuple[vllm_seam.MoELayerRef, vllm_seam.MoEGeometry]],
-             backend: SplitBackend, tp_size: int, source: str) -> dict[str, list[str]]:
-    """Compare the map with the loaded model; raise :class:`PinMapMismatch` listing every difference.
+@dataclass(frozen=True)
+class ModelFacts:
+    """What map validation needs to know about the loaded model, read once at boot, before re-homing: afterwards the
+    layers' parameters hold only the hot rows, so the per-expert tensors could no longer be found by their
+    leading dimension. Kept in :class:`PinState` so that an applied candidate passes the same checks as the boot
+    map."""
 
-    Returns the per-expert tensor names per layer name (what re-homing splits).
-    """
-    problems: list[str] = []
-    model_ids = [ref.layer_id for ref, _ in layers]
+    layer_ids: tuple[int, ...]
+    num_experts: int  # global, of the first layer
+    top_k: int
+    first_tensors: tuple[str, ...]  # the first layer's per-expert tensor names (sorted)
+    expert_bytes: int  # bytes of one expert on this rank, the largest over layers (0: unknown)
+    names_by_layer: dict[str, list[str]]  # per layer name: its per-expert tensors (what re-homing splits)
+    problems: tuple[str, ...]  # differences that do not depend on the map (mixed layers, unsplittable tensors)
+
+
+def model_facts(layers: list[tuple[vllm_seam.MoELayerRef, vllm_seam.MoEGeometry]],
+                backend: SplitBackend) -> ModelFacts:
+    """Read :class:`ModelFacts` from the loaded (not yet re-homed) layers, for ``backend``."""
     if not layers:
-        raise PinMapMismatch(f"map {source}: the loaded model has no MoE layers; pin mode needs a MoE model")
-    if tuple(model_ids) != tuple(emap.layer_ids):
-        problems.append(f"MoE layer ids: map has {list(emap.layer_ids)}, model has {model_ids}")
+        return ModelFacts((), 0, 0, (), 0, {}, ())
     geo0 = layers[0][1]
-    if emap.num_experts != geo0.global_num_experts:
-        problems.append(f"num_experts: map has {emap.num_experts}, model has {geo0.global_num_experts}")
-    if emap.top_k != geo0.top_k:
-        problems.append(f"top_k: map has {emap.top_k}, model has {geo0.top_k}")
     supported = set(backend.SPLIT_TENSORS)
     required = set(backend.REQUIRED_TENSORS)
+    problems: list[str] = []
     names_by_layer: dict[str, list[str]] = {}
     expert_bytes_seen: set[int] = set()
     for ref, geo in layers:
@@ -203,14 +265,32 @@ def validate(emap: ExpertMap, layers: list[tuple[vllm_seam.MoELayerRef, vllm_sea
         if geo.local_num_experts:
             expert_bytes_seen.add(sum(tensor_bytes(getattr(geo.param_owner, n)) for n in names)
                                   // geo.local_num_experts)
+    return ModelFacts(
+        layer_ids=tuple(ref.layer_id for ref, _ in layers), num_experts=geo0.global_num_experts, top_k=geo0.top_k,
+        first_tensors=tuple(names_by_layer[layers[0][0].name]), expert_bytes=max(expert_bytes_seen, default=0),
+        names_by_layer=names_by_layer, problems=tuple(problems))
+
+
+def check_map(emap: ExpertMap, facts: ModelFacts, tp_size: int, source: str) -> None:
+    """Compare a map with the model's facts; raise :class:`PinMapMismatch` listing every difference."""
+    if not facts.layer_ids:
+        raise PinMapMismatch(f"map {source}: the loaded model has no MoE layers; pin mode needs a MoE model")
+    problems: list[str] = []
+    if facts.layer_ids != tuple(emap.layer_ids):
+        problems.append(f"MoE layer ids: map has {list(emap.layer_ids)}, model has {list(facts.layer_ids)}")
+    if emap.num_experts != facts.num_experts:
+        problems.append(f"num_experts: map has {emap.num_experts}, model has {facts.num_experts}")
+    if emap.top_k != facts.top_k:
+        problems.append(f"top_k: map has {emap.top_k}, model has {facts.top_k}")
+    problems.extend(facts.problems)
     want_tensors = emap.meta.get("expert_tensors")
     if isinstance(want_tensors, list):
-        found = names_by_layer[layers[0][0].name]
+        found = list(facts.first_tensors)
         if sorted(map(str, want_tensors)) != found:
             problems.append(f"per-expert tensors: map was built for {sorted(map(str, want_tensors))}, model has "
                             f"{found}")
-    if emap.expert_bytes and expert_bytes_seen:
-        per_rank = max(expert_bytes_seen)
+    if emap.expert_bytes and facts.expert_bytes:
+        per_rank = facts.expert_bytes
         if emap.expert_bytes not in (per_rank, per_rank * tp_size):
             problems.append(f"bytes per expert: map says {emap.expert_bytes}, model has {per_rank} per rank "
                             f"(x{tp_size} ranks = {per_rank * tp_size})")
@@ -220,7 +300,17 @@ def validate(emap: ExpertMap, layers: list[tuple[vllm_seam.MoELayerRef, vllm_sea
             + "; ".join(problems)
             + ". Build a map from counts of this model (`pinsidecar map build`), or run in count mode."
         )
-    return names_by_layer
+
+
+def validate(emap: ExpertMap, layers: list[tuple[vllm_seam.MoELayerRef, vllm_seam.MoEGeometry]],
+             backend: SplitBackend, tp_size: int, source: str) -> dict[str, list[str]]:
+    """Compare the map with the loaded model; raise :class:`PinMapMismatch` listing every difference.
+
+    Returns the per-expert tensor names per layer name (what re-homing splits).
+    """
+    facts = model_facts(layers, backend)
+    check_map(emap, facts, tp_size, source)
+    return facts.names_by_layer
 
 
 # ---------------------------------------------------------------------------------------------------- attach
@@ -244,7 +334,9 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         backend = load_backend(backend_name)
     except BackendUnavailable as exc:
         raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
-    names_by_layer = validate(emap, layers, backend, tp_size, str(cfg.map_path))
+    facts = model_facts(layers, backend)
+    check_map(emap, facts, tp_size, str(cfg.map_path))
+    names_by_layer = facts.names_by_layer
 
     ledger = MemoryLedger()
     pins: list[LayerPin] = []
@@ -260,6 +352,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
             cold_counts=torch.zeros(1, dtype=torch.int64, device=device),
             token_counts=torch.zeros(1, dtype=torch.int64, device=device),
             hot_bytes=rehomed.hot_bytes, cold_bytes=rehomed.cold_bytes, keepalive=list(rehomed.cold_host.values()),
+            cold_host=dict(rehomed.cold_host),
         )
         vllm_seam.swap_experts_apply(geo, backend.make_split_apply(geo.experts, pin))
         pins.append(pin)
@@ -283,7 +376,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         "n/a" if emap.predicted_cold_rate is None else f"{emap.predicted_cold_rate:.4f}", ledger.peak_total / 2**20,
     )
     _state = PinState(emap=emap, layers=pins, backend=backend_name, rank=rank, tp_size=tp_size, summary=summary,
-                      cfg=cfg)
+                      cfg=cfg, facts=facts)
     return _state
 
 

@@ -149,7 +149,25 @@ def _fmt_drift_and_remap(st: dict[str, Any]) -> list[str]:
             lines.append(f"remap    {key} {rec.get('id')} ({rec.get('trigger')}): {rec.get('state')}"
                          + (f": {rec['error']}" if rec.get("error") else "")
                          + (f"  {rec['reason']}" if rec.get("reason") and not rec.get("error") else ""))
+    apply = remap.get("last_apply")
+    if apply:
+        lines.append(_fmt_apply(apply))
     return lines
+
+
+def _fmt_apply(a: dict[str, Any]) -> str:
+    """The last in-place deploy in one line: how it ended, and what the hook did (how long serving stood still)."""
+    outcome = a.get("outcome") or f"in progress ({a.get('remap_state')})"
+    head = f"apply    last (remap {a.get('remap')}): {outcome}"
+    if a.get("result") == "applied":
+        moved = a.get("bytes_moved") or 0
+        head += (f"; the hook swapped {a.get('rows') or 0} rows ({moved / 2**20:.1f} MiB) in "
+                 f"{float(a.get('seconds') or 0.0) * 1000:.1f} ms")
+    elif a.get("result"):
+        head += f"; the hook's answer: {a['result']}"
+    if a.get("reason") and a.get("outcome") != "applied":
+        head += f"  ({a['reason']})"
+    return head
 
 
 def _fmt_drain(res: dict[str, Any]) -> str:

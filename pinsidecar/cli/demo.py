@@ -1,10 +1,10 @@
 """``pinsidecar demo``: the whole loop on vLLM CPU with the tiny local MoE model (see :mod:`pinsidecar.demo.loop`).
 
 On a terminal it prints one line per step and the events of the loop as they happen (windows closing, the drift
-trip, each remap state), a spinner on stderr while it waits, and ends with the timeline and the figures. With
-``--json`` stdout carries the summary document alone. It exits 1 when the loop does not complete or the figure
-misses (the cold rate after the remap must be at most half the rate at the trip), after printing the figures,
-and 130 on Ctrl-C; either way the daemon and its engines are stopped first.
+trip, each remap state, the in-place apply), a spinner on stderr while it waits, and ends with the timeline and
+the figures. With ``--json`` stdout carries the summary document alone. It exits 1 when the loop does not complete
+or the figure misses (the cold rate after the remap must be at most half the rate at the trip), after printing the
+figures, and 130 on Ctrl-C; either way the daemon and its engines are stopped first.
 """
 
 from __future__ import annotations
@@ -49,11 +49,18 @@ def format_summary(summary: dict[str, Any]) -> str:
         ]
     r = summary.get("remap") or {}
     if r:
-        rb, par = r.get("reboot") or {}, r.get("parity") or {}
-        hit = "hash hit" if rb.get("hash_hit") else "NOT a hash hit"
-        miss = "cache MISS" if rb.get("cache_miss") else "no cache miss"
-        lines.append(f"  remap {r.get('id')}: {r.get('outcome')}; reboot {hit}, {miss}, gate held "
-                     f"{rb.get('hold_s') or 0:.1f} s; parity {'ok' if par.get('ok') else 'FAILED'}")
+        rb, par, ap = r.get("reboot") or {}, r.get("parity") or {}, r.get("apply") or {}
+        parity = f"parity {'ok' if par.get('ok') else 'FAILED'}"
+        if ap.get("outcome") == "applied":
+            lines.append(f"  remap {r.get('id')}: {r.get('outcome')}; applied in place in "
+                         f"{1000 * float(ap.get('seconds') or 0.0):.1f} ms ({ap.get('rows') or 0} rows, "
+                         f"{(ap.get('bytes_moved') or 0) / 2**20:.2f} MiB), the gate never held; {parity}")
+        else:
+            hit = "hash hit" if rb.get("hash_hit") else "NOT a hash hit"
+            miss = "cache MISS" if rb.get("cache_miss") else "no cache miss"
+            fell = f" (not in place: {ap['reason']})" if ap.get("reason") else ""
+            lines.append(f"  remap {r.get('id')}: {r.get('outcome')}; reboot {hit}, {miss}, gate held "
+                         f"{rb.get('hold_s') or 0:.1f} s{fell}; {parity}")
     q = summary.get("requests") or {}
     if q:
         lines.append(f"  requests through the gate: {q.get('sent')} sent, {q.get('completed')} completed, "
@@ -79,7 +86,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 def demo_cmd(workdir: Path, hot_rows: int | None, port: int, metrics_port: int, clients: int, fresh: bool,
              as_json: bool) -> None:
     """Run the whole loop: a count boot and a usage map, the daemon serving it, traffic that shifts domain, the
-    drift trip, the remap (count boot, new map, hash-hit reboot, verification) and the cold rate back down."""
+    drift trip, the remap (count boot, new map, apply in place, verification) and the cold rate back down."""
     from pinsidecar.demo import loop as demo
 
     opts = demo.DemoOptions(workdir=workdir, port=port, metrics_port=metrics_port, clients=clients,

@@ -24,7 +24,9 @@ compile caches will miss). If the engine does not come up with the new map, or a
 fails before the gate releases, the daemon boots the old one again and says so (``rolled_back``).
 
 **Remaps** (:meth:`Daemon.request_remap`, every trigger's one entry): one at a time, through the drift config's
-cooldown and daily cap, run by :class:`~pinsidecar.remap.pipeline.RemapPipeline` in the background.
+cooldown and daily cap, run by :class:`~pinsidecar.remap.pipeline.RemapPipeline` in the background. A remap
+deploys in place first (the hook swaps the candidate into the serving engine, the gate never holds; see
+:mod:`pinsidecar.remap.apply`) and drain-reboots when it cannot.
 
 **SIGTERM / SIGINT**: ``STOPPING=1``, the gate holds, in-flight requests drain (bounded), the engine stops, exit 0.
 
@@ -59,6 +61,7 @@ from pinsidecar.engine.ports import check_ports_free
 from pinsidecar.engine.process import stop_recorded_engine
 from pinsidecar.live_stats import StatsReader
 from pinsidecar.remap import admission
+from pinsidecar.remap.apply import ApplyAnswer, withdraw_apply_request
 from pinsidecar.remap.candidates import reference_counts
 from pinsidecar.remap.pipeline import COUNT_ENGINE_PID_FILE, KEEP_RECORDS, RemapPipeline, RemapTools
 from pinsidecar.remap.recovery import close_open_records
@@ -240,6 +243,9 @@ class Daemon:
                 await asyncio.to_thread(remove_leftover_containers, self.cfg.container, self.state_dir)
             except EngineError as exc:  # the runtime is missing or down: the supervisor's boot says so, in status
                 log.warning("container_leftover_check_failed", error=str(exc))
+        stats = self._spec_for(None).env.get("PINSIDECAR_STATS_PATH")
+        if stats and withdraw_apply_request(Path(stats)):  # the engine we boot must not apply a dead remap's map
+            log.warning("apply_request_left_over_withdrawn", stats=stats)
         for rec in close_open_records(self.remaps.store, self.state_dir / ACTIVE_MAP_FILE):
             self.remaps.last = rec
         self.remaps.store.prune(KEEP_RECORDS)
@@ -444,10 +450,47 @@ class Daemon:
 
     def commit_active_map(self, path: Path, map_hash: str) -> None:
         self._record_active_map(path, map_hash)
+        if self.supervisor is not None:  # a map applied in place is what a restart boots from now on
+            self.supervisor.committed(map_hash)
 
     def record_remap_metric(self, outcome: str, seconds: float | None) -> None:
         if self.exporter is not None:
             self.exporter.record_remap(outcome, seconds)
+
+    def engine_map_path(self, path: Path) -> str:
+        """``path`` as the engine sees it: the same file through the container's mount of the state folder, or
+        the absolute path for a local engine."""
+        if self.cfg.engine.launcher == "container":
+            from pinsidecar.engine.container import container_path
+
+            return container_path(path, self.cfg.container, self.state_dir)
+        return str(Path(path).absolute())
+
+    def engine_alive_probe(self) -> Callable[[], bool]:
+        """True while the engine serving now still runs and is still the supervisor's (callable from a thread:
+        a process poll or the container's init pid, no event loop)."""
+        sup = self.supervisor
+        launcher = sup.launcher if sup is not None else None
+        if sup is None or launcher is None:
+            return lambda: False
+        return lambda: sup.launcher is launcher and launcher.alive()
+
+    def applied_in_place(self, path: Path, emap: ExpertMap) -> None:
+        """The hook swapped the engine onto ``emap``: the supervisor (status, what a restart boots), the exporter
+        (through it) and the drift watch follow."""
+        if self.supervisor is not None:
+            self.supervisor.applied_in_place(path, emap)
+        if self.watch is not None:
+            self.watch.set_active_map(emap, reference_counts(path, emap))
+
+    def record_apply_request(self, answer: ApplyAnswer) -> None:
+        if self.exporter is not None:
+            self.exporter.record_apply_request(answer.result, seconds=answer.seconds if answer.applied else None,
+                                               rows=answer.rows, bytes_moved=answer.bytes_moved)
+
+    def record_apply_outcome(self, outcome: str) -> None:
+        if self.exporter is not None:
+            self.exporter.record_apply_outcome(outcome)
 
     async def reboot_with(self, map_path: Path, *, reason: str, before_stop: RebootHook | None = None,
                           after_boot: RebootHook | None = None) -> dict[str, Any]:

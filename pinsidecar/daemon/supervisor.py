@@ -29,6 +29,10 @@ The supervisor owns the engine's lifecycle and nothing else; the daemon drives d
   with the same geometry (``cache_miss_factor`` times and at least ``cache_miss_min_s`` longer) is flagged. Timing
   alone is weak: on the H200 a full recompile took 1.7x a cache-hit boot (98.7 s against 57.2 s), under the
   factor, which is why the log comes first.
+- **A map applied in place is not what a restart boots.** A remap may swap the serving engine onto a candidate
+  without a boot (:meth:`Supervisor.applied_in_place`); until the daemon commits it (:meth:`Supervisor.committed`),
+  a crash restart boots the map the engine was booted with, the committed one, so a candidate that was never
+  verified cannot come back on its own.
 - **Observers** hear every state change and every boot that reached ready through :class:`BootObserver` (the
   exporter implements it): typed calls, so a renamed method fails the type check and the tests, not a log line.
 """
@@ -216,6 +220,8 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self.map_path = map_path
         self.map: ExpertMap | None = load_map(map_path) if map_path is not None else None
+        # While a map applied in place is not committed: the map a restart boots instead of the one serving.
+        self.restart_map: tuple[Path | None, ExpertMap | None] | None = None
         self.observer = observer
         self.on_state = on_state
         self.gate = gate
@@ -269,8 +275,13 @@ class Supervisor:
         """
         if self.launcher is not None:
             raise EngineError("boot() while an engine is running; stop it first")
-        mp = map_path if use_map else self.map_path
-        emap = (load_map(mp) if mp is not None else None) if use_map else self.map
+        if use_map:
+            mp = map_path
+            emap = load_map(mp) if mp is not None else None
+        elif self.restart_map is not None:  # the committed map, not one applied in place since
+            mp, emap = self.restart_map
+        else:
+            mp, emap = self.map_path, self.map
         geometry = geometry_key(emap)
         spec = self.spec_for(mp)
         _rotate_log(spec.log_path)
@@ -302,6 +313,7 @@ class Supervisor:
                          emap.content_hash if emap else None, geometry, cache_miss)
         self.boots.append(rec)
         self.map_path, self.map = mp, emap
+        self.restart_map = None
         self.ready_since = time.monotonic()
         if cache_miss:
             log.warning("engine_boot_cache_miss", seconds=rec.seconds, previous_seconds=prev.seconds if prev else None,
@@ -315,6 +327,25 @@ class Supervisor:
         self._watch_exit(launcher)
         self._set_state(EngineState.READY)
         return rec
+
+    def applied_in_place(self, map_path: Path, emap: ExpertMap) -> None:
+        """The hook swapped the serving engine onto ``emap`` without a boot. Status and the observer follow at
+        once; a restart keeps booting the map of the last boot until :meth:`committed` (see the module
+        docstring). Applying the boot map back in place (a rollback) clears that."""
+        if self.restart_map is None:
+            self.restart_map = (self.map_path, self.map)
+        self.map_path, self.map = map_path, emap
+        boot_map = self.restart_map[1]
+        if boot_map is not None and boot_map.content_hash == emap.content_hash:
+            self.restart_map = None
+        log.info("engine_map_applied_in_place", map=str(map_path), hash=emap.content_hash,
+                 restart_boots=str(self.restart_map[0]) if self.restart_map else str(map_path))
+        self._tell(lambda o: o.on_map(emap))
+
+    def committed(self, map_hash: str) -> None:
+        """The daemon committed ``map_hash``: when it is the map serving, a restart boots it from now on."""
+        if self.map is not None and self.map.content_hash == map_hash:
+            self.restart_map = None
 
     def _watch_exit(self, launcher: Launcher) -> None:
         if self._exit_watch is not None:
@@ -530,6 +561,10 @@ class Supervisor:
             "map": None if self.map is None else {
                 "path": str(self.map_path), "hash": self.map.content_hash, "label": self.map.label,
                 "geometry": self.map.geometry()},
+            # a map applied in place and not committed serves; a restart would boot this one
+            "restart_map": None if self.restart_map is None or self.restart_map[1] is None else {
+                "path": str(self.restart_map[0]), "hash": self.restart_map[1].content_hash,
+                "label": self.restart_map[1].label},
             "last_boot": asdict(self.boots[-1]) if self.boots else None,
             "last_ok_boot_seconds": last_ok.seconds if last_ok else None,
             "boots": len(self.boots),

@@ -16,8 +16,10 @@ build. The stages, in order (each one is a line of the timeline at the end):
 6. ``detect`` - the clients shift to domain B (prose); the code map's cold rate jumps (a map is a per-workload
    artifact) and the drift watch trips;
 7. ``remap.*`` - the remap, followed state by state: the captured B traffic, the library check, the count boot
-   on a second engine beside the serving one, the new map, its evaluation on a held-out window, the drain and
-   hash-hit reboot (parity checked inside the hold), the verification of the live cold rate, the commit;
+   on a second engine beside the serving one, the new map, its evaluation on a held-out window, the apply in
+   place (the hook swaps the rows that change while the engine keeps serving; parity checked token for token on
+   the same engine), the verification of the live cold rate, the commit. Should the apply not be possible, the
+   remap falls back to a drain and hash-hit reboot (parity checked inside the hold) and the demo shows that;
 8. ``after`` - B under the new map: the cold rate back down;
 9. ``stop`` - the daemon is stopped (it drains and stops its engine); so it is on Ctrl-C or any failure, and
    nothing is left running (:meth:`~pinsidecar.demo.sidecar.Sidecar.stop`).
@@ -25,8 +27,9 @@ build. The stages, in order (each one is a line of the timeline at the end):
 **The figure**: the live cold rate after the remap (the pipeline's verification, over ``remap.verify_tokens``)
 is at most half the rate of the window that tripped; otherwise the demo fails with the figures. The summary
 (``demo-summary.json``, and ``--json`` on stdout) holds the timeline, the cold rates, the remap's essentials and
-the requests sent, completed and failed through the gate (none should fail: the gate holds them through the
-reboot). The daemon's files (config, logs, state, maps) are under ``<workdir>/run``, renewed by each run.
+the requests sent, completed and failed through the gate (none should fail: an apply only pauses the engine's
+steps while the hook copies, and if the remap falls back to a reboot the gate holds them through it). The daemon's
+files (config, logs, state, maps) are under ``<workdir>/run``, renewed by each run.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ REMAP_LIMIT_S = 1800.0
 AFTER_LIMIT_S = 600.0
 # Concurrent clients: enough to keep the CPU engine batching, few enough to leave the count engine a core.
 CLIENTS = 3
-REMAP_STATES = ("choosing_workload", "library_check", "count_boot", "building", "evaluating", "rebooting",
+# The demo's remap deploys in place (remap.in_place, the default): no "rebooting" unless the apply falls back.
+REMAP_STATES = ("choosing_workload", "library_check", "count_boot", "building", "evaluating", "applying",
                 "verifying")
 STAGES = ("model", "count_boot", "map", "daemon_start", "domain_a", "detect",
           *(f"remap.{s}" for s in REMAP_STATES), "after", "stop")
@@ -237,6 +241,19 @@ def _window_line(rec: dict[str, Any]) -> str:
     return f"{line}: {state}"
 
 
+def _apply_line(d: dict[str, Any]) -> str:
+    """The applying step for a person: what the hook did while the engine kept serving, or why it fell back."""
+    if d.get("in_place"):  # fell back: the applying step hands over to rebooting with the reason
+        return f"not in place: {d['in_place']}"
+    a, p = d.get("apply") or {}, d.get("parity") or {}
+    if a.get("result") != "applied" or not p:  # the remap ended here (rolled back, the engine died)
+        return f"{a.get('result', 'not applied')}: {a.get('reason') or ''}".rstrip(": ")
+    return (f"applied in place: the hook swapped {a.get('rows', 0)} rows ({(a.get('bytes_moved') or 0) / 2**20:.2f} "
+            f"MiB) in {1000 * float(a.get('seconds') or 0.0):.1f} ms while the engine kept serving (the gate never "
+            f"held); parity {'ok' if p.get('ok') else 'FAILED'} ({p.get('tokens', 0)} tokens of "
+            f"{p.get('prompts', 0)} greedy prompts, same engine)")
+
+
 def _window_brief(rec: dict[str, Any], phase: str) -> dict[str, Any]:
     s = rec.get("signals") or {}
     return {"index": rec.get("index"), "phase": phase, "tokens": (rec.get("window") or {}).get("tokens"),
@@ -263,7 +280,9 @@ def _step_line(step: dict[str, Any]) -> str:
         return head + (f"new map {d.get('label')} ({_short(d.get('hash'))}), same geometry; "
                        f"in-sample cold rate {_pct(d.get('in_sample_cold_rate'))}")
     if state == "evaluating":
-        return head + str(d.get("decision", ""))
+        return head + str(d.get("decision", "")) + (f"; {d['in_place']}" if d.get("in_place") else "")
+    if state == "applying":
+        return head + _apply_line(d)
     if state == "rebooting":
         r, p = d.get("reboot") or {}, d.get("parity") or {}
         hit = "hash hit" if r.get("hash_hit") else "NOT a hash hit"
@@ -499,7 +518,7 @@ class _Run:
 
     def follow_remap(self, remap_id: str) -> dict[str, Any]:
         show = self.show
-        show.step(f"remap {remap_id}: count, build, evaluate, drain + reboot, verify, commit")
+        show.step(f"remap {remap_id}: count, build, evaluate, apply in place, verify, commit")
         self.phase = "remap"
         printed = 0
 
@@ -534,11 +553,17 @@ class _Run:
             self.print_windows = True
         rec, _ = steps_of(st)
         assert rec is not None
+        # The first step's wall-clock start places the remap on the timeline; each later step starts where the one
+        # before ended, by its (monotonic) seconds: a wall clock stepped mid-remap (NTP, a VM resumed) must not
+        # reorder the stages. Seen: the wall clock ran 12 s ahead of the monotonic one during a 4-minute count boot.
+        at: float | None = None
         for step in rec.get("steps", []):
-            at = self.timeline.from_wall(_epoch(step.get("at")))
+            if at is None:
+                at = self.timeline.from_wall(_epoch(step.get("at")))
             if at is not None:
                 self.timeline.add(f"remap.{step['state']}", f"remap: {step['state'].replace('_', ' ')}", at,
                                   step.get("seconds", 0.0))
+                at += float(step.get("seconds") or 0.0)
         self.summary["remap_committed_at_s"] = round(self.timeline.now(), 1)
         outcome = rec.get("outcome")
         show.note(f"{outcome}: {rec.get('outcome_reason') or rec.get('error') or ''}")
@@ -585,6 +610,8 @@ def _remap_essentials(rec: dict[str, Any], state_dir: Path) -> dict[str, Any]:
     verify = rec.get("verify") or {}
     reboot = verify.get("reboot") or {}
     decision = rec.get("decision") or {}
+    apply = rec.get("apply") or {}
+    first = (apply.get("requests") or [{}])[0]
     return {
         "id": rec.get("id"), "trigger": rec.get("trigger"), "outcome": rec.get("outcome"), "error": rec.get("error"),
         "reason": rec.get("outcome_reason"), "seconds": rec.get("seconds"),
@@ -600,8 +627,13 @@ def _remap_essentials(rec: dict[str, Any], state_dir: Path) -> dict[str, Any]:
                       "in_sample_cold_rate": (detail.get("building") or {}).get("in_sample_cold_rate")},
         "decision": {k: decision.get(k) for k in ("deploy", "reason", "candidate_cold_rate", "active_cold_rate",
                                                   "gain", "margin", "after_capture_cut", "held_out")},
+        "deploy": "in place" if apply.get("outcome") == "applied" else "reboot" if reboot else None,
+        "apply": {"outcome": apply.get("outcome"), "reason": apply.get("reason"), "result": first.get("result"),
+                  "seconds": first.get("seconds"), "wait_s": first.get("wait_s"), "rows": first.get("rows"),
+                  "bytes_moved": first.get("bytes_moved")} if apply else None,
         "reboot": {k: reboot.get(k) for k in ("ok", "hash_hit", "cache_miss", "boot_s", "drain_s", "hold_s",
-                                              "held_at_release", "in_flight_cut", "seconds", "rolled_back")},
+                                              "held_at_release", "in_flight_cut", "seconds", "rolled_back")}
+        if reboot else None,
         "parity": verify.get("parity"),
         "verify": verify.get("cold_rate"),
     }

@@ -9,7 +9,9 @@ out of sample (a map scored on the counts it was built from always looks better 
 by at least ``margin``; so a deployed candidate never predicts worse than the active map. It refuses, with the
 reason and both rates, a candidate of another geometry (a reboot onto it would not be a hash hit: it would
 recompile and re-autotune every kernel), the active map itself, and a candidate that was built from the held-out
-window (an in-sample judgement).
+window (an in-sample judgement). The one exception is a map an operator names (``allow_geometry_change``): another
+hot-row count is a budget change someone asked for, so it is judged on the same figures and says it needs a full
+reboot (never an in-place apply, never a compile-cache hit).
 
 :func:`pick_from_library` is what the pipeline runs before paying for a count boot: the library holds one map per
 traffic class (``label``), and if one of them fits the live window better than the active map by the margin, it
@@ -93,10 +95,13 @@ def build_candidate(counts: Sequence[CountsArtifact | Window], active: ExpertMap
 
 
 def decide(candidate: ExpertMap, active: ExpertMap, held_out: Window | CountsArtifact, margin: float, *,
-           source: str = "rebuild") -> Decision:
-    """Deploy ``candidate`` in place of ``active``, or refuse; judged on ``held_out`` (not used to build it)."""
+           source: str = "rebuild", allow_geometry_change: bool = False) -> Decision:
+    """Deploy ``candidate`` in place of ``active``, or refuse; judged on ``held_out`` (not used to build it).
+    ``allow_geometry_change``: judge a candidate of another geometry too (a map an operator named), as long as it
+    is for the same model (layers and experts)."""
     counts, held = _held_out_counts(held_out)
     _check_held_out(active, counts)
+    note = ""
 
     def verdict(deploy: bool, reason: str, cand_rate: float | None = None,
                 active_rate: float | None = None) -> Decision:
@@ -107,9 +112,12 @@ def decide(candidate: ExpertMap, active: ExpertMap, held_out: Window | CountsArt
     if not candidate.same_geometry(active):
         ga, gc = active.geometry(), candidate.geometry()
         diff = ", ".join(f"{k} {gc[k]} vs {ga[k]}" for k in ga if ga[k] != gc.get(k)) or "layer ids differ"
-        return verdict(False, f"refused: candidate {_name(candidate)} has another geometry than the active map "
-                       f"({diff}): not a hash-hit reboot (every kernel would recompile); rebuild it with the active "
-                       f"map's {active.hot_rows} hot rows")
+        if not allow_geometry_change:
+            return verdict(False, f"refused: candidate {_name(candidate)} has another geometry than the active map "
+                           f"({diff}): not a hash-hit reboot (every kernel would recompile); rebuild it with the "
+                           f"active map's {active.hot_rows} hot rows")
+        _check_held_out(candidate, counts)
+        note = f" (another geometry: {diff}; deployed by a full reboot, not a compile-cache hit)"
     cand_rate = cold_rate_on(candidate.hot_mask(), counts.counts)
     active_rate = cold_rate_on(active.hot_mask(), counts.counts)
     if cand_rate is None or active_rate is None:
@@ -126,8 +134,8 @@ def decide(candidate: ExpertMap, active: ExpertMap, held_out: Window | CountsArt
                        f"window, {how} the active map's {active_rate:.2%} ({100 * gain:+.2f} pts), under the margin "
                        f"of {100 * margin:.2f} pts", cand_rate, active_rate)
     return verdict(True, f"deploy: candidate {_name(candidate)} predicts {cand_rate:.2%} cold on the held-out window "
-                   f"vs {active_rate:.2%} for the active map ({100 * gain:+.2f} pts >= margin {100 * margin:.2f} pts)",
-                   cand_rate, active_rate)
+                   f"vs {active_rate:.2%} for the active map ({100 * gain:+.2f} pts >= margin {100 * margin:.2f} pts)"
+                   + note, cand_rate, active_rate)
 
 
 def pick_from_library(library: Sequence[ExpertMap], active: ExpertMap, window: Window | CountsArtifact,

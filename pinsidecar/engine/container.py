@@ -47,7 +47,7 @@ from pinsidecar.engine.spec import EngineSpec
 from pinsidecar.schema import CHOICES
 
 __all__ = ["ENGINE_LABEL", "STATE_LABEL", "ContainerConfig", "ContainerEngine", "build_run_argv", "container_env",
-           "hook_overlay", "remove_leftover_containers", "run_cli", "runtime_trouble"]
+           "container_path", "hook_overlay", "remove_leftover_containers", "run_cli", "runtime_trouble"]
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +122,12 @@ def _container_path(host_path: Path, state_dir: Path, state_mount: str) -> str:
         raise EngineSetupError(f"{host_path} is outside the state folder {state_dir}; the container sees only that "
                                "folder (move the file under daemon.state_dir or add a mount)") from None
     return str(Path(state_mount) / rel)
+
+
+def container_path(host_path: Path, cfg: ContainerConfig, state_dir: Path) -> str:
+    """Where the engine in the container finds ``host_path``, a file under the state folder (a map the daemon
+    asks the hook to apply in place). :class:`EngineSetupError` when the file is outside that folder."""
+    return _container_path(host_path, state_dir, cfg.state_mount)
 
 
 def container_env(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path) -> dict[str, str]:

@@ -59,6 +59,14 @@ Names (all ``pinsidecar_``-prefixed, with units; dashboards and alert rules in `
 ``pinsidecar_remap_running``                                  1 while a remap is in a non-terminal state
 ``pinsidecar_remap_state{state,trigger}``                     the running remap's state
 ``pinsidecar_remap_running_seconds``                          seconds since the running remap started
+``pinsidecar_remap_apply_total{outcome}``                     in-place deploys: applied, rolled_back,
+                                                              fell_back_reboot, engine_died
+``pinsidecar_remap_apply_requests_total{result}``             apply requests: applied, refused, failed, timeout,
+                                                              engine_died
+``pinsidecar_remap_apply_seconds``                            histogram of how long an apply held the engine's
+                                                              step (+ ``pinsidecar_remap_apply_last_seconds``)
+``pinsidecar_remap_apply_rows_swapped_total``                 expert rows swapped in place
+``pinsidecar_remap_apply_bytes_moved_total``                  bytes copied between the tiers in place
 ``pinsidecar_drift_state{state}``                             the detector: steady, rising, drifted
 ``pinsidecar_drift_exploitable_skew``                         1, or 0 for "no exploitable skew" (never trips)
 ``pinsidecar_drift_cold_selection_ratio`` (+ ``_threshold``)  signal a: the last window's cold ratio; threshold =

@@ -96,9 +96,9 @@ class Exporter:
     """The sidecar's metrics (the names are listed in :mod:`pinsidecar.metrics`); see the module docstring.
 
     Usage: build it, :meth:`start_http` once, call :meth:`on_state` / :meth:`on_boot` / :meth:`on_map` /
-    :meth:`record_remap` as things happen, :meth:`stop` at the end. Everything else is read at scrape time:
-    the daemon passes ``drift=lambda: self.watch`` (None in count mode) and ``remap=`` a callable returning the
-    running remap's record dict (None when none runs).
+    :meth:`record_remap` (and the ``record_apply_*`` calls) as things happen, :meth:`stop` at the end. Everything
+    else is read at scrape time: the daemon passes ``drift=lambda: self.watch`` (None in count mode) and
+    ``remap=`` a callable returning the running remap's record dict (None when none runs).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, *, stats_path: Path | None = None,
@@ -146,6 +146,16 @@ class Exporter:
         """A remap ended: ``outcome`` is one of :data:`~pinsidecar.metrics.remap.REMAP_OUTCOMES` (committed,
         rolled_back, refused, aborted, dry_run); ``seconds`` from its start, when known."""
         self.remaps.record(outcome, seconds)
+
+    def record_apply_request(self, result: str, *, seconds: float | None = None, rows: int = 0,
+                             bytes_moved: int = 0) -> None:
+        """An apply request came to ``result`` (applied, refused, failed, timeout, engine_died); an applied one
+        held the engine's step ``seconds`` and swapped ``rows`` rows (``bytes_moved`` bytes)."""
+        self.remaps.record_apply_request(result, seconds=seconds, rows=rows, bytes_moved=bytes_moved)
+
+    def record_apply_outcome(self, outcome: str) -> None:
+        """A remap's in-place deploy ended: applied, rolled_back, fell_back_reboot or engine_died."""
+        self.remaps.record_apply_outcome(outcome)
 
     # -- serving
     def start_http(self, addr: str, port: int) -> None:

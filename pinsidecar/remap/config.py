@@ -80,6 +80,14 @@ class RemapConfig:
     verify_requires_traffic: bool = False
     # How often the daemon reads the live stats into the drift watch (seconds). The hook writes every 5 s.
     watch_interval_s: float = field(default=2.0, metadata={POSITIVE: True})
+    # Deploy by applying the candidate in place first (the hook swaps the rows that change between the two maps
+    # while the engine keeps serving: no drain, no boot); the drain-reboot is the fallback when the hook refuses,
+    # fails, does not answer, or the candidate has another geometry. false: always drain and reboot.
+    in_place: bool = True
+    # How long the daemon waits for the hook's answer to one apply request. The hook holds the engine's step for
+    # the whole apply, so this also bounds how long serving may stand still before the remap falls back to a
+    # reboot. A demo-model apply takes milliseconds; a large model's host <-> HBM copies take seconds.
+    apply_timeout_s: float = field(default=60.0, metadata={POSITIVE: True})
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}

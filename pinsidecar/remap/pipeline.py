@@ -16,14 +16,22 @@ c. otherwise the **count boot**: :func:`~pinsidecar.runs.count_boot.run_profile`
    its own map;
 d. **evaluate** (:func:`~pinsidecar.drift.decide`) on the newest drift window not used to build the candidate;
    refused -> ``refused``, with both predicted cold rates;
-e. **drain, then a hash-hit reboot** with the candidate, through the daemon's one drain-reboot (the gate holds
+e. **deploy**, in place first (``applying``, :mod:`~pinsidecar.remap.apply`): the parity prompts are recorded on
+   the serving engine, the hook swaps the rows that change while the engine keeps serving (the gate never holds),
+   and parity is checked token for token on the same engine. When the candidate cannot be applied in place
+   (another geometry, ``remap.in_place = false``) or the hook refuses, fails or does not answer, the **drain and
+   hash-hit reboot** deploys it instead (``rebooting``), through the daemon's one drain-reboot (the gate holds
    clients meanwhile), with the parity prompts recorded on the old engine before it stops and checked on the new
-   one before the gate releases (:mod:`~pinsidecar.remap.verify`); a difference rolls back inside the hold;
+   one before the gate releases (:mod:`~pinsidecar.remap.verify`); a difference rolls back inside the hold. An
+   engine that dies mid-apply ends the remap: the supervisor restarts it with the committed map, never the
+   candidate;
 f. **verify** the live cold rate under the new map over ``remap.verify_tokens`` tokens;
-g. **commit** (``active-map.json``, the drift watch, the metrics) or **roll back** to the previous map and say why.
+g. **commit** (``active-map.json``, the drift watch, the metrics) or **roll back** to the previous map (in place
+   when the candidate was applied in place, else by a reboot) and say why.
 
-The pipeline never touches the serving engine before ``rebooting``, never writes the active map's file, and
-updates ``active-map.json`` only at commit; :mod:`~pinsidecar.remap.recovery` relies on that after a crash.
+The pipeline never touches the serving engine before the deploy step, never writes the active map's file, and
+updates ``active-map.json`` only at commit; :mod:`~pinsidecar.remap.recovery` relies on that after a crash, and
+so does the supervisor: a map applied in place and not yet committed is never what a restart boots.
 
 **Test hook**: ``PINSIDECAR_TEST_REMAP_PAUSE_AT=<state>[,<state>...]`` makes a remap stop (forever, until the
 process is killed or stopped) right after it has entered and recorded one of those states. It exists so a test can
@@ -43,15 +51,27 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, load_map
+from pinsidecar_hook.contract.requests import HookRequestError
+from pinsidecar_hook.contract.swap import SwapPlan, SwapPlanError, plan_swap
 
 import pinsidecar.remap.admission as admission
 from pinsidecar.drift import Decision, DriftWatch, Window, build_candidate, decide, pick_from_library
 from pinsidecar.engine.process import stop_recorded_engine
 from pinsidecar.errors import ControlError
 from pinsidecar.placement.counts import sum_counts
+from pinsidecar.remap.apply import (
+    ApplyAnswer,
+    ApplyClient,
+    apply_summary,
+    classify_answer,
+    request_apply,
+    stats_boot_id,
+    token_parity,
+    withdraw_apply_request,
+)
 from pinsidecar.remap.candidates import find_by_label, library_maps, reference_counts, save_candidate
 from pinsidecar.remap.config import resolve_workloads
-from pinsidecar.remap.record import TRIGGERS, RecordStore, RemapRecord
+from pinsidecar.remap.record import TRIGGERS, RecordStore, RemapRecord, utc_stamp
 from pinsidecar.remap.recovery import active_map_hash, close_record
 from pinsidecar.remap.verify import ColdRateProbe, cold_rate_verdict, load_parity_prompts, parity_outputs
 from pinsidecar.remap.workload import NotEnoughTraffic, WorkloadChoice, captured_workload, live_build_windows
@@ -120,6 +140,18 @@ class RemapHost(Protocol):
 
     def record_remap_metric(self, outcome: str, seconds: float | None) -> None: ...
 
+    # the in-place deploy
+
+    def engine_map_path(self, path: Path) -> str: ...  # ``path`` as the engine sees it (a container's mount)
+
+    def engine_alive_probe(self) -> Callable[[], bool]: ...  # thread-safe: the engine serving now still runs
+
+    def applied_in_place(self, path: Path, emap: ExpertMap) -> None: ...  # the hook swapped the engine onto emap
+
+    def record_apply_request(self, answer: ApplyAnswer) -> None: ...
+
+    def record_apply_outcome(self, outcome: str) -> None: ...
+
 
 def run_count_boot(workloads: Sequence[Path], out: Path, *, cfg: Config, port: int, label: str,
                    engine_log: Path, pid_file: Path) -> tuple[CountsArtifact, dict[str, Any]]:
@@ -137,12 +169,14 @@ def run_count_boot(workloads: Sequence[Path], out: Path, *, cfg: Config, port: i
 @dataclass
 class RemapTools:
     """The pipeline's blocking actions, injectable so the state machine can be tested without engines:
-    ``count_boot`` (see :func:`run_count_boot`), ``parity`` (greedy outputs of an engine) and ``cold_probe``
-    (a poller of the live cold rate under a map)."""
+    ``count_boot`` (see :func:`run_count_boot`), ``parity`` (greedy outputs of an engine), ``cold_probe``
+    (a poller of the live cold rate under a map) and ``apply`` (the hook's apply request,
+    :func:`~pinsidecar.remap.apply.request_apply`)."""
 
     count_boot: Callable[..., tuple[CountsArtifact, dict[str, Any]]] = run_count_boot
     parity: Callable[[str, str, Sequence[WorkloadRequest]], list[PromptOutput]] = parity_outputs
     cold_probe: Callable[[Path, str], Any] = ColdRateProbe
+    apply: ApplyClient = request_apply
 
 
 def _first_line(exc: BaseException) -> str:
@@ -190,9 +224,18 @@ class RemapPipeline:
 
     # ------------------------------------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
+        history = self.store.history(HISTORY)
         return {"current": self.current.to_json() if self.current else None,
                 "last": self.last.to_json() if self.last else None,
-                "history": [r.summary() for r in self.store.history(HISTORY)]}
+                "history": [r.summary() for r in history],
+                "last_apply": self._last_apply(history)}
+
+    def _last_apply(self, history: Sequence[RemapRecord]) -> dict[str, Any] | None:
+        """The newest remap's in-place deploy (the running one first; a restart reads it from the records)."""
+        for rec in (self.current, self.last, *reversed(history)):
+            if rec is not None and rec.apply:
+                return apply_summary(rec.id, rec.state, rec.apply)
+        return None
 
     def current_json(self) -> dict[str, Any] | None:
         return self.current.to_json() if self.current else None
@@ -273,7 +316,7 @@ class RemapPipeline:
         if map_path is not None:
             cand = load_map(map_path)
             d = decide(cand, active, watch.held_out_window(exclude=cand.source_counts) or held, margin,
-                       source="named")
+                       source="named", allow_geometry_change=True)
         else:
             d = pick_from_library([m for _, m in library_maps(self.host.library_entries())], active, held, margin)
             if not d.deploy:
@@ -321,6 +364,10 @@ class RemapPipeline:
                 watch.remap_finished(True, run.candidate, reference=run.candidate_counts)
             else:
                 watch.remap_finished(False)
+                # what serves now: an engine restarted mid-apply boots the committed map behind the pipeline's back
+                served_path, served = self.host.served_map
+                if served is not None and watch.active.content_hash != served.content_hash:
+                    watch.set_active_map(served, reference_counts(served_path, served))
         self.host.record_remap_metric(state, rec.seconds)
 
     async def _run(self, run: _Run) -> None:
@@ -346,6 +393,8 @@ class RemapPipeline:
         rec = run.record
         if rec.state == "count_boot":
             await asyncio.to_thread(stop_recorded_engine, self.count_pid_file)
+        if rec.state == "applying":  # the engine is stopped next; its successor must not find the request
+            withdraw_apply_request(self.host.stats_path)
         if not rec.terminal:
             close_record(rec, active_map_hash(self.host.active_map_file), "daemon stopped")
             self._save(rec)
@@ -359,7 +408,9 @@ class RemapPipeline:
         if rec.terminal:
             return
         msg = f"{type(exc).__name__}: {_first_line(exc)}"
-        if rec.state not in ("rebooting", "verifying"):
+        if rec.state == "applying":
+            withdraw_apply_request(self.host.stats_path)
+        if rec.state not in ("applying", "rebooting", "verifying"):
             self._finish(run, "aborted", msg, error=msg)
             return
         _, served = self.host.served_map
@@ -388,7 +439,7 @@ class RemapPipeline:
         self._save(run.record)
         if not await self._evaluate(run):
             return
-        await self._reboot_and_verify(run)
+        await self._deploy(run)
 
     # a-c: workload, library, count boot or live windows, build
     async def _choose_and_build(self, run: _Run) -> None:
@@ -502,14 +553,197 @@ class RemapPipeline:
             raise Aborted("no held-out drift window to judge the candidate on (the drift watch needs "
                           f"drift.min_tokens = {self.host.cfg.drift.min_tokens} routed tokens of traffic)")
         d = decide(run.candidate, run.active, held, self.host.cfg.drift.margin,
-                   source=run.source if run.source in ("library", "named") else "rebuild")
+                   source=run.source if run.source in ("library", "named") else "rebuild",
+                   allow_geometry_change=run.source == "named")  # an operator's map: a budget change is theirs
         run.decision = d
         run.record.decision = {**d.as_dict(), **note}
         if not d.deploy:
             self._finish(run, "refused", d.reason, detail={"decision": d.reason})
             return False
-        await self._enter(run, "rebooting", {"decision": d.reason, "gain": d.gain})
-        return True
+        return True  # the deploy step closes "evaluating" with the decision as it enters its own state
+
+    # e. deploy: in place first, the drain-reboot as the fallback
+    async def _deploy(self, run: _Run) -> None:
+        rec, rcfg = run.record, self.host.cfg.remap
+        assert run.decision is not None
+        evaluated: dict[str, Any] = {"decision": run.decision.reason, "gain": run.decision.gain}
+        plan, why_not = self._plan_in_place(run)
+        if plan is None:
+            if rcfg.in_place:  # wanted, and not possible: say why, in the record and the metrics
+                rec.apply = {"in_place": False, "outcome": "fell_back_reboot", "reason": why_not, "requests": []}
+                self.host.record_apply_outcome("fell_back_reboot")
+                log.info("remap_not_in_place", remap=rec.id, reason=why_not)
+                evaluated["in_place"] = why_not
+            await self._enter(run, "rebooting", evaluated)
+            await self._reboot_and_verify(run)
+            return
+        await self._enter(run, "applying", evaluated)
+        fallback = await self._apply_and_verify(run, plan)
+        if fallback is None:
+            return
+        await self._enter(run, "rebooting", {"in_place": fallback, "apply": rec.apply})
+        await self._reboot_and_verify(run)
+
+    def _plan_in_place(self, run: _Run) -> tuple[SwapPlan | None, str]:
+        """The swap plan from the served map to the candidate, or why the candidate cannot be applied in place."""
+        host, cand = self.host, run.candidate
+        assert cand is not None
+        if not host.cfg.remap.in_place:
+            return None, "remap.in_place is false"
+        if host.stats_path is None:
+            return None, "cannot apply in place: the engine writes no live stats file (the hook answers there); " \
+                         "rebooting"
+        _, served = host.served_map
+        try:
+            return plan_swap(served or run.active, cand), ""
+        except SwapPlanError as exc:
+            return None, f"cannot apply in place: {_first_line(exc)}; rebooting"
+
+    async def _apply(self, run: _Run, path: Path, emap: ExpertMap, purpose: str) -> ApplyAnswer:
+        """One apply request, answered or not; never raises. A request that got no answer is withdrawn."""
+        host, stats = self.host, self.host.stats_path
+        assert stats is not None
+        alive = host.engine_alive_probe()
+        boot_before = stats_boot_id(stats)
+        at = utc_stamp()
+        t0 = time.monotonic()
+        log.info("remap_apply_request", remap=run.record.id, purpose=purpose, map=str(path), hash=emap.content_hash)
+        try:
+            result, snap = await asyncio.to_thread(self.tools.apply, stats, host.engine_map_path(path),
+                                                   emap.content_hash, timeout_s=host.cfg.remap.apply_timeout_s,
+                                                   alive=alive)
+        except Exception as exc:  # HookRequestError (no answer in time, or the engine exited), or an unreadable one
+            withdraw_apply_request(stats)
+            result_name = "engine_died" if not alive() else "timeout" if isinstance(exc, HookRequestError) \
+                else "failed"
+            answer = ApplyAnswer(result_name, _first_line(exc), purpose=purpose, map_hash=emap.content_hash,
+                                 wait_s=round(time.monotonic() - t0, 3))
+        else:
+            answer = classify_answer(result, snap, map_hash=emap.content_hash, boot_before=boot_before,
+                                     purpose=purpose, wait_s=time.monotonic() - t0)
+        answer.at = at
+        log.info("remap_apply_answer", remap=run.record.id, **answer.as_dict())
+        host.record_apply_request(answer)
+        assert run.record.apply is not None
+        run.record.apply.setdefault("requests", []).append(answer.as_dict())
+        self._save(run.record)
+        return answer
+
+    async def _apply_and_verify(self, run: _Run, plan: SwapPlan) -> str | None:
+        """Apply the candidate in place, check parity on the same engine, verify, commit or roll back. Returns
+        None once the remap has ended, or why the drain-reboot must deploy the candidate instead."""
+        host, rcfg, rec = self.host, self.host.cfg.remap, run.record
+        assert run.candidate is not None and run.candidate_path is not None
+        rec.apply = {"in_place": True, "plan": {k: v for k, v in plan.as_dict().items() if k != "rows_per_layer"},
+                     "requests": [], "outcome": None}
+        self._save(rec)
+        try:
+            prompts = load_parity_prompts(rcfg.parity_prompts_path)
+        except ValueError as exc:
+            raise Aborted(f"parity prompts: {_first_line(exc)}") from None
+        parity: dict[str, Any] = {"prompts": len(prompts), "prompts_file": str(rcfg.parity_prompts_path)}
+        url = host.engine_url
+        if url is None:
+            raise Aborted("no engine serving to record the parity fixture from; nothing was applied")
+        try:
+            run.parity_ref = await asyncio.to_thread(self.tools.parity, url, host.model_name, prompts)
+        except Exception as exc:
+            raise Aborted(f"recording the parity fixture on the serving engine failed: {_first_line(exc)}; "
+                          "nothing was applied") from None
+        ref = ParityRef(model=host.model_name, mode="pin", prompts_file=str(rcfg.parity_prompts_path),
+                        prompts_digest=prompts_digest(prompts), outputs=run.parity_ref,
+                        map_hash=run.active.content_hash, map_label=run.active.label)
+        await asyncio.to_thread(ref.save, self.store.file(rec.id, ".parity.json"))
+
+        answer = await self._apply(run, run.candidate_path, run.candidate, "candidate")
+        if answer.result == "engine_died":
+            self._engine_died(run, answer)
+            return None
+        if not answer.applied:
+            why = {"refused": "the hook refused the apply", "failed": "the apply failed (the hook swapped back)",
+                   "timeout": f"the hook did not answer within remap.apply_timeout_s = {rcfg.apply_timeout_s:g} s"}
+            reason = f"{why.get(answer.result, answer.result)}: {answer.reason}; deploying by a drain-reboot instead"
+            rec.apply.update(outcome="fell_back_reboot", reason=reason)
+            host.record_apply_outcome("fell_back_reboot")
+            log.warning("remap_apply_fell_back", remap=rec.id, result=answer.result, reason=answer.reason)
+            return reason
+        host.applied_in_place(run.candidate_path, run.candidate)
+
+        # parity on the same engine, token for token
+        got: list[PromptOutput] | None = None
+        try:
+            got = await asyncio.to_thread(self.tools.parity, url, host.model_name, prompts)
+        except Exception as exc:
+            parity["error"] = _first_line(exc)
+        if got is None:
+            ok, why_parity = False, f"the engine did not answer the parity prompts ({parity.get('error')})"
+            parity["ok"] = False
+        else:
+            ok, why_parity, figures = token_parity(run.parity_ref, got)
+            parity.update(ok=ok, **figures)
+        rec.verify = {"ready": True, "in_place": True, "parity": parity, "apply": answer.as_dict()}
+        if not ok:
+            await self._roll_back_in_place(run, f"parity after the apply: {why_parity}")
+            return None
+
+        await self._enter(run, "verifying", {"apply": answer.as_dict(), "parity": parity})
+        ok, why, figures = await self._verify_cold_rate(run)
+        rec.verify["cold_rate"] = {**figures, "reason": why}
+        if ok:
+            host.commit_active_map(run.candidate_path, run.candidate.content_hash)
+            rec.apply["outcome"] = "applied"
+            host.record_apply_outcome("applied")
+            self._finish(run, "committed", why, detail={"cold_rate": figures, "in_place": True})
+            return None
+        log.warning("remap_verify_failed", remap=rec.id, reason=why)
+        await self._roll_back_in_place(run, f"verification failed: {why}")
+        return None
+
+    def _committed_label(self, run: _Run) -> str:
+        return run.active.label or run.active.short_hash
+
+    def _engine_died(self, run: _Run, answer: ApplyAnswer) -> None:
+        """The engine died (or restarted) mid-apply: the supervisor restarts it with the committed map, which the
+        apply never changed; the remap ends here and never reboots with the candidate."""
+        assert run.record.apply is not None
+        reason = f"the engine died mid-apply; it restarts with the committed map {self._committed_label(run)}"
+        run.record.apply.update(outcome="engine_died", reason=f"{reason} ({answer.reason})")
+        self.host.record_apply_outcome("engine_died")
+        log.error("remap_engine_died_mid_apply", remap=run.record.id, detail=answer.reason)
+        self._finish(run, "rolled_back", reason, error=f"{reason} ({answer.reason})",
+                     detail={"apply": answer.as_dict()})
+
+    async def _roll_back_in_place(self, run: _Run, why: str) -> None:
+        """Bring the old map back after an in-place apply: in place again (the cheap way), else by a reboot."""
+        host, rec = self.host, run.record
+        assert rec.apply is not None
+        _, served = host.served_map
+        detail: dict[str, Any] = {}
+        if served is None or served.content_hash == run.active.content_hash:
+            tail = f"the engine serves the committed map {self._committed_label(run)} again (it restarted with it)"
+        elif run.active_path is None:
+            tail = "the old map has no file to go back to; see pinsidecar status"
+        else:
+            back = await self._apply(run, run.active_path, run.active, "rollback")
+            detail["rollback_apply"] = back.as_dict()
+            if back.applied:
+                host.applied_in_place(run.active_path, run.active)
+                tail = "rolled back in place: the old map serves"
+            elif back.result == "engine_died":
+                tail = (f"the engine died during the rollback apply; it restarts with the committed map "
+                        f"{self._committed_label(run)}")
+            else:
+                log.warning("remap_rollback_apply_failed", remap=rec.id, result=back.result, reason=back.reason)
+                rb = await host.reboot_with(run.active_path, reason="rollback")
+                detail["rollback_reboot"] = {k: rb.get(k) for k in ("ok", "seconds", "boot_s", "error")}
+                tail = (f"the rollback apply {back.result} ({back.reason}), so the old map was rebooted: "
+                        + ("it serves" if rb.get("ok") else f"the reboot failed too ({rb.get('error')}); see "
+                           "pinsidecar status"))
+        rec.apply["outcome"] = "rolled_back"
+        host.record_apply_outcome("rolled_back")
+        if rec.verify is not None:
+            rec.verify["rollback"] = detail
+        self._finish(run, "rolled_back", f"{why}; {tail}", error=why, detail=detail)
 
     # e-g. reboot, verify, commit or roll back
     async def _reboot_and_verify(self, run: _Run) -> None:
@@ -597,6 +831,11 @@ class RemapPipeline:
             result = probe.poll()
             if getattr(probe, "restarted", False):
                 return False, "the engine restarted while the new map was being verified", {"tokens": result.tokens}
+            _, served = host.served_map
+            if served is not None and served.content_hash != run.candidate.content_hash:
+                # a restart boots the committed map, not one applied in place: the candidate no longer serves
+                return False, (f"the engine restarted while the new map was being verified and serves "
+                               f"{served.label or served.short_hash}"), {"tokens": result.tokens}
             if result.tokens >= rcfg.verify_tokens or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(WAIT_STEP_S)

@@ -9,8 +9,13 @@ reads exactly where each remap was and closes it (:mod:`~pinsidecar.remap.recove
 States, in the order a remap runs them (a library hit skips ``count_boot`` and ``building``; a candidate named by
 the operator skips everything before ``evaluating``):
 
-``choosing_workload`` -> ``library_check`` -> ``count_boot`` -> ``building`` -> ``evaluating`` -> ``rebooting`` ->
-``verifying``, then one terminal state: ``committed``, ``rolled_back``, ``refused`` or ``aborted``.
+``choosing_workload`` -> ``library_check`` -> ``count_boot`` -> ``building`` -> ``evaluating`` -> ``applying`` ->
+``rebooting`` -> ``verifying``, then one terminal state: ``committed``, ``rolled_back``, ``refused`` or ``aborted``.
+
+The deploy step is ``applying`` (the hook swaps the candidate in place while the engine serves) or ``rebooting``
+(drain and reboot); a remap that applied in place goes straight on to ``verifying``, one whose apply could not be
+done falls back from ``applying`` to ``rebooting``, and one with ``remap.in_place = false`` (or a candidate of
+another geometry) goes from ``evaluating`` to ``rebooting``. What the apply did is the record's ``apply``.
 
 Every finished state appends one step (``state``, when it began, its seconds, a ``detail`` dict), so the steps
 are the remap's timeline.
@@ -32,6 +37,7 @@ import structlog
 from pinsidecar_hook.contract import atomic_write_json
 
 __all__ = [
+    "DEPLOY_STATES",
     "OUTCOMES",
     "PRE_REBOOT_STATES",
     "STATES",
@@ -44,9 +50,13 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-STATES = ("choosing_workload", "library_check", "count_boot", "building", "evaluating", "rebooting", "verifying")
-# Before "rebooting" nothing has touched the serving engine: a remap cut short there is simply aborted.
+STATES = ("choosing_workload", "library_check", "count_boot", "building", "evaluating", "applying", "rebooting",
+          "verifying")
+# Before the deploy step ("applying" or "rebooting") nothing has touched the serving engine: a remap cut short
+# there is simply aborted.
 PRE_REBOOT_STATES = STATES[:5]
+# The deploy states: the engine may serve the candidate (wholly or, mid-apply, partly) from here on.
+DEPLOY_STATES = ("applying", "rebooting")
 TERMINAL_STATES = ("committed", "rolled_back", "refused", "aborted")
 # How a remap ended, as the metrics label it ("dry_run": a decision that changed nothing, never a record).
 OUTCOMES = ("committed", "rolled_back", "refused", "aborted", "dry_run")
@@ -79,6 +89,9 @@ class RemapRecord:
     candidate: dict[str, Any] | None = None  # {"path", "hash", "label", "source"}
     decision: dict[str, Any] | None = None
     verify: dict[str, Any] | None = None
+    # the in-place deploy: the swap plan (rows, bytes), each apply request and its answer, how it ended (see
+    # pinsidecar.remap.apply); None when the remap never reached the deploy step
+    apply: dict[str, Any] | None = None
     error: str | None = None
     previous_map: dict[str, Any] | None = None  # what served when the remap started: {"path", "hash", "label"}
     detail: dict[str, Any] = field(default_factory=dict)  # the trigger's own detail (window, alert, map asked for)
@@ -144,7 +157,7 @@ class RemapRecord:
         return {"id": self.id, "trigger": self.trigger, "reason": self.reason, "dry_run": self.dry_run,
                 "state": self.state, "outcome": self.outcome, "started_at": self.started_at,
                 "ended_at": self.ended_at, "steps": list(self.steps), "candidate": self.candidate,
-                "decision": self.decision, "verify": self.verify, "error": self.error,
+                "decision": self.decision, "verify": self.verify, "apply": self.apply, "error": self.error,
                 "previous_map": self.previous_map, "detail": self.detail, "seconds": self.seconds,
                 "outcome_reason": self.detail.get("outcome_reason")}
 
@@ -154,7 +167,8 @@ class RemapRecord:
         return {"id": self.id, "trigger": self.trigger, "state": self.state, "outcome": self.outcome,
                 "started_at": self.started_at, "ended_at": self.ended_at, "seconds": self.seconds,
                 "candidate": (self.candidate or {}).get("label"), "gain": d.get("gain"), "error": self.error,
-                "outcome_reason": self.detail.get("outcome_reason")}
+                "outcome_reason": self.detail.get("outcome_reason"),
+                "apply": (self.apply or {}).get("outcome")}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> RemapRecord:
@@ -162,7 +176,8 @@ class RemapRecord:
                   dry_run=bool(doc.get("dry_run", False)), state=str(doc["state"]), outcome=doc.get("outcome"),
                   started_at=str(doc.get("started_at", "")), ended_at=doc.get("ended_at"),
                   steps=list(doc.get("steps") or []), candidate=doc.get("candidate"), decision=doc.get("decision"),
-                  verify=doc.get("verify"), error=doc.get("error"), previous_map=doc.get("previous_map"),
+                  verify=doc.get("verify"), apply=doc.get("apply"), error=doc.get("error"),
+                  previous_map=doc.get("previous_map"),
                   detail=dict(doc.get("detail") or {}))
         if rec.state not in STATES + TERMINAL_STATES:
             raise ValueError(f"unknown state {rec.state!r}")

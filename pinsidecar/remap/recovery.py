@@ -9,8 +9,11 @@ The pipeline never leaves the serving engine depending on a half-done remap, by 
 So on start the daemon boots from ``active-map.json``, the map that served before the remap (or, if the remap had
 committed, the new one), and :func:`close_open_records` only has to make the records agree:
 
-- a remap cut short before ``rebooting`` never touched the engine: ``aborted`` ("sidecar restarted during <state>");
-- one cut short in ``rebooting`` or ``verifying``: the daemon now boots the map of ``active-map.json``. If that is
+- a remap cut short before its deploy step (``applying`` or ``rebooting``) never touched the engine: ``aborted``
+  ("sidecar restarted during <state>");
+- one cut short in ``applying``, ``rebooting`` or ``verifying``: the daemon stops the engine its predecessor left
+  (which may serve the candidate, applied in place, or be mid-apply), withdraws any apply request still waiting
+  beside the stats file (the new engine must not find it), and boots the map of ``active-map.json``. If that is
   the candidate, the commit had been written and only the record lagged: ``committed``; otherwise the old map
   serves again: ``rolled_back``.
 """

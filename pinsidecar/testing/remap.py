@@ -9,14 +9,18 @@ models; booting vLLM for each of them would make every case a minute. These stan
   since boot, the full histogram, cold selections under the map the daemon serves; a new boot id whenever the
   daemon boots an engine), from synthetic traffic of a chosen domain (:func:`~pinsidecar.testing.make_counts`);
 - :class:`FakeTools` — :class:`~pinsidecar.remap.pipeline.RemapTools` whose count boot returns synthetic counts,
-  whose parity answers a fixed greedy output (or a different one, to fail parity), and whose cold-rate probe is the
-  real one or a fixed figure.
+  whose parity answers a fixed greedy output (or a different one, to fail parity), whose cold-rate probe is the
+  real one or a fixed figure, and whose apply client is a :class:`FakeApplyClient`;
+- :class:`FakeApplyClient` — the hook's answers to apply requests, scripted per request (applied, refused, failed,
+  no answer, the engine dying mid-apply), read from and consistent with the stats file :class:`FakeHookStats`
+  writes. The real client and the real hook are exercised on vLLM in ``tests/test_remap_in_place.py``.
 
 The real engine end to end is in ``tests/test_demo_loop.py`` (``pinsidecar demo``, the whole loop).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -25,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pinsidecar_hook.contract import CountsArtifact, StatsSnapshot
+from pinsidecar_hook.contract import CountsArtifact, StatsSnapshot, load_map, load_stats
+from pinsidecar_hook.contract.requests import HookRequestError
+from pinsidecar_hook.contract.swap import ApplyResult
 
 from pinsidecar.engine import EngineSpec
 from pinsidecar.remap.pipeline import RemapTools
@@ -34,7 +40,7 @@ from pinsidecar.runs.parity import PromptOutput
 from pinsidecar.runs.workload import WorkloadRequest
 from pinsidecar.testing.artifacts import make_counts
 
-__all__ = ["FakeHookStats", "FakeTools", "FixedColdRate", "InstantEngine"]
+__all__ = ["FakeApplyClient", "FakeHookStats", "FakeTools", "FixedColdRate", "InstantEngine"]
 
 
 class InstantEngine:
@@ -135,15 +141,71 @@ class FixedColdRate:
         return self.result
 
 
+class FakeApplyClient:
+    """The hook's side of apply requests, faked (a stand-in for :func:`~pinsidecar.remap.apply.request_apply`).
+
+    ``outcomes`` scripts the answers, one per request in order (the last one repeats): ``applied``, ``refused``
+    and ``failed`` are answered like the hook answers them (a ``meta["apply"]`` in the current stats file);
+    ``timeout`` raises the client's no-answer error; ``die`` calls ``on_die`` (the test's way to stop the engine),
+    waits until the pipeline's ``alive()`` says the engine is gone, and raises the same error the real client
+    does then. ``hold``, when given, is waited on (while the engine lives) before answering: a test holds a
+    remap in ``applying`` with it. ``rows`` is what an applied request reports swapping.
+    """
+
+    def __init__(self, outcomes: Sequence[str] = ("applied",), *, hold: threading.Event | None = None,
+                 on_die: Callable[[], None] | None = None, rows: int = 8) -> None:
+        self.outcomes = list(outcomes)
+        self.hold = hold
+        self.on_die = on_die
+        self.rows = rows
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, stats_path: Path, engine_map: str, map_hash: str, *, timeout_s: float,
+                 alive: Callable[[], bool]) -> tuple[ApplyResult, StatsSnapshot]:
+        self.calls.append({"stats": Path(stats_path), "map": engine_map, "hash": map_hash, "timeout_s": timeout_s})
+        outcome = self.outcomes[min(len(self.calls), len(self.outcomes)) - 1]
+        token = f"apply-fake-{len(self.calls)}"
+        if self.hold is not None:
+            while not self.hold.wait(0.02):
+                if not alive():
+                    break
+        if outcome == "timeout":
+            raise HookRequestError(f"the hook did not answer the apply request {token} within {timeout_s:g} s "
+                                   "(fake)")
+        if outcome == "die":
+            if self.on_die is not None:
+                self.on_die()
+            end = time.monotonic() + 10.0
+            while alive() and time.monotonic() < end:
+                time.sleep(0.01)
+            raise HookRequestError(f"the engine exited while waiting for the hook to answer the apply request "
+                                   f"{token} (fake)")
+        snap = load_stats(stats_path)
+        emap = load_map(engine_map)  # the path the pipeline passed must be a readable map, as for the hook
+        if outcome == "applied":
+            result = ApplyResult(token, "applied", map_hash=map_hash, from_hash=snap.map_hash, to_hash=map_hash,
+                                 rows=self.rows, bytes_moved=2 * self.rows * emap.expert_bytes, seconds=0.002,
+                                 layers=emap.num_layers)
+            snap = dataclasses.replace(snap, map_hash=map_hash)
+        else:
+            result = ApplyResult(token, outcome, reason=f"fake hook: {outcome}", map_hash=snap.map_hash,
+                                 from_hash=snap.map_hash, to_hash=map_hash)
+        snap = dataclasses.replace(snap, flush_token=token, meta={**snap.meta, "apply": result.to_json()})
+        return result, snap
+
+
 class FakeTools(RemapTools):
     """Pipeline tools without engines. ``counts``: what the count boot returns (or an exception to raise);
     ``gate``: a threading.Event the count boot waits on (to hold a remap in ``count_boot``); ``parity_change``:
-    the new engine answers differently (parity fails); ``cold_rate``: a fixed figure instead of the real probe."""
+    the new engine answers differently (parity fails); ``cold_rate``: a fixed figure instead of the real probe;
+    ``apply``: the hook's answers to apply requests (default: every one applied)."""
 
     def __init__(self, counts: CountsArtifact | BaseException | None = None, *, gate: threading.Event | None = None,
-                 parity_change: bool = False, cold_rate: float | None = None) -> None:
+                 parity_change: bool = False, cold_rate: float | None = None,
+                 apply: FakeApplyClient | None = None) -> None:
+        self.apply_client = apply if apply is not None else FakeApplyClient()
         super().__init__(count_boot=self._count_boot, parity=self._parity,
-                         cold_probe=self._probe)
+                         cold_probe=self._probe, apply=self.apply_client)
         self.counts = counts
         self.gate = gate
         self.parity_change = parity_change

@@ -5,6 +5,10 @@ flows it awaits ``action`` (a drain-reboot), then waits until every client has b
 engine, and stops. Each request counts as completed (``[DONE]`` and a finish reason), failed (HTTP error, broken
 stream, a stream without an end) or lost (sent, neither); the longest stall is the longest gap a client saw
 before a response's first chunk or between two chunks (a request held by the gate across a reboot waits it out).
+Every gap is also kept with its wall-clock start and end (``ClientStats.gaps``; a few hundred requests of 32 tokens
+are a few thousand small records), so a figure can ask for the longest gap *during* an event
+(:meth:`LoadResult.longest_gap`), e.g. an in-place apply, and tell gaps between two tokens of one stream from the
+wait before a stream's first token.
 """
 
 from __future__ import annotations
@@ -12,15 +16,32 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-__all__ = ["ClientStats", "LoadResult", "load_during", "stream_client"]
+__all__ = ["GAP_RECORD_S", "ClientStats", "Gap", "LoadResult", "load_during", "stream_client"]
 
 PROMPTS = ("def parse(line):", "The river ran", "import os\nfor p in", "Once upon a time")
+# Gaps at least this long are kept with their times (shorter ones only count towards longest_stall_s); 0: all, so
+# the longest gap in any interval is exact.
+GAP_RECORD_S = 0.0
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One wait a client saw: ``kind`` "token" (between two chunks of a stream) or "first" (from sending a request
+    to its first chunk); ``start`` and ``end`` are wall-clock (time.time) seconds."""
+
+    start: float
+    end: float
+    kind: str
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
 
 
 @dataclass
@@ -32,6 +53,7 @@ class ClientStats:
     longest_stall_s: float = 0.0
     tokens: int = 0
     completed_after: int = 0  # completed requests sent after the action returned
+    gaps: list[Gap] = field(default_factory=list)  # every gap of GAP_RECORD_S or more, in order
 
 
 @dataclass
@@ -48,19 +70,27 @@ class LoadResult:
                 "longest_stall_s": round(max(s.longest_stall_s for s in self.clients), 3),
                 "errors": [e for s in self.clients for e in s.errors][:10]}
 
+    def longest_gap(self, start: float, end: float, kind: str | None = "token") -> float:
+        """The longest recorded gap of ``kind`` (None: any) that overlaps the wall-clock interval [start, end]
+        (0.0 when no client received anything then)."""
+        return max((g.seconds for s in self.clients for g in s.gaps
+                    if (kind is None or g.kind == kind) and g.end >= start and g.start <= end), default=0.0)
+
 
 async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, stop: asyncio.Event,
-                        after: asyncio.Event, *, max_tokens: int = 32, timeout_s: float = 900.0) -> None:
+                        after: asyncio.Event, *, max_tokens: int = 32, timeout_s: float = 900.0,
+                        prompts: Sequence[str] = PROMPTS) -> None:
     """One client: streamed completions (``ignore_eos``, so each streams ``max_tokens`` chunks) until ``stop``."""
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s)) as c:
         n = 0
         while not stop.is_set():
-            body = {"model": model, "prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": max_tokens,
+            body = {"model": model, "prompt": prompts[(i + n) % len(prompts)], "max_tokens": max_tokens,
                     "temperature": 0.0, "stream": True, "ignore_eos": True}
             n += 1
             stats.sent += 1
             sent_after = after.is_set()
-            last = time.monotonic()
+            last, last_wall = time.monotonic(), time.time()
+            kind = "first"
             done = finished = False
             try:
                 async with c.stream("POST", "/v1/completions", json=body) as resp:
@@ -69,9 +99,13 @@ async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, s
                         stats.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
                         continue
                     async for line in resp.aiter_lines():
-                        now = time.monotonic()
+                        if not line:  # the blank line that ends an SSE event: not a token
+                            continue
+                        now, wall = time.monotonic(), time.time()
                         stats.longest_stall_s = max(stats.longest_stall_s, now - last)
-                        last = now
+                        if now - last >= GAP_RECORD_S:
+                            stats.gaps.append(Gap(last_wall, wall, kind))
+                        last, last_wall, kind = now, wall, "token"
                         if not line.startswith("data: "):
                             continue
                         if line[6:] == "[DONE]":
@@ -96,12 +130,13 @@ async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, s
 
 
 async def load_during(base_url: str, model: str, action: Callable[[], Awaitable[Any]], *, clients: int = 8,
-                      max_tokens: int = 32, limit_s: float = 600.0) -> LoadResult:
+                      max_tokens: int = 32, limit_s: float = 600.0, prompts: Sequence[str] = PROMPTS) -> LoadResult:
     """Run ``clients`` streaming clients, await ``action`` once all of them are served, then let each be served
     twice more and stop. Raises ``AssertionError`` when traffic never flows (before or after the action)."""
     stats = [ClientStats() for _ in range(clients)]
     stop, after = asyncio.Event(), asyncio.Event()
-    tasks = [asyncio.create_task(stream_client(base_url, model, i, stats[i], stop, after, max_tokens=max_tokens))
+    tasks = [asyncio.create_task(stream_client(base_url, model, i, stats[i], stop, after, max_tokens=max_tokens,
+                                               prompts=prompts))
              for i in range(clients)]
     loop = asyncio.get_running_loop()
     try:

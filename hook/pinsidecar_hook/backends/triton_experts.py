@@ -261,6 +261,13 @@ class TritonExpertsSplit:
         self.config_fn = self.config_fn or vllm_seam.triton_moe_config
         self.override_fn = self.override_fn or vllm_seam.triton_override_config
 
+    def refresh_tier_maps(self) -> None:
+        """Recompute the tier maps from the row map after an in-place apply flipped it, writing the same tensors
+        (captured CUDA graphs read them by address), on the current stream: in order after the flip."""
+        hot_map, cold_map = tier_expert_maps(self.row_map, self.hot_rows)
+        self.hot_map.copy_(hot_map)
+        self.cold_map.copy_(cold_map)
+
     def _call(self, quant_config, sink, **kwargs) -> None:
         original = self.experts.quant_config
         self.experts.quant_config = quant_config
@@ -377,6 +384,9 @@ def make_split_apply(experts: Any, layer: Any, *, config_fn: Any = None, overrid
                     cold["w2_weight"], topk_weights, topk_ids, activation, a1q_scale, a2_scale, workspace13,
                     workspace2, expert_tokens_meta, apply_router_weight_on_input, expert_map)
 
+    listeners = getattr(layer, "row_map_listeners", None)
+    if listeners is not None:  # an in-place apply (pinsidecar_hook.swap) flips the row map: follow it
+        listeners.append(split.refresh_tier_maps)
     split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
     split_apply.split = split  # type: ignore[attr-defined]
     return split_apply

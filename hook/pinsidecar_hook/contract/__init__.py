@@ -7,8 +7,10 @@ environment variables:
 - :mod:`~pinsidecar_hook.contract.counts` — count mode's output (per-layer × per-expert selection counts);
 - :mod:`~pinsidecar_hook.contract.map` — pin mode's input (the row map and its fixed geometry);
 - :mod:`~pinsidecar_hook.contract.stats` — pin mode's live counters, and the fallback path they go to;
-- :mod:`~pinsidecar_hook.contract.requests` — ``flush`` / ``reset`` requests dropped beside an artifact, and
-  :func:`request_and_wait`, the one client-side wait for their answer;
+- :mod:`~pinsidecar_hook.contract.requests` — ``flush`` / ``reset`` / ``apply`` requests dropped beside an
+  artifact, and :func:`request_and_wait`, the one client-side wait for their answer;
+- :mod:`~pinsidecar_hook.contract.swap` — the swap plan between two maps of one geometry (remap in place), and
+  :class:`ApplyResult`, the hook's answer to ``apply``;
 - :mod:`~pinsidecar_hook.contract.env` — the ``PINSIDECAR_*`` variables and :class:`HookConfig`;
 - :mod:`~pinsidecar_hook.contract.io` — the rules every file follows (versioned, validated on read, written
   atomically).
@@ -40,15 +42,27 @@ from pinsidecar_hook.contract.map import (
 from pinsidecar_hook.contract.requests import (
     HOOK_OPS,
     REQUEST_POLL_S,
+    HookRequest,
     HookRequestError,
+    apply_args,
+    parse_apply_args,
     read_hook_request,
     request_and_wait,
     request_path,
     write_hook_request,
 )
 from pinsidecar_hook.contract.stats import StatsSnapshot, fallback_stats_path, load_stats
+from pinsidecar_hook.contract.swap import (
+    APPLY_OUTCOMES,
+    ApplyResult,
+    LayerSwap,
+    SwapPlan,
+    SwapPlanError,
+    plan_swap,
+)
 
 __all__ = [
+    "APPLY_OUTCOMES",
     "COUNTS_FORMAT",
     "ENV",
     "HOOK_OPS",
@@ -58,16 +72,22 @@ __all__ = [
     "REQUEST_POLL_S",
     "STATS_FORMAT",
     "VERSION",
+    "ApplyResult",
     "ArtifactError",
     "CountsArtifact",
     "ExpertMap",
     "HookConfig",
     "HookConfigError",
+    "HookRequest",
     "HookRequestError",
     "LayerPlacement",
+    "LayerSwap",
     "ModelInfo",
     "RowMap",
     "StatsSnapshot",
+    "SwapPlan",
+    "SwapPlanError",
+    "apply_args",
     "atomic_write_bytes",
     "atomic_write_json",
     "cold_selection_ratio",
@@ -75,7 +95,9 @@ __all__ = [
     "load_counts",
     "load_map",
     "load_stats",
+    "parse_apply_args",
     "placement_row_map",
+    "plan_swap",
     "read_hook_request",
     "request_and_wait",
     "request_path",

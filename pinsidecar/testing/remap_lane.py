@@ -1,0 +1,290 @@
+"""The CPU demo lane for in-place remap figures: a real ``pinsidecar run`` daemon, real vLLM CPU, maps of two
+traffic classes at two geometries, and a remap (or a drain-reboot) measured under streaming clients.
+
+Shared by ``tests/test_remap_in_place.py`` (what must hold) and ``bench/remap_in_place.py`` (the figures, side by
+side with a drain-reboot on the same daemon), so both measure the same thing the same way:
+
+- :func:`lane_maps` builds the usage maps of the demo's code and prose traffic from the demo model's routing under
+  transformers (:func:`~pinsidecar.demo.model.routing_counts`: seconds, no engine boot), at 48 hot rows (the demo's
+  geometry) and 56 (another geometry: only a reboot can deploy it), each with its counts beside it;
+- :class:`RemapLane` is the daemon, with the demo's config (:func:`~pinsidecar.demo.sidecar.demo_config`) changed
+  for remaps on demand: no automatic trips, no cooldown, the live source (a named map skips the count boot anyway);
+- :meth:`RemapLane.remap_under_load` / :meth:`RemapLane.drain_reboot_under_load` run ``clients`` streaming clients
+  through the gate (:func:`~pinsidecar.testing.streaming.load_during`), wait for a drift window of their traffic
+  (a remap's decision is judged on one), do the thing, and return the record and the figures: the longest gap
+  between two tokens a client saw *during* the deploy (within one stream, and counting a response's wait for its
+  first token, which is what a held request sees), the requests failed and lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pinsidecar.demo.sidecar import SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
+from pinsidecar.testing.streaming import LoadResult, load_during
+
+__all__ = ["HOT_ROWS", "OTHER_HOT_ROWS", "LaneMap", "RemapLane", "domain_prompts", "lane_maps"]
+
+HOT_ROWS = 48  # the demo's geometry (pinsidecar.demo.loop.DEFAULT_HOT_ROWS)
+OTHER_HOT_ROWS = 56  # another geometry: the hot tensor changes shape, so only a reboot deploys it
+EVENT_LIMIT_S = 900.0  # a boot on a loaded 2-core box can take minutes
+
+
+@dataclass(frozen=True)
+class LaneMap:
+    path: Path
+    hash: str
+    label: str
+
+
+def lane_maps(model_dir: Path, maps: Path, hot_rows: tuple[int, ...] = (HOT_ROWS, OTHER_HOT_ROWS)
+              ) -> dict[str, LaneMap]:
+    """``{"code": ..., "prose": ..., "code-56": ..., "prose-56": ...}``: usage maps of each domain's training
+    prompts, the counts beside each (the drift watch's reference)."""
+    from pinsidecar.demo.model import DOMAINS, load_prompts, routing_counts
+    from pinsidecar.placement import build_usage_map
+    from pinsidecar.remap.candidates import counts_path_for
+    from pinsidecar.testing import counts_from
+
+    maps.mkdir(parents=True, exist_ok=True)
+    geo = json.loads((model_dir / "config.json").read_text())
+    out: dict[str, LaneMap] = {}
+    for domain in DOMAINS:
+        rows = routing_counts(model_dir, load_prompts(domain))
+        counts = counts_from(rows, top_k=geo["num_experts_per_tok"], workload=domain)
+        for hot in hot_rows:
+            label = domain if hot == HOT_ROWS else f"{domain}-{hot}"
+            emap = build_usage_map([counts], hot, label=label)
+            path = maps / f"{label}.json"
+            counts.save(counts_path_for(path))
+            emap.save(path)
+            out[label] = LaneMap(path, emap.content_hash, label)
+    return out
+
+
+def domain_prompts(domain: str) -> list[str]:
+    """The demo's prompts of one traffic class (training and held-out), as text."""
+    from pinsidecar.demo.model import load_prompts
+
+    return [p["prompt"] for p in load_prompts(domain) + load_prompts(f"{domain}_heldout")]
+
+
+@dataclass
+class RemapLane:
+    """One daemon on the CPU demo lane (see the module docstring). ``engine_env`` goes into ``[engine] env``."""
+
+    tmp: Path
+    model_dir: Path
+    boot_map: Path
+    engine_env: dict[str, str] = field(default_factory=dict)
+    ports: DemoPorts | None = None
+    sidecar: Sidecar | None = None
+    starts: int = 0
+
+    @property
+    def state_dir(self) -> Path:
+        return self.tmp / "state"
+
+    @property
+    def gate_url(self) -> str:
+        assert self.ports is not None
+        return f"http://127.0.0.1:{self.ports.gate}"
+
+    def _config(self) -> Path:
+        from pinsidecar.engine import free_port
+
+        if self.ports is None:
+            taken = [free_port()]
+            for _ in range(4):  # gate, control, metrics, count engine (unused: the live source)
+                taken.append(free_port(taken[-1] + 1))
+            self.ports = DemoPorts(*taken)
+        path = demo_config(self.tmp / "pinsidecar.toml", model_dir=self.model_dir, map_path=self.boot_map,
+                           run_dir=self.tmp, ports=self.ports)
+        text = path.read_text()
+        env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in sorted(self.engine_env.items()))
+        for old, new in (('source = "capture"', 'source = "live"'),
+                         ("cooldown_s = 3600", "cooldown_s = 0\nauto_remap = false\nmax_remaps_per_day = 100"),
+                         ('hook_mode = "pin"', f'hook_mode = "pin"\nenv = {{ {env} }}' if env else 'hook_mode = "pin"'),
+                         ("verify_timeout_s = 600", "verify_timeout_s = 120")):
+            if old not in text:
+                raise AssertionError(f"the demo config changed: {old!r} not in it")
+            text = text.replace(old, new, 1)
+        path.write_text(text)
+        return path
+
+    def start(self) -> dict[str, Any]:
+        """Start the daemon (a new config from the current ``engine_env``) and wait until its engine serves."""
+        config = self._config()
+        assert self.ports is not None
+        self.starts += 1
+        self.sidecar = Sidecar(config, state_dir=self.state_dir, control_port=self.ports.control,
+                               log_path=self.tmp / f"daemon-{self.starts}.log")
+        self.sidecar.start()
+        return self.wait("the engine ready", lambda s: s["engine"]["state"] == "ready")
+
+    def stop(self) -> dict[str, Any]:
+        return self.sidecar.stop() if self.sidecar is not None else {}
+
+    def restart(self, engine_env: dict[str, str]) -> dict[str, Any]:
+        self.stop()
+        self.engine_env = dict(engine_env)
+        return self.start()
+
+    # ------------------------------------------------------------------------------------------------ reading
+    def status(self) -> dict[str, Any]:
+        assert self.sidecar is not None
+        st = self.sidecar.status()
+        if st is None:
+            raise AssertionError("the daemon does not answer /status:\n" + "\n".join(self.sidecar.log_tail(40)))
+        return st
+
+    def wait(self, what: str, done: Any, limit_s: float = EVENT_LIMIT_S) -> dict[str, Any]:
+        assert self.sidecar is not None
+        end = time.monotonic() + limit_s
+        while True:
+            st = self.sidecar.status()
+            if st is None and not self.sidecar.alive():
+                raise AssertionError(f"the daemon exited ({self.sidecar.exit_code}) waiting for {what}:\n"
+                                     + "\n".join(self.sidecar.log_tail(40)))
+            if st is not None and done(st):
+                return st
+            if time.monotonic() > end:
+                raise AssertionError(f"not within {limit_s:.0f} s: {what}\n" + "\n".join(self.sidecar.log_tail(40)))
+            time.sleep(0.25)
+
+    def record(self, remap_id: str) -> dict[str, Any]:
+        return json.loads((self.state_dir / "remaps" / f"{remap_id}.json").read_text())
+
+    def metrics(self) -> str:
+        assert self.ports is not None
+        return httpx.get(f"http://127.0.0.1:{self.ports.metrics}/metrics", timeout=10).text
+
+    def stats(self) -> dict[str, Any]:
+        return json.loads((self.state_dir / "stats.json").read_text())
+
+    def active_map(self) -> dict[str, Any] | None:
+        p = self.state_dir / "active-map.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def _control(self) -> httpx.Client:
+        assert self.ports is not None
+        token = (self.tmp / "control.token").read_text().strip()
+        return httpx.Client(base_url=f"http://127.0.0.1:{self.ports.control}", timeout=EVENT_LIMIT_S,
+                            headers={"Authorization": f"Bearer {token}"})
+
+    def wait_for_windows(self, n: int) -> None:
+        """Until ``n`` more drift windows have closed (judged ones: a remap is decided on the newest)."""
+        start = self._window_index()
+
+        def more(st: dict[str, Any]) -> bool:
+            last = (st.get("drift") or {}).get("last_window") or {}
+            return bool(last.get("judged")) and int(last.get("index", -1)) >= start + n
+
+        self.wait(f"{n} more judged drift windows", more, 300.0)
+
+    def _window_index(self) -> int:
+        last = (self.status().get("drift") or {}).get("last_window") or {}
+        return int(last.get("index", -1))
+
+    # ------------------------------------------------------------------------------------------------ actions
+    def request_remap(self, map_path: Path) -> str:
+        with self._control() as c:
+            r = c.post("/remap", json={"trigger": "manual", "map": str(map_path), "reason": "in-place figure"})
+        if r.status_code != 202:
+            raise AssertionError(f"POST /remap answered {r.status_code}: {r.text}")
+        return str(r.json()["remap_id"])
+
+    def wait_remap_end(self, remap_id: str) -> dict[str, Any]:
+        def ended(st: dict[str, Any]) -> bool:
+            last = st["remap"]["last"]
+            return bool(last and last["id"] == remap_id and st["remap"]["current"] is None)
+
+        self.wait(f"remap {remap_id} to end", ended)
+        return self.record(remap_id)
+
+    def drain_reboot(self, map_path: Path) -> dict[str, Any]:
+        with self._control() as c:
+            r = c.post("/drain-reboot", json={"map": str(map_path)})
+        doc: dict[str, Any] = r.json()
+        if r.status_code != 200:
+            raise AssertionError(f"POST /drain-reboot answered {r.status_code}: {doc}")
+        return doc
+
+    def kill_engine(self) -> int:
+        """SIGKILL the engine's whole process group (vLLM's API server and its engine core), as the kernel's OOM
+        killer or a crash would end it."""
+        pid = int(self.status()["engine"]["pid"])
+        os.killpg(pid, signal.SIGKILL)  # the engine leads its own process group
+        return pid
+
+    # ------------------------------------------------------------------------------------------------ figures
+    async def remap_under_load(self, map_path: Path, prompts: list[str], *, clients: int = 8,
+                               windows: int = 2) -> dict[str, Any]:
+        """Stream ``prompts`` through the gate with ``clients`` clients, let ``windows`` drift windows of them
+        close, remap onto ``map_path`` and wait for the remap to end; the record, and the longest waits during the
+        apply request (or, when the remap fell back, the reboot)."""
+        async def action() -> dict[str, Any]:
+            await asyncio.to_thread(self.wait_for_windows, windows)
+            remap_id = await asyncio.to_thread(self.request_remap, map_path)
+            return await asyncio.to_thread(self.wait_remap_end, remap_id)
+
+        result = await load_during(self.gate_url, SERVED_MODEL_NAME, action, clients=clients, prompts=prompts,
+                                   limit_s=EVENT_LIMIT_S)
+        rec: dict[str, Any] = result.action
+        return {"record": rec, **_figures(result, _deploy_window(rec))}
+
+    async def drain_reboot_under_load(self, map_path: Path, prompts: list[str], *,
+                                      clients: int = 8) -> dict[str, Any]:
+        """The same load around a drain-reboot onto ``map_path`` (the control API's, the one remaps fall back to)."""
+        async def action() -> dict[str, Any]:
+            t0 = time.time()
+            res = await asyncio.to_thread(self.drain_reboot, map_path)
+            return {"result": res, "window": (t0, time.time())}
+
+        result = await load_during(self.gate_url, SERVED_MODEL_NAME, action, clients=clients, prompts=prompts,
+                                   limit_s=EVENT_LIMIT_S)
+        return {"drain_reboot": result.action["result"], **_figures(result, result.action["window"])}
+
+
+def _epoch(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _deploy_window(rec: dict[str, Any]) -> tuple[float, float] | None:
+    """Wall-clock start and end of the deploy: the candidate's apply request (sent to answered) when the remap
+    applied in place, else the ``rebooting`` step."""
+    reqs = ((rec.get("apply") or {}).get("requests") or [])
+    if reqs and reqs[0].get("result") == "applied" and reqs[0].get("at"):
+        t0 = _epoch(reqs[0]["at"])
+        return t0, t0 + float(reqs[0].get("wait_s") or 0.0)
+    for step in rec.get("steps") or []:
+        if step["state"] == "rebooting":
+            t0 = _epoch(step["at"])
+            return t0, t0 + float(step["seconds"])
+    return None
+
+
+def _figures(result: LoadResult, window: tuple[float, float] | None) -> dict[str, Any]:
+    fig = result.figure()
+    out: dict[str, Any] = {"clients": fig["clients"], "sent": fig["sent"], "completed": fig["completed"],
+                           "failed": fig["failed"], "lost": fig["lost"], "errors": fig["errors"],
+                           "longest_stall_whole_run_s": fig["longest_stall_s"]}
+    if window is not None:
+        t0, t1 = window
+        # within a stream: between two tokens of one response; any: also a response's wait for its first token
+        # (what a client that streams request after request sees as its longest time without a token)
+        out.update(deploy_window_s=round(t1 - t0, 3),
+                   longest_gap_within_stream_s=round(result.longest_gap(t0, t1, "token"), 3),
+                   longest_gap_s=round(result.longest_gap(t0, t1, None), 3))
+    return out

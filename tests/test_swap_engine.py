@@ -1,0 +1,216 @@
+"""Remap in place inside a real vLLM CPU engine: the demo model served in pin mode, candidate maps applied through the
+hook's request file (``apply``), no reboot.
+
+One engine boot is shared by the module (a boot costs 10-40 s on the 2-core box). Each test leaves the engine
+serving map A. What they show:
+
+- an apply answers ``applied`` in ``meta["apply"]``, the stats carry the candidate's hash and label, the counters
+  were not reset, and greedy tokens and logprobs are bit for bit what they were before (the CPU backend is
+  placement-invariant: rows move, bits do not);
+- the live cold-selection count then follows the candidate exactly: every layer's cold selections equal the
+  selections the same traffic put on the candidate's cold experts (the offline evaluation of the candidate on
+  the live histogram), and differ from what the old map's cold set would give;
+- requests in flight while applies run are all answered, with the same tokens (the step lock makes a step wait,
+  nothing is dropped);
+- twenty applies alternating two maps leave the engine's memory (RSS of its process tree) within 2 %;
+- a candidate of another geometry, and a malformed request, are refused and change nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from pinsidecar_hook.contract import (
+    ApplyResult,
+    CountsArtifact,
+    ExpertMap,
+    LayerPlacement,
+    StatsSnapshot,
+    apply_args,
+    cold_selection_ratio,
+    load_stats,
+    plan_swap,
+    request_and_wait,
+)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [
+    "def parse_rows(items, node):\n    total = 0\n    for x in items:\n",
+    "The old lighthouse keeper walked along the shore and",
+    "for node in range(391):\n    if node % 9 == 0:\n",
+    "In the morning the market was already full of",
+]
+MAX_TOKENS = 12
+
+
+def _map(num_experts: int, top_k: int, layer_ids: tuple[int, ...], hot_rows: int, seed: int,
+         label: str) -> ExpertMap:
+    rng = random.Random(seed)
+    layers = []
+    for lid in layer_ids:
+        order = list(range(num_experts))
+        rng.shuffle(order)
+        layers.append(LayerPlacement(lid, tuple(order[:hot_rows]), tuple(order[hot_rows:])))
+    return ExpertMap(layer_ids=layer_ids, num_experts=num_experts, top_k=top_k, hot_rows=hot_rows,
+                     layers=tuple(layers), label=label, predicted_cold_rate=seed / 1000)
+
+
+@pytest.fixture(scope="module")
+def served(engine_factory: Any, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           ) -> Iterator[dict[str, Any]]:
+    cfg = json.loads((demo_model_dir / "config.json").read_text())
+    n, k, layers = cfg["num_experts"], cfg["num_experts_per_tok"], tuple(range(cfg["num_hidden_layers"]))
+    tmp = tmp_path_factory.mktemp("swap-maps")
+    maps = {"a": _map(n, k, layers, n * 5 // 8, 11, "map-a"), "b": _map(n, k, layers, n * 5 // 8, 23, "map-b"),
+            "wide": _map(n, k, layers, n * 6 // 8, 5, "map-wide")}
+    paths = {}
+    for name, emap in maps.items():
+        paths[name] = (tmp / f"{name}.json").absolute()
+        emap.save(paths[name])
+    engine = engine_factory(demo_model_dir, "pin", map_path=paths["a"], hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1"})
+    try:
+        yield {"engine": engine, "stats": Path(engine.hook.stats_path), "maps": maps, "paths": paths,
+               "reference": _generate(engine)}
+    finally:
+        engine.stop()
+
+
+def _generate(engine: Any) -> list[dict[str, Any]]:
+    out = []
+    for prompt in PROMPTS:
+        choice = engine.complete(prompt, max_tokens=MAX_TOKENS, logprobs=1, return_tokens_as_token_ids=True,
+                                 ignore_eos=True)["choices"][0]
+        out.append({"tokens": choice["logprobs"]["tokens"], "logprobs": choice["logprobs"]["token_logprobs"]})
+    return out
+
+
+def _request(served: dict[str, Any], op: str, args: dict[str, Any] | None = None) -> StatsSnapshot:
+    return request_and_wait(served["stats"], op, load_stats, timeout_s=120, alive=served["engine"].alive, args=args)
+
+
+def _apply(served: dict[str, Any], name: str) -> tuple[StatsSnapshot, ApplyResult]:
+    emap = served["maps"][name]
+    snap = _request(served, "apply", apply_args(served["paths"][name], emap.content_hash))
+    return snap, ApplyResult.from_json(snap.meta["apply"])
+
+
+def _cold_per_layer(emap: ExpertMap, histogram: list[list[int]]) -> list[int]:
+    return [int(sum(row[e] for e in lp.cold)) for lp, row in zip(emap.layers, histogram, strict=True)]
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # a child that exited meanwhile
+            total += child.memory_info().rss
+    return total
+
+
+def test_apply_in_place_keeps_the_bits_and_the_live_cold_count_follows_the_candidate(served: dict[str, Any]) -> None:
+    a, b = served["maps"]["a"], served["maps"]["b"]
+    before = _request(served, "flush")
+    assert before.map_hash == a.content_hash and before.map_label == "map-a"
+    snap, result = _apply(served, "b")
+    try:
+        assert result.outcome == "applied", result.reason
+        assert result.token == snap.flush_token and result.rows == plan_swap(a, b).rows > 0
+        assert result.bytes_moved > 0 and result.layers == sum(1 for x in plan_swap(a, b).layers if x.rows)
+        assert snap.map_hash == b.content_hash and snap.map_label == "map-b"
+        assert snap.meta["predicted_cold_rate"] == b.predicted_cold_rate
+        assert snap.boot_id == before.boot_id and snap.tokens >= before.tokens  # same boot, counters kept
+        log = Path(served["engine"].spec.log_path).read_text()
+        assert log.count("pinsidecar pin: applied map") == 1
+
+        _request(served, "reset")
+        after = _generate(served["engine"])
+        assert after == served["reference"]  # token ids and logprobs, bit for bit as served before the apply
+        live = _request(served, "flush")
+        assert live.histogram is not None and live.map_hash == b.content_hash
+        expected = _cold_per_layer(b, live.histogram)
+        assert live.cold_selections == expected  # exactly the candidate's cold set, layer by layer
+        assert _cold_per_layer(a, live.histogram) != expected  # and not the old one's
+        counts = CountsArtifact(layer_ids=live.layer_ids, num_experts=live.num_experts, top_k=live.top_k,
+                                counts=np.asarray(live.histogram, dtype=np.int64), tokens=live.tokens)
+        offline, _ = cold_selection_ratio(b, counts)
+        assert live.total_cold_selections / live.total_selections == offline
+        # and a later write keeps the apply's answer until the next apply
+        assert live.meta["apply"] == snap.meta["apply"]
+    finally:
+        back, result = _apply(served, "a")
+        assert result.outcome == "applied" and back.map_hash == a.content_hash
+
+
+def test_requests_in_flight_during_applies_are_all_answered(served: dict[str, Any]) -> None:
+    engine, reference = served["engine"], served["reference"]
+    answers: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            try:
+                choice = engine.complete(prompt, max_tokens=MAX_TOKENS, logprobs=1, return_tokens_as_token_ids=True,
+                                         ignore_eos=True)["choices"][0]
+                answers.append({"i": i % len(PROMPTS), "tokens": choice["logprobs"]["tokens"],
+                                "logprobs": choice["logprobs"]["token_logprobs"]})
+            except BaseException as exc:
+                errors.append(exc)
+            i += 1
+
+    threads = [threading.Thread(target=traffic) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for name in ("b", "a", "b", "a"):
+            _snap, result = _apply(served, name)
+            assert result.outcome == "applied", result.reason
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert not errors, errors
+    assert len(answers) >= 2
+    for answer in answers:
+        assert {"tokens": answer["tokens"], "logprobs": answer["logprobs"]} == reference[answer["i"]]
+
+
+def test_twenty_applies_keep_the_engine_memory_flat(served: dict[str, Any]) -> None:
+    engine = served["engine"]
+    rss_before = _rss(engine.pid)
+    held = []
+    for i in range(20):
+        _snap, result = _apply(served, "b" if i % 2 == 0 else "a")
+        assert result.outcome == "applied", (i, result.reason)
+        held.append(result.seconds)
+    rss_after = _rss(engine.pid)
+    print(f"20 applies ({result.rows} rows, {result.bytes_moved} bytes each): step lock held median "
+          f"{sorted(held)[10] * 1e3:.2f} ms, max {max(held) * 1e3:.2f} ms; engine RSS {rss_before / 2**20:.1f} -> "
+          f"{rss_after / 2**20:.1f} MiB ({(rss_after - rss_before) / rss_before:+.3%})")
+    assert abs(rss_after - rss_before) <= 0.02 * rss_before, (rss_before, rss_after)
+    assert _request(served, "flush").map_hash == served["maps"]["a"].content_hash
+    assert _generate(engine) == served["reference"]
+
+
+def test_other_geometry_and_malformed_requests_are_refused_and_change_nothing(served: dict[str, Any]) -> None:
+    a = served["maps"]["a"]
+    snap, result = _apply(served, "wide")
+    assert result.outcome == "refused" and "another geometry" in result.reason and "reboot" in result.reason
+    assert snap.map_hash == a.content_hash == result.map_hash and result.rows == 0
+    snap = _request(served, "apply", {"map": "relative.json", "hash": a.content_hash})
+    result = ApplyResult.from_json(snap.meta["apply"])
+    assert result.outcome == "refused" and "absolute path" in result.reason and snap.map_hash == a.content_hash
+    assert _generate(served["engine"]) == served["reference"]
