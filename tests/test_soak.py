@@ -7,9 +7,10 @@ What it proves (issue 12, item 3): every request the gate accepted completed, th
 
 The two maps (code and prose) are built before the daemon starts from the demo model's routing under transformers
 (:func:`pinsidecar.demo.model.routing_counts`, seconds, no engine boot) and both sit in the maps folder, so a
-domain shift trips the drift watch and the remap's library check picks the other domain's map: one reboot per remap,
-no count boot. Traffic: :class:`~pinsidecar.demo.clients.GateClients` (plain completions), one streaming client
-(every stream must end in ``[DONE]``), and a scraper reading ``/metrics`` and ``/status`` every second.
+domain shift trips the drift watch and the remap's library check picks the other domain's map: each remap is applied
+in place (the maps share a geometry), no count boot, no reboot. Traffic: :class:`~pinsidecar.demo.clients.GateClients`
+(plain completions), one streaming client (every stream must end in ``[DONE]``), and a scraper reading ``/metrics``
+and ``/status`` every second.
 
 Warm-up is the first 20 s of code traffic, one dry-run remap decision and the first domain shift with its remap
 (the first use of each path imports modules and fills caches: 3.7 MB of a 71 MB sidecar on the first try, which is
