@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_timing import eager_time_us
 from pinsidecar_hook import swap
 from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.contract import ExpertMap, HookConfig, LayerPlacement, apply_args, plan_swap
@@ -213,17 +214,8 @@ def rows_hold_their_experts(state: PinState, geo: dict[str, int], device: torch.
 
 
 def _events_ms(fn: Any, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median of ``reps`` eager calls, in ms (the shared CUDA-event timer)."""
+    return eager_time_us(fn, reps) / 1000
 
 
 def bandwidth_probes(device: torch.device, nbytes: int) -> dict[str, Any]:
