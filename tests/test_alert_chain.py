@@ -10,8 +10,10 @@ Alertmanager routes it to the sidecar's webhook, and the remap runs.
 - Debian's Alertmanager runs ``grafana/alertmanager.yml`` (grouping timers shortened; routes, matchers and the
   bearer token from a credentials file as shipped) and posts to the daemon's ``/remap``;
 - prose traffic through the gate makes the projected gain climb over its threshold. The test asserts the remap
-  ran with trigger "alert" and committed, and then that every dashboard query returned data over the run (with
-  the real engine behind the sidecar), except the few that cannot on a CPU box, each named with its reason.
+  ran with trigger "alert", was applied in place (no boot) and committed; then a drain-reboot under the same
+  traffic boots the committed map (and gives the boot panels their data), and every dashboard query returned data
+  over the run (with the real engine behind the sidecar), except the few that cannot on a CPU box, each named with
+  its reason.
 
 The timeline (seconds from the first prose request to the alert firing in Prometheus, to the webhook starting the
 remap in the daemon, to the remap committed) is printed, and written to ``$PINSIDECAR_FIGURES_DIR/alert_chain.json``
@@ -60,7 +62,7 @@ PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 ALERT = "PinsidecarDriftGain"
 HOT_ROWS = 48  # the demo's geometry: 48 of 64 experts hot
 BOOT_LIMIT_S = 900.0  # a loaded 2-core CI box can take minutes to boot vLLM
-CHAIN_LIMIT_S = 900.0  # first prose request to a committed remap, with a reboot in the middle
+CHAIN_LIMIT_S = 900.0  # first prose request to a committed remap
 CLIENTS = 3
 
 # Dashboard targets that have no data on this box, and why (every other target must have data).
@@ -317,6 +319,7 @@ def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(
             PrometheusServer([f"127.0.0.1:{chain.ports['metrics']}"], rule_files=[rules],
                              alertmanagers=[am.address]) as prom:
         prom.wait_for_target_up()
+        boots_before_remap = chain.status()["engine"]["boots"]
         run_start = time.time()
         traffic = ProseTraffic(chain.ports["gate"])
         poller = StatusPoller(chain)
@@ -327,7 +330,14 @@ def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(
             timeline["alert_pending"] = _epoch(alert["activeAt"].replace("+00:00", "Z")[:23] + "Z")
             _wait(lambda: poller.remap_seen, "the alert's remap in the daemon (webhook)", 120, chain)
             _wait(lambda: poller.remap_ended, "the alert's remap ended", CHAIN_LIMIT_S, chain, step_s=1.0)
-            # the dashboard's queries are checked on data that includes a whole remap and traffic after it
+            boots_after_remap = chain.status()["engine"]["boots"]
+            # The remap applied in place, so nothing booted; the dashboard's boot panels and annotation need a boot
+            # in the run, and the committed map must be what a boot serves: a drain-reboot, under the same traffic.
+            token = chain.token_file.read_text().strip()
+            dr = httpx.post(f"http://127.0.0.1:{chain.ports['control']}/drain-reboot", json={"timeout_s": 300},
+                            headers={"Authorization": f"Bearer {token}"}, timeout=BOOT_LIMIT_S)
+            assert dr.status_code == 200 and dr.json().get("ok"), dr.text
+            # the dashboard's queries are checked on data that includes a whole remap, a boot and traffic after
             time.sleep(5)
         finally:
             traffic.close()
@@ -365,6 +375,10 @@ def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(
         assert st["remap"]["last"]["id"] == rec["id"] and st["remap"]["last"]["trigger"] == "alert"
         assert st["engine"]["map"]["hash"] == rec["candidate"]["hash"]  # the engine serves the new map
         assert traffic.failed == 0
+        states = [step.get("state") for step in rec.get("steps") or []]
+        assert "applying" in states and "rebooting" not in states, states  # same geometry: applied in place
+        assert boots_before_remap == boots_after_remap, "the in-place remap booted the engine"
+        assert st["engine"]["boots"] == boots_after_remap + 1 and st["engine"]["last_boot"]["ok"]
         committed = prom.wait_for('pinsidecar_remaps_total{outcome="committed"} == 1', timeout_s=30)
         assert committed
         _check_dashboard(prom, run_start, run_end)
