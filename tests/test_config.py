@@ -140,12 +140,11 @@ def test_remap_in_place_defaults_and_its_keys_are_validated(tmp_path: Path, mode
             ('[remap]\nin_place = "yes"\n', r"remap\.in_place: expected true or false, got 'yes'"),
             ("[remap]\napply_timeout_s = 0\n", r"remap\.apply_timeout_s: must be > 0, got 0"),
             ("[remap]\napply_timeout_s = -1.5\n", r"remap\.apply_timeout_s: must be > 0"),
-            ("[remap]\napply_timeout_s = 900\n",
-             r"remap\.apply_timeout_s: must be below gate\.upstream_idle_timeout_s \(600\), got 900"),
             ("[remap]\napply_tmeout_s = 5\n", r"remap\.apply_tmeout_s: unknown key")):
         with pytest.raises(ConfigError, match=pattern):
             load_config(_write(tmp_path, _minimal(model_dir, token_file, extra)))
-    # the cross-check is about streams through the gate: a long timeout is fine without in-place applies
+    # apply_timeout_s is how long the daemon waits for the hook's answer, not how long serving stands still (the
+    # step lock is held only while rows move), so it is not tied to the gate's idle timeout
     cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file,
                                                 "[remap]\nin_place = false\napply_timeout_s = 900\n")))
     assert cfg.remap.apply_timeout_s == 900.0

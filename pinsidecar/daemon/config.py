@@ -218,13 +218,6 @@ def _cross_check(cfg: Config, check_paths: bool = True) -> None:
     g = cfg.gate
     if g.capture_sample_rate > 1:
         raise ConfigError(f"gate.capture_sample_rate: must be between 0 and 1, got {g.capture_sample_rate}")
-    r = cfg.remap
-    if r.in_place and g.enabled and r.apply_timeout_s >= g.upstream_idle_timeout_s:
-        # an apply holds the engine's step: every stream stands still that long, and the gate cuts a stream whose
-        # engine is silent for upstream_idle_timeout_s
-        raise ConfigError(f"remap.apply_timeout_s: must be below gate.upstream_idle_timeout_s "
-                          f"({g.upstream_idle_timeout_s:g}), got {r.apply_timeout_s:g}: streams stand still while "
-                          "the hook applies, and the gate cuts a stream silent that long")
     ports: dict[int, str] = {}
     listeners = [("engine.port", e.port, e.host, True), ("gate.port", g.port, g.host, g.enabled),
                  ("control.port", c.port, c.host, c.unix_socket is None),
