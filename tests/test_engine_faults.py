@@ -339,11 +339,12 @@ def test_a_hung_engine_is_noticed_in_bounded_time_its_stream_cut_with_an_error_a
     got: list[bytes] = []
     with Watcher(lane) as watcher, httpx.Client(timeout=BOOT_LIMIT_S) as c, \
             c.stream("POST", f"http://127.0.0.1:{GATE}/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        chunks = resp.iter_raw()
-        got.append(next(chunks))  # the stream runs
+        assert resp.status_code == 200  # the stream runs: headers come with the first token
+        # Stopped at once: on an idle box the tiny demo model writes all 2000 tokens in a few seconds, so waiting
+        # for the client to read a chunk first can let the whole stream finish before the hang begins.
         t0 = time.monotonic()
         os.killpg(pid, signal.SIGSTOP)
+        chunks = resp.iter_raw()
         try:
             for chunk in chunks:
                 got.append(chunk)
