@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
+from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.backends import flashinfer_trtllm as fi
 from pinsidecar_hook.backends import triton_experts as te
 from pinsidecar_hook.kernels import finalize_torch, fma_fp32_exact, partition_torch
+from pinsidecar_hook.selfcheck import KINDS, TOKENS, SelfCheck, cases
 
 from pinsidecar.testing import moe
 
@@ -171,33 +174,39 @@ def _triton_setup(seed: int):
     return g, w1, w2, s1, s2
 
 
+class _Layer:
+    """The pin state a backend class is built with (pinsidecar_hook.backends.base.SplitLayer)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> None:
+        self.row_map, self.hot_rows = row_map, hot_rows
+        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
+        self.hot, self.cold = {}, {}
+        for name, t in tensors.items():
+            self.hot[name], self.cold[name] = moe.rehome_weights(t, row_map, hot_rows)
+        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
+        self.cold_counts = torch.zeros(1, dtype=torch.int64)
+        self.token_counts = torch.zeros(1, dtype=torch.int64)
+
+
 def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True,
                       fake: type = FakeTritonExperts, fused_finalize: bool = False, naive_ids: bool = False):
-    w1_hot, w1_cold = moe.rehome_weights(w1, row_map, hot_rows)
-    w2_hot, w2_cold = moe.rehome_weights(w2, row_map, hot_rows)
-    s1_hot, s1_cold = moe.rehome_weights(s1, row_map, hot_rows)
-    s2_hot, s2_cold = moe.rehome_weights(s2, row_map, hot_rows)
+    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
+                   row_map, hot_rows)
     qc = FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))
     experts = fake(qc)
-    te.mark_host_resident(w1_cold, w2_cold)
-    counts = torch.zeros(E, dtype=torch.int64)
-    cold = torch.zeros(1, dtype=torch.int64)
     split = te.TritonExpertsSplit(
-        experts=experts, row_map=row_map, hot_rows=hot_rows, global_num_experts=E,
-        full_w1_shape=tuple(w1.shape), full_w2_shape=tuple(w2.shape),
-        hot_quant_config=te.tier_quant_config(qc, {"w1.scale": s1_hot, "w2.scale": s2_hot}),
-        cold_quant_config=te.tier_quant_config(qc, {"w1.scale": s1_cold, "w2.scale": s2_cold}),
-        expert_counts=counts, cold_counts=cold, fused_finalize=fused_finalize, naive_ids=naive_ids,
+        experts, layer, fused_finalize=fused_finalize, naive_ids=naive_ids,
         config_fn=(lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0])) if pin else (lambda *a: None),
         override_fn=fake_override_config if pin else (lambda c: contextlib.nullcontext()),
     )
     num_tokens, top_k = ids.shape
     out = torch.empty(num_tokens, HIDDEN, dtype=x.dtype)
     workspace2 = torch.empty(num_tokens, top_k, max(2 * INTER, HIDDEN), dtype=x.dtype)
-    split.apply(out, x, w1_hot, w2_hot, w1_cold, w2_cold, weights, ids, "silu", None, None, None, workspace2,
-                None, False)
-    assert w1_cold._vllm_is_uva_offloaded and not hasattr(w1_hot, "_vllm_is_uva_offloaded")
-    return out, experts, counts, cold
+    split.apply(out, x, layer.hot["w13_weight"], layer.hot["w2_weight"], weights, ids, "silu", E, None, None, None,
+                None, workspace2, None, False)
+    assert experts.quant_config is qc  # vLLM's object is never touched: each tier has its own copy
+    assert split.cold_experts.quant_config._w1.scale.shape[0] == layer.cold_rows
+    return out, experts, layer.expert_counts, layer.cold_counts
 
 
 @pytest.mark.parametrize("version", sorted(FAKE_VERSIONS))
@@ -229,7 +238,7 @@ def test_triton_experts_split_equals_unsplit_bitwise(top_k: int, cold_fraction: 
 def test_triton_split_fast_paths_equal_unsplit(top_k: int, cold_fraction: float, adversarial: bool,
                                                version: str) -> None:
     """The per-pair path with tier ids (``naive_ids``, 0.26 on decode-sized batches) and the one-launch finalize
-    where it equals the class's reduction (calibrated, as make_split_apply does) give the unsplit bits too."""
+    where it equals the class's reduction (calibrated, as the split's constructor does) give the unsplit bits too."""
     fake = FAKE_VERSIONS[version]
     g, w1, w2, s1, s2 = _triton_setup(top_k + 40)
     x = torch.randn(3, HIDDEN, generator=g).to(torch.bfloat16)  # 3 * k * 4 <= E=16 only for k = 1: both paths run
@@ -255,23 +264,10 @@ def test_finalize_calibration_refuses_a_different_reduction() -> None:
                                          torch.bfloat16, torch.device("cpu"))
 
 
-class _Layer:
-    """The pin state a backend's make_split_apply is given (pinsidecar_hook.backends.SplitLayer)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> None:
-        self.row_map, self.hot_rows = row_map, hot_rows
-        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
-        self.hot, self.cold = {}, {}
-        for name, t in tensors.items():
-            self.hot[name], self.cold[name] = moe.rehome_weights(t, row_map, hot_rows)
-        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
-        self.cold_counts = torch.zeros(1, dtype=torch.int64)
-        self.token_counts = torch.zeros(1, dtype=torch.int64)
-
-
-def test_triton_make_split_apply_replaces_the_experts_apply() -> None:
-    """Wired as pin mode wires it (the split becomes the instance's ``apply``), both calls still reach the
-    class's ``apply``; the result is the unsplit call's, with live counts. Fakes only: not run on hardware."""
+def test_triton_split_installed_once_is_the_experts_apply() -> None:
+    """Installed as pin mode installs it (vllm_seam.install_split: the experts object becomes an instance of a
+    subclass of its own class whose apply is the split), the result is the unsplit call's, with live counts; the
+    tier objects are built once, and vLLM's own object keeps its quant config. Fakes only."""
     g, w1, w2, s1, s2 = _triton_setup(5)
     x = torch.randn(9, HIDDEN, generator=g).to(torch.bfloat16)
     ids, weights, row_map, hot_rows = moe.routing_case(9, 6, E, 0.5, True, g)
@@ -282,16 +278,19 @@ def test_triton_make_split_apply_replaces_the_experts_apply() -> None:
     layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
                    row_map, hot_rows)
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
-    experts.apply = te.make_split_apply(experts, layer, config_fn=lambda ex, w1s, w2s, k, dt, m: default_config(
-        w1s[0]), override_fn=fake_override_config)  # what vllm_seam.swap_experts_apply does
+    split = te.TritonExpertsSplit(experts, layer, config_fn=lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0]),
+                                  override_fn=fake_override_config)
+    vllm_seam.install_split(SimpleNamespace(experts=experts), split)
+    assert isinstance(experts, FakeTritonExperts) and type(experts).__name__ == "PinSplitFakeTritonExperts033"
     out = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
-    experts.apply(out, x, layer.hot["w13_weight"], layer.hot["w2_weight"], weights, ids, "silu", E, None, None,
-                  None, None, workspace2, None, False)
-    assert torch.equal(out, ref)
-    assert int(layer.token_counts) == 9 and int(layer.expert_counts.sum()) == 9 * 6
-    assert int(layer.cold_counts) == int((row_map.long()[ids] >= hot_rows).sum())
-    assert te.SPLIT_TENSORS == ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_bias",
-                                "w2_bias")
+    for _ in range(2):  # the same objects every call
+        experts.apply(out, x, layer.hot["w13_weight"], layer.hot["w2_weight"], weights, ids, "silu", E, None, None,
+                      None, None, workspace2, None, False)
+        assert torch.equal(out, ref)
+    assert int(layer.token_counts) == 18 and int(layer.expert_counts.sum()) == 18 * 6
+    assert int(layer.cold_counts) == 2 * int((row_map.long()[ids] >= hot_rows).sum())
+    assert "moe_sum" not in vars(experts) and "quant_config" in vars(experts)  # nothing shadowed per call
+    assert {"w13_weight_scale", "w13_weight_scale_inv", "w13_bias"} <= set(te.TritonExpertsSplit.SPLIT_TENSORS)
 
 
 def test_triton_experts_split_without_pinned_config_differs() -> None:
@@ -335,17 +334,126 @@ def test_moe_sum_reduction_is_the_finalize() -> None:
     assert not torch.equal(finalize_torch(rows, None, weighted_rows=True), summed_in_bf16)  # fp32, not bf16
 
 
-def test_triton_experts_refuses_what_it_cannot_reproduce() -> None:
+def test_triton_experts_refuses_what_it_cannot_reproduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At attach (supports): another experts class, int8/int4, emulation, and the per-tensor dynamic GEMM2 scale
+    where the phased steps are not available (any vLLM but 0.26). At the call: LoRA."""
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(), FakeDesc()))
-    te.check_supported(experts, 4, None)
+    cpu = torch.device("cpu")
+    assert "TritonExperts only" in te.TritonExpertsSplit.supports(experts, cpu)
+    monkeypatch.setattr(vllm_seam, "is_triton_experts", lambda ex: True)
+    assert te.TritonExpertsSplit.supports(experts, cpu) is None
+    experts.quant_config.use_int8_w8a16 = True
+    assert "int8_w8a16 is not split" in te.TritonExpertsSplit.supports(experts, cpu)
+    experts.quant_config.use_int8_w8a16 = False
+    experts.quant_dtype = torch.float8_e4m3fn  # per-tensor dynamic a2 scale
+    experts.a2_scale = None
+    assert te.a2_scale_is_global(experts)
+    monkeypatch.setattr(vllm_seam, "triton_phased_steps", lambda: None)
+    assert "one per-tensor dynamic scale" in te.TritonExpertsSplit.supports(experts, cpu)
+    experts.a2_scale = torch.ones(1)  # a static a2 scale is row-local
+    assert not te.a2_scale_is_global(experts) and te.TritonExpertsSplit.supports(experts, cpu) is None
+    experts.a2_scale, experts.block_shape = None, [128, 128]  # per-128-group activation scales: row-local
+    assert not te.a2_scale_is_global(experts)
+    g, w1, w2, _s1, _s2 = _triton_setup(3)
+    ids, weights, row_map, hot_rows = moe.routing_case(4, 2, E, 0.5, False, g)
+    layer = _Layer({"w13_weight": w1, "w2_weight": w2}, row_map, hot_rows)
+    split = te.TritonExpertsSplit(experts, layer, fused_finalize=False, naive_ids=False,
+                                  config_fn=lambda *a: None, override_fn=lambda c: contextlib.nullcontext())
     experts._lora_context = object()
     with pytest.raises(te.UnsupportedSplit, match="LoRA"):
-        te.check_supported(experts, 4, None)
-    experts._lora_context = None
-    experts.quant_dtype = torch.float8_e4m3fn  # per-tensor dynamic a2 scale: amax over one tier's rows
-    with pytest.raises(te.UnsupportedSplit, match="per-tensor dynamic"):
-        te.check_supported(experts, 4, None)
-    te.check_supported(experts, 4, torch.ones(1))  # a static a2 scale is fine
+        split.apply(torch.empty(4, HIDDEN), torch.randn(4, HIDDEN), w1, w2, weights, ids, "silu", E, None, None,
+                    None, None, torch.empty(4, 2, 2 * INTER), None, False)
+
+
+FP8_MAX = 448.0
+
+
+def _fake_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A stand-in for per-tensor FP8 quantize-dequantize: round x / scale to a coarse grid (what matters here is
+    that the result depends on the scale, as FP8's does)."""
+    return (x / scale * 8).round() / 8 * scale
+
+
+def _gemm1_rows(x, w1, s1, ids, ids_map):
+    """act(GEMM1) per (token, slot), zeros for slots whose expert maps to -1 (as vLLM 0.26's kernel writes)."""
+    t, k = ids.shape
+    rows = torch.zeros(t * k, INTER)
+    local = ids_map.long()[ids.long()]
+    for i in range(t):
+        for j in range(k):
+            e = int(local[i, j])
+            if e >= 0:
+                rows[i * k + j] = _silu_mul(w1[e].float() @ x[i].float() * s1[e])
+    return rows
+
+
+class _FakePhasedSteps:
+    """The three steps of a phased call as vllm_seam's 0.26 version states them, over the fake's arithmetic."""
+
+    def gemm1(self, tier, hidden_states, w1, w2, a1q_scale, activation, global_num_experts, config, ws13, ws2, *,
+              topk_ids, expert_map):
+        s1 = tier.quant_config._w1.scale
+        ids_map = expert_map if expert_map is not None else torch.arange(w1.shape[0], dtype=torch.int32)
+        return {"rows": _gemm1_rows(hidden_states, w1, s1, topk_ids, ids_map), "ids": topk_ids, "map": ids_map,
+                "shape": topk_ids.shape}
+
+    def dynamic_scale(self, first):
+        return first["rows"].abs().amax().reshape(1) / FP8_MAX
+
+    def gemm2(self, tier, first, w2, scale, topk_weights, config, apply_router_weight_on_input):
+        t, k = first["shape"]
+        q = _fake_fp8(first["rows"], scale)
+        out = torch.zeros(t, k, HIDDEN)
+        local = first["map"].long()[first["ids"].long()]
+        s2 = tier.quant_config._w2.scale
+        for i in range(t):
+            for j in range(k):
+                e = int(local[i, j])
+                if e >= 0:
+                    out[i, j] = (w2[e].float() @ q[i * k + j]) * s2[e] * topk_weights[i, j]
+        return out
+
+
+@pytest.mark.parametrize(("cold_fraction", "adversarial"), [(0.5, True), (0.25, False), (1.0, False)])
+def test_phased_split_takes_the_larger_tier_scale_and_equals_unsplit(cold_fraction: float, adversarial: bool) -> None:
+    """Online FP8 (one dynamic per-tensor scale for GEMM2's input over every row): the phased path runs both
+    tiers' GEMM1, keeps the larger of the two tiers' scales (a max is associative), and quantizes both with it:
+    bit for bit the unsplit call's. The negative control, each tier with its own scale, differs."""
+    g, w1, w2, s1, s2 = _triton_setup(11)
+    w1, w2 = w1.float(), w2.float()
+    x = torch.randn(6, HIDDEN, generator=g)
+    ids, weights, row_map, hot_rows = moe.routing_case(6, 4, E, cold_fraction, adversarial, g)
+    everything = torch.arange(E, dtype=torch.int32)
+    rows = _gemm1_rows(x, w1, s1, ids, everything)
+    q = _fake_fp8(rows, rows.abs().amax() / FP8_MAX)
+    want = torch.zeros(6, HIDDEN)
+    for i in range(6):
+        for j in range(4):
+            e = int(ids[i, j])
+            want[i] += (w2[e] @ q[i * 4 + j]) * s2[e] * weights[i, j]
+    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
+                   row_map, hot_rows)
+    experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
+    experts.quant_dtype, experts.a2_scale = torch.float8_e4m3fn, None
+    split = te.TritonExpertsSplit(experts, layer, fused_finalize=True, naive_ids=False, config_fn=lambda *a: None,
+                                  override_fn=lambda c: contextlib.nullcontext(), phased_steps=_FakePhasedSteps())
+    assert split.phased
+    out = torch.empty(6, HIDDEN)
+    split.apply(out, x, None, None, weights, ids, "silu", E, None, None, None, torch.empty(6, 4, 2 * INTER),
+                torch.empty(6, 4, 2 * INTER), None, False)
+    hot_ids, cold_ids = partition_torch(ids, row_map, hot_rows)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)  # the fake's fp32 sums differ in order only
+    steps = _FakePhasedSteps()
+    own = []  # negative control: each tier quantized with its own scale
+    for tier, t_map in ((split.hot_experts, split.hot_map), (split.cold_experts, split.cold_map)):
+        tensors = layer.hot if tier is split.hot_experts else layer.cold
+        first = steps.gemm1(tier, x, tensors["w13_weight"], None, None, None, E, None, None, None, topk_ids=ids,
+                            expert_map=t_map)
+        own.append(steps.gemm2(tier, first, tensors["w2_weight"], steps.dynamic_scale(first), weights, None, False))
+    if 0 < cold_fraction < 1:
+        mixed = finalize_torch(own[0], None, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=own[1],
+                               weighted_rows=True)
+        assert not torch.allclose(mixed, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- FlashInfer trtllm_fp4_block_scale_routed_moe
@@ -493,7 +601,7 @@ class _FakeTrtllmExperts:
         return self.max_tokens
 
 
-def test_flashinfer_make_split_apply_chunks_and_equals_unsplit() -> None:
+def test_flashinfer_split_chunks_and_equals_unsplit() -> None:
     """Wired as pin mode wires it, in token chunks as vLLM chunks, the result is the unsplit call's. Fakes only:
     not run on hardware."""
     x, ids, weights, row_map, hot_rows, w1, w2, s1, s2 = _fi_setup(8, 7, 4, 0.5, True)
@@ -511,7 +619,7 @@ def test_flashinfer_make_split_apply_chunks_and_equals_unsplit() -> None:
         ex.kernel_args_calls.append(activation)
         return {"activation_type": activation}
 
-    apply = fi.make_split_apply(experts, layer, kernel=kernel, kernel_args_fn=kernel_args)
+    apply = fi.FlashinferTrtllmSplit(experts, layer, kernel=kernel, kernel_args_fn=kernel_args).apply
     out = torch.empty(7, HIDDEN, dtype=torch.bfloat16)
     apply(out, x, None, None, weights, ids, "silu", E, None, None, None, None, None, None, False)
     assert torch.equal(out, ref)
@@ -522,4 +630,88 @@ def test_flashinfer_make_split_apply_chunks_and_equals_unsplit() -> None:
     assert all(kw["gemm1_alpha"].shape == (hot_rows,) and kw["gemm1_beta"] is None for kw in hot_calls)
     experts.gemm1_alpha = torch.arange(E, dtype=torch.float32)  # per-expert values the layer state cannot place
     with pytest.raises(ValueError, match="differs between experts"):
-        fi.make_split_apply(experts, layer, kernel=kernel, kernel_args_fn=kernel_args)
+        fi.FlashinferTrtllmSplit(experts, layer, kernel=kernel, kernel_args_fn=kernel_args)
+
+
+# ------------------------------------------------------- the attach-time self-check (pinsidecar_hook.selfcheck)
+# The split against the unsplit call of the same layer, through the layer's own quant method, before and after
+# install; here with the fake TritonExperts (its contract is vLLM's), on the GPU lane inside real engines.
+
+SC_TOP_K = 4
+
+
+class _QuantMethod:
+    """Stands in for vLLM's quant method: ``apply(layer, x, topk_weights, topk_ids)`` runs the layer's experts
+    object the way the modular kernel does (workspaces, output), so an installed split is what runs after."""
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        out = torch.empty(x.shape[0], HIDDEN, dtype=x.dtype)
+        ws = torch.empty(x.shape[0], topk_ids.shape[1], 2 * INTER, dtype=x.dtype)
+        layer.experts.apply(out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, "silu", E, None,
+                            None, None, ws.clone(), ws, None, False)
+        return out
+
+
+def _sc_geometry(scale_offset: float = 0.0):
+    g, w1, w2, s1, s2 = _triton_setup(7)
+    _ids, _weights, row_map, hot_rows = moe.routing_case(4, SC_TOP_K, E, 0.5, True, g)
+    experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
+    owner = SimpleNamespace(quant_method=_QuantMethod(), experts=experts, w13_weight=w1, w2_weight=w2)
+    geo = SimpleNamespace(param_owner=owner, experts=experts)
+    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1 + scale_offset,
+                    "w2_weight_scale": s2}, row_map, hot_rows)
+    return geo, layer, row_map, hot_rows
+
+
+def _sc_run(scale_offset: float) -> dict:
+    geo, layer, row_map, hot_rows = _sc_geometry(scale_offset)
+    layer_cases = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, hot_rows, seed=1)
+    check = SelfCheck()
+    before = check.before(geo, 0, layer_cases)
+    split = te.TritonExpertsSplit(geo.experts, layer, fused_finalize=False, naive_ids=False,
+                                  config_fn=lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0]),
+                                  override_fn=fake_override_config)
+    vllm_seam.install_split(geo, split)
+    check.after(geo, before)
+    return check.summary()
+
+
+def test_cases_cover_every_kind_and_size_and_straddle_the_tiers() -> None:
+    row_map = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], dtype=torch.int32)
+    got = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, 8)
+    assert {(c.kind, c.x.shape[0]) for c in got} == {(k, t) for k in KINDS for t in TOKENS}
+    for c in got:
+        assert c.topk_ids.dtype == torch.int32 and c.topk_weights.dtype == torch.float32
+        assert all(len(set(row)) == SC_TOP_K for row in c.topk_ids.tolist())  # a router never repeats an expert
+        if c.kind == "straddle":
+            rows = row_map[c.topk_ids.long()]
+            assert bool((rows[:, 0::2] < 8).all()) and bool((rows[:, 1::2] >= 8).all())
+    all_hot = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, E)
+    assert "straddle" not in {c.kind for c in all_hot}  # nothing cold to straddle
+
+
+def test_selfcheck_finds_the_split_equal_to_the_unsplit_call() -> None:
+    summary = _sc_run(0.0)
+    assert summary["layers"] == 1 and summary["cases"] == len(TOKENS) * len(KINDS)
+    assert summary["equal"] == summary["cases"] and summary["mismatch_count"] == 0 and not summary["errors"]
+
+
+def test_selfcheck_catches_a_scale_split_from_the_wrong_rows() -> None:
+    """Negative control: a tier whose scales are not its weights' (what a scale bug in an expert cache serves)."""
+    summary = _sc_run(0.25)
+    assert summary["mismatch_count"] > 0 and summary["equal"] < summary["cases"]
+    assert {m["kind"] for m in summary["mismatches"]} <= set(KINDS)
+    assert all(m["max_abs_diff"] > 0 for m in summary["mismatches"])
+
+
+def test_a_failing_call_is_reported_not_raised() -> None:
+    geo, _layer, row_map, hot_rows = _sc_geometry()
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    geo.param_owner.quant_method = SimpleNamespace(apply=boom)
+    check = SelfCheck()
+    before = check.before(geo, 3, cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, hot_rows))
+    check.after(geo, before)
+    summary = check.summary()
+    assert summary["errors"] == [{"layer": 3, "error": "unsplit call failed: RuntimeError: boom"}]

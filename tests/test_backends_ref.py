@@ -157,15 +157,15 @@ def _vllm_apply_args(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
                 apply_router_weight_on_input=on_input)
 
 
-def test_make_split_apply_stands_in_for_the_experts_apply_and_counts() -> None:
-    """The registry's contract (pinsidecar_hook.backends.SplitBackend): make_split_apply(experts, layer) returns a
+def test_the_split_stands_in_for_the_experts_apply_and_counts() -> None:
+    """The registry's contract (pinsidecar_hook.backends.base.SplitBackend): TorchRefSplit(experts, layer).apply is a
     function with vLLM's experts ``apply`` signature that writes the unsplit result into ``output``."""
     g = torch.Generator().manual_seed(11)
     w13, w2 = _weights(torch.float32)
     x = torch.randn(12, HIDDEN, generator=g)
     ids, weights, row_map, hot_rows = moe.routing_case(12, 4, NUM_EXPERTS, 0.5, True, g)
     layer = _Layer(w13, w2, row_map, hot_rows)
-    apply = torch_ref.make_split_apply(object(), layer)
+    apply = torch_ref.TorchRefSplit(object(), layer).apply
     args = _vllm_apply_args(x, weights, ids)
     apply(**args)
     assert torch.equal(args["output"], torch_ref.unsplit(x, w13, w2, weights, ids))

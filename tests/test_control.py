@@ -277,3 +277,18 @@ def test_status_shows_the_drift_line_and_the_remaps() -> None:
     assert "remap    current r9 (alert): rebooting  alert X" in text
     assert "remap    last r8 (timer): refused  periodic re-profile" in text
     assert "drift" not in _fmt_status({**st, "drift": None, "remap": None})
+
+
+def test_status_says_when_the_split_backend_is_unverified() -> None:
+    from pinsidecar.cli.daemon import _fmt_status
+
+    st = {"engine": {"state": "ready"}, "maps": {"entries": [], "dir": "/m"}, "daemon": {},
+          "pin": {"backend": "flashinfer_trtllm", "backend_verified": False, "expert_bytes": 18800640,
+                  "selfcheck": {"layers": 40, "cases": 360, "equal": 358, "mismatch_count": 2}}}
+    text = _fmt_status(st)
+    assert "split    flashinfer_trtllm (UNVERIFIED: this backend has not run on hardware" in text
+    assert "18800640 bytes per expert" in text
+    assert "self-check 358/360 cases bitwise equal over 40 layers, 2 MISMATCHED" in text
+    st["pin"] = {"backend": "triton_experts", "backend_verified": True, "selfcheck": None}
+    assert "split    triton_experts (verified)" in _fmt_status(st)
+    assert "split" not in _fmt_status({**st, "pin": None})

@@ -22,12 +22,13 @@ ALLOWED = {
     "contract": {"contract"},
     "kernels": {"kernels"},
     "vllm_seam": {"contract"},
+    "selfcheck": {"vllm_seam"},
     "flusher": {"contract"},
     "rehome": {"vllm_seam"},
     "backends": {"vllm_seam", "contract", "kernels"},
     "count": {"vllm_seam", "contract", "flusher", "kernels"},  # kernels: the GPU count is one partition launch
     "swap": {"contract"},  # the in-place apply works on pin mode's layers through a protocol, not pin itself
-    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "swap"},
+    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "swap", "selfcheck"},
     "modes": {"vllm_seam", "contract", "count", "pin"},
     "plugin": {"contract", "modes"},
 }
@@ -121,21 +122,33 @@ def test_contract_imports_with_only_the_standard_library_and_numpy() -> None:
     _run("import sys\nsys.modules['torch'] = None\nimport pinsidecar_hook.contract\n")
 
 
-def test_backend_registry_names_are_the_contracts_and_each_states_the_contract() -> None:
-    from pinsidecar_hook.backends import BACKEND_MODULES, SplitBackend, load_backend
+def test_backend_registry_is_one_list_and_each_entry_is_a_backend_class() -> None:
+    """The contract's names come from the one registry (contract/backends.py); each entry is a SplitBackend
+    subclass of that name, in a module of its own, and says what it splits and whether auto may pick it."""
+    from pinsidecar_hook.backends import SplitBackend, load_backend
+    from pinsidecar_hook.contract.backends import BACKENDS, PIN_BACKEND_ALIASES
 
-    assert tuple(BACKEND_MODULES) == PIN_BACKENDS
-    for name in PIN_BACKENDS:
-        backend = load_backend(name)
-        assert isinstance(backend, SplitBackend) and name == backend.NAME
+    assert tuple(entry.name for entry in BACKENDS) == PIN_BACKENDS
+    assert set(PIN_BACKEND_ALIASES.values()) <= set(PIN_BACKENDS)
+    for entry in BACKENDS:
+        backend = load_backend(entry.name)
+        assert isinstance(backend, type) and issubclass(backend, SplitBackend) and entry.name == backend.NAME
         assert set(backend.REQUIRED_TENSORS) <= set(backend.SPLIT_TENSORS)
-        assert Path(backend.__file__).stem == name  # type: ignore[attr-defined]  # one file per backend
+        assert backend.__module__ == entry.module
+        assert Path(sys.modules[backend.__module__].__file__).stem == entry.name  # one file per backend
+        assert not (backend.AUTO and not backend.VERIFIED), f"auto must never pick the unverified {entry.name}"
 
 
 def test_auto_selection_refuses_what_no_rule_covers() -> None:
     import torch
     from pinsidecar_hook.backends import BackendUnavailable, select_backend
 
-    assert select_backend("torch_ref", torch.device("cpu"), object()) == "torch_ref"  # explicit wins
-    with pytest.raises(BackendUnavailable, match="no split backend for experts object on cpu"):
+    assert select_backend("torch_ref", torch.device("cpu"), object()).NAME == "torch_ref"  # explicit wins
+    with pytest.raises(BackendUnavailable, match=r"no split backend for experts object .quant: none. on cpu") as info:
         select_backend("auto", torch.device("cpu"), object())
+    message = str(info.value)  # names every backend and why it does not fit
+    for name in PIN_BACKENDS:
+        assert f"{name}:" in message
+    assert "never picked by auto (set PINSIDECAR_PIN_BACKEND=flashinfer_trtllm)" in message
+    with pytest.raises(BackendUnavailable, match="pin backend 'triton_experts' cannot split object"):
+        select_backend("triton_experts", torch.device("cpu"), object())  # explicit, but it does not fit

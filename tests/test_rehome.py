@@ -115,3 +115,56 @@ def test_device_view_of_pinned_refuses_pageable_memory() -> None:
 
     with pytest.raises(ValueError, match="pinned host memory"):
         device_view_of_pinned(torch.zeros(4))
+
+
+def _quantized_owner() -> torch.nn.Module:
+    """A layer as vLLM 0.26 holds a Marlin GPTQ one: packed weights with a second name, scales, empty act-order
+    indices, a routing table, a shared input scale."""
+    owner = torch.nn.Module()
+    owner.w13_qweight = torch.nn.Parameter(torch.zeros(E, 16, 8, dtype=torch.int32), requires_grad=False)
+    owner.w2_qweight = torch.nn.Parameter(torch.zeros(E, 8, 16, dtype=torch.int32), requires_grad=False)
+    owner.w13_weight = owner.w13_qweight  # Marlin: the modular kernel reads w13_weight
+    owner.w2_weight = owner.w2_qweight
+    owner.w13_scales = torch.nn.Parameter(torch.ones(E, 2, 16, dtype=torch.float16), requires_grad=False)
+    owner.w13_g_idx = torch.nn.Parameter(torch.zeros(E, 0, dtype=torch.int32), requires_grad=False)
+    owner.w13_input_scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+    owner.register_buffer("expert_mask", torch.ones(E + 1))
+    return owner
+
+
+def test_every_tensor_of_a_layer_gets_a_fate() -> None:
+    from pinsidecar_hook.rehome import plan_layer_tensors
+
+    owner = _quantized_owner()
+    known = ("w13_qweight", "w2_qweight", "w13_weight", "w2_weight", "w13_scales", "w13_g_idx")
+    fates = {f.name: f for f in plan_layer_tensors(owner, E, known, ())}
+    assert {n: f.fate for n, f in fates.items()} == {
+        "w13_qweight": "split", "w2_qweight": "split", "w13_weight": "alias", "w2_weight": "alias",
+        "w13_scales": "split", "w13_g_idx": "split", "w13_input_scale": "shared", "expert_mask": "routing"}
+    assert fates["w13_weight"].alias_of == "w13_qweight"
+    assert fates["w13_scales"].describe() == f"w13_scales [{E}x2x16] float16: split"
+
+
+def test_a_tensor_the_backend_does_not_know_is_refused_with_its_name_shape_and_dtype() -> None:
+    from pinsidecar_hook.rehome import plan_layer_tensors
+
+    owner = _quantized_owner()
+    owner.w13_qzeros = torch.nn.Parameter(torch.zeros(E, 2, 2, dtype=torch.int32), requires_grad=False)
+    owner.w13_weight_scale_2 = torch.nn.Parameter(torch.ones(3, 5), requires_grad=False)  # not per expert, not known
+    fates = {f.name: f for f in plan_layer_tensors(owner, E, ("w13_qweight", "w2_qweight", "w13_scales",
+                                                               "w13_g_idx"), ())}
+    assert fates["w13_qzeros"].fate == "unknown"
+    assert fates["w13_qzeros"].describe() == (f"w13_qzeros [{E}x2x2] int32: unknown (per-expert, not split by this "
+                                              "backend)")
+    assert fates["w13_weight_scale_2"].fate == "unknown"
+    assert "not per-expert and not known to be shared" in fates["w13_weight_scale_2"].describe()
+
+
+def test_rehome_gives_an_alias_the_tensors_of_its_parameter() -> None:
+    owner = _quantized_owner()
+    hot, cold = [0, 2, 4], [1, 3, 5, 6, 7]
+    re = rehome_layer(owner, ["w13_qweight", "w13_scales"], hot, cold, MemoryLedger(),
+                      aliases={"w13_weight": "w13_qweight"})
+    assert re.hot["w13_weight"] is re.hot["w13_qweight"] is owner.w13_weight
+    assert re.cold["w13_weight"] is re.cold["w13_qweight"] and owner.w13_weight.shape[0] == 3
+    assert re.hot_bytes == sum(tensor_bytes(re.hot[n]) for n in ("w13_qweight", "w13_scales"))  # counted once

@@ -136,6 +136,33 @@ def test_engine_exiting_at_boot_backs_off_exponentially_then_fails(tmp_path: Pat
     assert (tmp_path / "engine.log.1").exists()  # the previous boot's log, kept once
 
 
+def test_a_pin_refusal_is_reported_at_once_not_retried(tmp_path: Path) -> None:
+    """The hook's refusal line (an experts class no split backend supports, say) makes the first failed boot
+    final, with the hook's reason in the state; no crash loop of identical refusals."""
+    from pinsidecar_hook.contract.env import PIN_REFUSED_MARKER
+
+    line = (PIN_REFUSED_MARKER + "map /m.json: no split backend for experts MarlinExperts (quant: weights int4) on "
+            "cuda. Tried: marlin_experts: never picked by auto")
+    script = _script(tmp_path, f'echo "INFO loading"\necho "{line}"\necho "Traceback (most recent call last):"\n'
+                               'exit 1\n')
+    states: list[tuple[str, str]] = []
+    cfg = SupervisorConfig(health_interval_s=0.2, backoff_initial_s=0.1, backoff_max_s=0.3, crash_loop_limit=4)
+    sup = _supervisor(tmp_path, script, cfg, states)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(sup.run())
+        await _until(lambda: sup.state == EngineState.FAILED, "failed state")
+        await asyncio.sleep(0.5)
+        await sup.close()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(scenario())
+    assert len(sup.boots) == 1  # not retried
+    assert "a retry cannot fix this" in sup.detail
+    assert "pin mode refused to boot: map /m.json: no split backend for experts MarlinExperts" in sup.detail
+    assert not any(s == EngineState.BACKOFF for s, _ in states)
+
+
 def test_operator_reboot_clears_failed(tmp_path: Path) -> None:
     script = _script(tmp_path, "exit 1\n")
     states: list[tuple[str, str]] = []

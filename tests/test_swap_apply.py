@@ -11,6 +11,8 @@ addresses (what captured CUDA graphs need; the GPU half is ``test_swap_gpu.py``,
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -524,13 +526,25 @@ def test_triton_tier_maps_follow_an_apply_and_its_roll_back(maps: dict[str, Any]
     place (same tensors: a captured graph reads them by address), and a roll-back refreshes them back."""
     from pinsidecar_hook.backends import triton_experts as te
 
+    @dataclasses.dataclass
+    class Desc:
+        scale: Any = None
+
+    @dataclasses.dataclass
+    class QuantConfig:
+        _w1: Desc
+        _w2: Desc
+
+    class Experts:  # a Python class: the split builds its tier objects as subclasses of vLLM's experts class
+        quant_config = QuantConfig(Desc(), Desc())
+
+    experts = Experts()
     state = _state(maps["a"], maps["a_path"])
     splits = []
     for p in state.layers:
-        split = te.TritonExpertsSplit(experts=None, row_map=p.row_map, hot_rows=p.hot_rows, global_num_experts=E,
-                                      full_w1_shape=(E, 2 * N, D), full_w2_shape=(E, D, N), hot_quant_config=None,
-                                      cold_quant_config=None)
-        p.row_map_listeners.append(split.refresh_tier_maps)  # what make_split_apply registers
+        split = te.TritonExpertsSplit(experts, p, fused_finalize=False, naive_ids=False, config_fn=lambda *a: None,
+                                      override_fn=lambda c: contextlib.nullcontext())
+        p.row_map_listeners.append(split.refresh)  # what pin.attach registers
         splits.append(split)
     addresses = [(s.hot_map.data_ptr(), s.cold_map.data_ptr()) for s in splits]
 

@@ -16,10 +16,11 @@ the loaded model and the worker from here and never import this module.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from pinsidecar_hook import vllm_seam
-from pinsidecar_hook.contract.env import HookConfig
+from pinsidecar_hook.contract.env import PIN_REFUSED_MARKER, HookConfig
 
 __all__ = ["install"]
 
@@ -42,7 +43,11 @@ def install(cfg: HookConfig) -> None:
         from pinsidecar_hook import pin
 
         def on_loaded(worker: Any) -> None:
-            pin.attach(vllm_seam.worker_model(worker), cfg, worker)
+            try:
+                pin.attach(vllm_seam.worker_model(worker), cfg, worker)
+            except pin.PinMapMismatch as exc:  # one line the daemon can find in the engine log, then refuse
+                print(PIN_REFUSED_MARKER + " ".join(str(exc).split()), file=sys.stderr, flush=True)
+                raise
 
         def on_ready(worker: Any) -> None:
             pin.on_engine_ready()

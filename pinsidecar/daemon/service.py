@@ -59,7 +59,7 @@ from pinsidecar.drift import NO_SKEW, DriftWatch, WindowRecord
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 from pinsidecar.engine.ports import check_ports_free
 from pinsidecar.engine.process import stop_recorded_engine
-from pinsidecar.live_stats import StatsReader
+from pinsidecar.live_stats import StatsReader, load_newest_stats
 from pinsidecar.remap import admission
 from pinsidecar.remap.apply import ApplyAnswer, withdraw_apply_request
 from pinsidecar.remap.candidates import reference_counts
@@ -381,9 +381,26 @@ class Daemon:
             "gate": self.gate.snapshot() if self.gate is not None else None,
             "maps": {"dir": str(self.maps.directory), "entries": [e.to_json() for e in self.maps.entries()]},
             "last_drain_reboot": self.last_drain_reboot,
+            "pin": self._pin_status(),
             "drift": self._drift_status(),
             "remap": self.remaps.status(),
         }
+
+    def _pin_status(self) -> dict[str, Any] | None:
+        """What the engine's hook says about its split (from its newest stats file): the backend, whether it has
+        been checked on hardware, bytes per expert, and the attach-time self-check when one ran. None when the
+        engine is not in pin mode or has not written stats yet."""
+        path = self.stats_path
+        if path is None or self.cfg.engine.hook_mode != "pin":
+            return None
+        try:
+            snap = load_newest_stats(path)
+        except (ArtifactError, OSError):
+            return None
+        meta = snap.meta or {}
+        return {"backend": meta.get("backend"), "backend_verified": bool(meta.get("backend_verified", True)),
+                "expert_bytes": meta.get("expert_bytes"), "tier_bytes": dict(snap.tier_bytes or {}),
+                "selfcheck": meta.get("selfcheck")}
 
     def _drift_status(self) -> dict[str, Any] | None:
         watch = self.watch

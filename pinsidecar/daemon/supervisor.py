@@ -20,7 +20,10 @@ The supervisor owns the engine's lifecycle and nothing else; the daemon drives d
 - **Backoff and the crash loop.** Each failed boot or crash in a row doubles the wait before the next boot
   (``backoff_initial_s`` .. ``backoff_max_s``); ``crash_loop_limit`` of them in a row puts the supervisor in the
   ``failed`` state: it stops restarting, the daemon stays up, and status and metrics say why. An engine that
-  stays ready ``stable_after_s`` resets the count. A drain-reboot (an operator asking) clears ``failed``.
+  stays ready ``stable_after_s`` resets the count. A drain-reboot (an operator asking) clears ``failed``. A boot
+  that pin mode refused (its ``pinsidecar pin refused:`` line in the engine log: a map that does not fit the
+  model, a quantization no split backend supports) is ``failed`` at once with the hook's reason: the same boot
+  would refuse again (:func:`pin_refusal`).
 - **Every boot is recorded**: reason, seconds from start to ready, the map hash and its geometry, and whether the
   compile cache missed. A remap keeps the map's geometry and so the kernel shapes, so a miss means something fed
   the compile caches' key that should not have. The engine's own log says it best (vLLM logs "Directly load the
@@ -52,6 +55,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import aiohttp
 import structlog
 from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
+from pinsidecar_hook.contract.env import PIN_REFUSED_MARKER
 
 from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
@@ -180,6 +184,31 @@ def compile_cache_evidence(log_path: Path | None) -> bool | None:
     return False if hit else None
 
 
+class PinRefusedError(EngineError):
+    """Pin mode refused to boot the engine (the hook's message is in ``str``): permanent, like a missing image."""
+
+    permanent = True
+
+
+def pin_refusal(log_path: Path | None) -> str | None:
+    """Pin mode's refusal in the engine's boot log (the hook's ``PIN_REFUSED_MARKER`` line: a map that does not
+    fit the model, a layer no split backend supports), or None. A refusal is permanent: the same engine with the
+    same map refuses again, so the supervisor reports it instead of restarting into it."""
+    found: str | None = None
+    marker = PIN_REFUSED_MARKER.encode()
+    try:
+        with open(log_path, "rb") if log_path is not None else contextlib.nullcontext(None) as fh:
+            if fh is None:
+                return None
+            for raw in fh:
+                at = raw.find(marker)
+                if at >= 0:
+                    found = raw[at + len(marker):].decode("utf-8", "replace").strip()[:2000]
+    except OSError:
+        return None
+    return found
+
+
 def is_cache_miss(seconds: float, previous: BootRecord | None, cfg: SupervisorConfig) -> bool:
     """A boot much slower than the last successful one with the same geometry: ``cache_miss_factor`` times as
     long and at least ``cache_miss_min_s`` longer (a 3 s boot becoming 7 s is noise, not a recompile)."""
@@ -302,6 +331,9 @@ class Supervisor:
                              tuple(getattr(exc, "log_tail", ())[-10:]))
             self.boots.append(rec)
             log.error("engine_boot_failed", reason=reason, seconds=rec.seconds, error=str(exc))
+            refusal = pin_refusal(spec.log_path)
+            if refusal is not None:
+                raise PinRefusedError(f"pin mode refused to boot: {refusal}") from exc
             if isinstance(exc, EngineError):
                 raise
             raise EngineError(str(exc)) from exc

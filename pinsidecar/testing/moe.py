@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from pinsidecar_hook.contract import placement_row_map
 
-__all__ = ["rehome_weights", "routing_case", "row_map_tensor"]
+__all__ = ["experts_by_row", "rehome_weights", "routing_case", "row_map_tensor"]
 
 
 def row_map_tensor(num_experts: int, hot_experts: Sequence[int], cold_experts: Sequence[int],
@@ -25,14 +25,19 @@ def row_map_tensor(num_experts: int, hot_experts: Sequence[int], cold_experts: S
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
+def experts_by_row(row_map: torch.Tensor) -> torch.Tensor:
+    """The inverse of a row map: the local experts (int64, on the CPU) in row order, so ``experts[:H]`` are the hot
+    experts and ``experts[H:]`` the cold ones, each in its tier's row order (experts mapped to -1 are left out)."""
+    rows = row_map.to(torch.int64).cpu()
+    local = torch.nonzero(rows >= 0).squeeze(1)
+    return local[torch.argsort(rows[local])]
+
+
 def rehome_weights(weights: torch.Tensor, row_map: torch.Tensor, hot_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Byte copies of one per-expert tensor ``[E, ...]`` split by the row map: (hot ``[H, ...]``, cold
     ``[C, ...]``), row ``r`` holding the expert whose ``row_map`` entry is ``r``. A stand-in for pin mode's
     re-homing (:func:`pinsidecar_hook.rehome.rehome_layer`) where a test needs the two tiers without an engine."""
-    rows = row_map.to(torch.int64).cpu()
-    local = torch.nonzero(rows >= 0).squeeze(1)
-    experts_by_row = local[torch.argsort(rows[local])].to(weights.device)
-    ordered = weights.index_select(0, experts_by_row)
+    ordered = weights.index_select(0, experts_by_row(row_map).to(weights.device))
     return ordered[:hot_rows].clone(), ordered[hot_rows:].clone()
 
 

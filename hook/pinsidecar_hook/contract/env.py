@@ -12,12 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+# Pin mode's split backends (canonical names and short aliases) come from the one registry.
+from pinsidecar_hook.contract.backends import AUTO_BACKEND, PIN_BACKEND_ALIASES, PIN_BACKENDS
+
 __all__ = [
     "AUTO_BACKEND",
     "ENV",
     "MODES",
     "PIN_BACKENDS",
     "PIN_BACKEND_ALIASES",
+    "PIN_REFUSED_MARKER",
     "HookConfig",
     "HookConfigError",
     "pin_backend_name",
@@ -33,16 +37,16 @@ ENV = {
     "workload": "PINSIDECAR_WORKLOAD",
     "histogram": "PINSIDECAR_STATS_HISTOGRAM",  # 1: stats carry the full [layer][expert] histogram
     "backend": "PINSIDECAR_PIN_BACKEND",  # auto, or one of PIN_BACKENDS / PIN_BACKEND_ALIASES
+    # 1: at attach, compare every layer's split with vLLM's unsplit call on generated routing, bit for bit, and
+    # report it (engine log, stats meta "selfcheck"); a few forwards per layer at boot, nothing while serving.
+    "selfcheck": "PINSIDECAR_PIN_SELFCHECK",
 }
 
 MODES = ("off", "count", "pin")
-# Pin mode's split backends by their canonical names (one module each under pinsidecar_hook.backends; the
-# registry there asserts at import that its names are exactly these). Kept here, not imported from the registry,
-# because this module must import without torch.
-PIN_BACKENDS = ("cpu", "triton_experts", "flashinfer_trtllm", "torch_ref")
-# Short names accepted for PINSIDECAR_PIN_BACKEND, as the documentation writes them.
-PIN_BACKEND_ALIASES = {"triton": "triton_experts", "flashinfer": "flashinfer_trtllm", "torch": "torch_ref"}
-AUTO_BACKEND = "auto"
+# The engine log line pin mode writes, on the worker's stderr, when it refuses to boot (a map that does not fit, a
+# layer no backend can split): the daemon's supervisor reads it to report the refusal as a permanent failure
+# (no retry can fix it) instead of restarting the engine into the same refusal.
+PIN_REFUSED_MARKER = "pinsidecar pin refused: "
 # Periodic flush: often enough that a SIGKILLed worker loses at most a few seconds of counts, rarely enough
 # that the copy of a [layers, experts] int64 tensor is noise.
 DEFAULT_FLUSH_INTERVAL_S = 5.0
@@ -74,6 +78,7 @@ class HookConfig:
     workload: str = ""
     histogram: bool = True
     backend: str = AUTO_BACKEND  # canonical (aliases are resolved on construction)
+    selfcheck: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", pin_backend_name(self.backend))
@@ -101,6 +106,7 @@ class HookConfig:
             flush_interval_s=interval, workload=env.get(ENV["workload"], ""),
             histogram=env.get(ENV["histogram"], "1").strip() not in ("0", "false", "no"),
             backend=pin_backend_name(env.get(ENV["backend"], AUTO_BACKEND)),
+            selfcheck=env.get(ENV["selfcheck"], "0").strip().lower() in ("1", "true", "yes"),
         )
         if mode == "count" and cfg.counts_path is None:
             raise HookConfigError(f"count mode needs {ENV['counts_path']} (where to write the counts)")
@@ -112,6 +118,8 @@ class HookConfig:
         """The inverse of :meth:`from_env`, for launchers."""
         out = {ENV["mode"]: self.mode, ENV["flush_interval_s"]: str(self.flush_interval_s),
                ENV["histogram"]: "1" if self.histogram else "0", ENV["backend"]: self.backend}
+        if self.selfcheck:
+            out[ENV["selfcheck"]] = "1"
         for key in ("counts_path", "map_path", "stats_path"):
             value = getattr(self, key)
             if value is not None:

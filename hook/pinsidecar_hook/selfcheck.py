@@ -1,0 +1,135 @@
+"""The attach-time self-check: every layer's split against vLLM's own unsplit call, bit for bit, inside the engine.
+
+Why inside the engine: a kernel-level check (``scripts/gpu_lane/split_check.py``) builds vLLM's experts objects by
+hand, for the formats someone thought to build. Here the layer is the one the engine loaded, with whatever
+quantization the checkpoint or ``--quantization`` gave it and the experts class vLLM's oracle picked, and the call
+is the one the engine makes (:func:`pinsidecar_hook.vllm_seam.run_layer_experts`: prepare, experts, finalize).
+So a new checkpoint format is checked the first time it is booted with ``PINSIDECAR_PIN_SELFCHECK=1``.
+
+For each layer, before its tensors are re-homed, the unsplit call runs on generated routing (:func:`cases`):
+uniform, skewed (Zipf over the experts) and straddling (each token's slots alternate between hot and cold
+experts) at 1, 7 and 64 tokens; after re-homing and installing the split, the same cases run again and the
+outputs are compared with ``torch.equal``. A few dozen small forwards per layer at boot; nothing while serving.
+The counters the split bumps meanwhile are zeroed at engine-ready with the warm-up's. A backend that is not
+bit-identical by design (the CPU kernel reduces inside; ``SplitBackend.BIT_IDENTICAL``) is reported as skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pinsidecar_hook import vllm_seam
+
+__all__ = ["Case", "LayerCheck", "SelfCheck", "cases"]
+
+TOKENS = (1, 7, 64)
+KINDS = ("uniform", "skewed", "straddle")
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+def _distinct_ids(scores: torch.Tensor, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """Per row, ``top_k`` distinct experts drawn with probabilities ``scores`` (a router never picks one twice)."""
+    return torch.multinomial(scores, top_k, replacement=False, generator=gen)
+
+
+def cases(num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device,
+          row_map: torch.Tensor, hot_rows: int, seed: int = 0) -> list[Case]:
+    """The routing cases of one layer (module docstring). Ids are in ``[0, num_experts)``; experts not on this rank
+    (row map -1) are avoided, as vLLM's expert-parallel routing would never send them here unmapped."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows = row_map.to("cpu", torch.int64)
+    local = rows >= 0
+    hot = (rows >= 0) & (rows < hot_rows)
+    cold = rows >= hot_rows
+    ranks = torch.randperm(num_experts, generator=gen).to(torch.float64)
+    out: list[Case] = []
+    for tokens in TOKENS:
+        for kind in KINDS:
+            if kind == "uniform":
+                ids = _distinct_ids(local.double().expand(tokens, -1).contiguous(), top_k, gen)
+            elif kind == "skewed":
+                zipf = local.double() / (ranks + 1.0) ** 1.2
+                ids = _distinct_ids(zipf.expand(tokens, -1).contiguous(), top_k, gen)
+            else:
+                if not bool(hot.any()) or not bool(cold.any()):
+                    continue  # an all-hot or all-cold map has nothing to straddle
+                n_hot, n_cold = (top_k + 1) // 2, top_k // 2
+                if int(hot.sum()) < n_hot or int(cold.sum()) < n_cold:
+                    continue
+                h = _distinct_ids(hot.double().expand(tokens, -1).contiguous(), n_hot, gen)
+                c = _distinct_ids(cold.double().expand(tokens, -1).contiguous(), n_cold, gen)
+                ids = torch.empty(tokens, top_k, dtype=torch.int64)
+                ids[:, 0::2], ids[:, 1::2] = h, c
+            logits = torch.randn(tokens, top_k, generator=gen, dtype=torch.float32)
+            weights = torch.softmax(logits, dim=-1)
+            x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(dtype)
+            out.append(Case(kind, x.to(device), weights.to(device), ids.to(torch.int32).to(device)))
+    return out
+
+
+@dataclass
+class LayerCheck:
+    layer_id: int
+    cases: list[Case]
+    reference: list[torch.Tensor | None] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class SelfCheck:
+    """Collects the per-layer results; :meth:`summary` is what the log line and the stats meta carry."""
+
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    skipped: str = ""
+
+    def before(self, geometry: Any, layer_id: int, layer_cases: list[Case]) -> LayerCheck:
+        """Run the unsplit call on every case (the layer is not re-homed yet)."""
+        check = LayerCheck(layer_id, layer_cases)
+        try:
+            check.reference = [vllm_seam.run_layer_experts(geometry, c.x, c.topk_weights, c.topk_ids).clone()
+                               for c in layer_cases]
+        except Exception as exc:  # reported, never fatal: the check is a diagnosis, not a gate
+            check.error = f"unsplit call failed: {type(exc).__name__}: {exc}"
+        return check
+
+    def after(self, geometry: Any, check: LayerCheck) -> None:
+        """Run the split on the same cases and compare bit for bit."""
+        result: dict[str, Any] = {"layer": check.layer_id, "cases": len(check.cases), "equal": 0, "mismatches": []}
+        if check.error:
+            result["error"] = check.error
+            self.layers.append(result)
+            return
+        try:
+            for case, want in zip(check.cases, check.reference, strict=True):
+                got = vllm_seam.run_layer_experts(geometry, case.x, case.topk_weights, case.topk_ids)
+                if want is not None and got.shape == want.shape and torch.equal(got, want):
+                    result["equal"] += 1
+                else:
+                    diff = (got.float() - want.float()).abs() if want is not None and got.shape == want.shape \
+                        else None
+                    result["mismatches"].append({
+                        "kind": case.kind, "tokens": int(case.x.shape[0]),
+                        "max_abs_diff": None if diff is None else float(diff.max()),
+                        "elements_differing": None if diff is None else int((diff > 0).sum())})
+        except Exception as exc:
+            result["error"] = f"split call failed: {type(exc).__name__}: {exc}"
+        self.layers.append(result)
+
+    def summary(self) -> dict[str, Any]:
+        if self.skipped:
+            return {"skipped": self.skipped, "layers": 0, "cases": 0, "equal": 0, "mismatches": []}
+        mismatches = [dict(m, layer=r["layer"]) for r in self.layers for m in r["mismatches"]]
+        errors = [{"layer": r["layer"], "error": r["error"]} for r in self.layers if r.get("error")]
+        return {"layers": len(self.layers), "cases": sum(r["cases"] for r in self.layers),
+                "equal": sum(r["equal"] for r in self.layers), "mismatches": mismatches[:50],
+                "mismatch_count": len(mismatches), "errors": errors[:20]}
