@@ -26,15 +26,20 @@ __all__ = ["register"]
 @click.option("--expert-intermediate", type=int, default=None, help="Each expert's intermediate size (default 64).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="Weights dtype.")
+@click.option("--quant", type=click.Choice(["none", "fp8-block", "gptq-int4"]), default="none", show_default=True,
+              help="Store the routed experts quantized (FP8 with 128x128 block scales, or GPTQ int4 with groups of "
+                   "128); the rest stays in --dtype. Needs hidden and expert intermediate sizes that are multiples "
+                   "of 128.")
 @json_option
 @handle_errors
 def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers: int | None, experts: int | None,
-               top_k: int | None, expert_intermediate: int | None, dtype: str, as_json: bool) -> None:
+               top_k: int | None, expert_intermediate: int | None, dtype: str, quant: str, as_json: bool) -> None:
     """Write a tiny Qwen3-MoE (4 layers, 64 experts, top-8) with skewed, domain-dependent routing to OUT_DIR.
 
     Prompt fixtures for its two domains ship with the package (code.jsonl, prose.jsonl and held-out sets). The
     geometry options build the same routing design at another size (attention heads of 128 from hidden 512 up);
-    without them the model is byte for byte the tiny default.
+    without them the model is byte for byte the tiny default. --quant writes the quantized twin of a geometry
+    (e.g. --hidden 256 --expert-intermediate 128 --quant fp8-block): the same router, so the same routing.
     """
     from pinsidecar.demo.model import (
         DEFAULT_GEOMETRY,
@@ -50,7 +55,8 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
         hidden=hidden or d.hidden, layers=layers or d.layers, experts=experts or d.experts, top_k=top_k or d.top_k,
         expert_intermediate=expert_intermediate or d.expert_intermediate, dtype=dtype)
     try:
-        path = build_demo_model(out_dir, seed=seed, force=force, geometry=geometry)
+        path = build_demo_model(out_dir, seed=seed, force=force, geometry=geometry,
+                                quant=None if quant == "none" else quant)
     except DemoModelError as exc:
         raise UserError(str(exc)) from exc
     config = json.loads((path / "config.json").read_text())
@@ -65,13 +71,14 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
         "hidden_size": config["hidden_size"],
         "expert_intermediate": config["moe_intermediate_size"],
         "dtype": config["torch_dtype"],
+        "quant": quant,
         "vocab_size": config["vocab_size"],
         "fixtures": {name: str(fixture_path(name)) for name in
                      ("code", "prose", "code_heldout", "prose_heldout")},
     }
     emit(payload, as_json, lambda p: (
         f"wrote demo model to {p['path']} ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
-        f"seed {p['seed']}, sha256 {p['digest'][:12]})\n"
+        f"seed {p['seed']}{'' if p['quant'] == 'none' else ', experts ' + p['quant']}, sha256 {p['digest'][:12]})\n"
         + "\n".join(f"  workload {k}: {v}" for k, v in p["fixtures"].items())))
 
 

@@ -97,6 +97,57 @@ def _expert_bytes(counts: Sequence[CountsArtifact], names: Sequence[str], given:
     return value
 
 
+def _model_expert_bytes(model: str, dtype: str, quantization: str | None,
+                        total: CountsArtifact) -> placement.CheckpointExperts:
+    """The checkpoint's bytes per expert, after checking it is the counted model's twin (same experts and layers)."""
+    try:
+        info = placement.checkpoint_experts(model, dtype=dtype, quantization=quantization)
+    except placement.ExpertBytesError as exc:
+        raise UserError(str(exc)) from None
+    problems = []
+    if info.num_experts != total.num_experts:
+        problems.append(f"{info.num_experts} experts per layer in --model, {total.num_experts} in the counts")
+    if list(info.moe_layer_ids) != list(total.layer_ids):
+        problems.append(f"MoE layers {_ids_span(info.moe_layer_ids)} in --model, {_ids_span(total.layer_ids)} in "
+                        "the counts")
+    if info.top_k != total.top_k:
+        problems.append(f"top-{info.top_k} in --model, top-{total.top_k} in the counts")
+    if problems:
+        raise UserError(f"--model {model} is not a twin of the counted model: " + "; ".join(problems),
+                        "pass the checkpoint of the model the counts were counted on (or its quantized twin), "
+                        "or give the figure as --expert-bytes N")
+    return info
+
+
+def _ids_span(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if ids and ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
+    return str(ids)
+
+
+def _resolve_expert_bytes(counts: Sequence[CountsArtifact], names: Sequence[str], total: CountsArtifact,
+                          given: int | None, model: str | None, dtype: str | None,
+                          quantization: str | None) -> tuple[int, dict[str, Any]]:
+    """Bytes per expert for the map, and where they come from: ``--expert-bytes``, else ``--model``, else the
+    counts' meta (the engine the counts were counted on)."""
+    if given is not None and model is not None:
+        raise UserError("--expert-bytes and --model both give the bytes per expert", "pass one of them")
+    if model is None and (dtype is not None or quantization is not None):
+        raise UserError("--dtype and --quantization describe the engine that will run --model",
+                        "add --model DIR, or drop them")
+    counted = _expert_bytes(counts, names, None)
+    source: dict[str, Any] = {"from": "counts" if counted else "unknown", "counts_expert_bytes": counted or None}
+    if given is not None:
+        source["from"] = "expert-bytes"
+        return _expert_bytes(counts, names, given), source
+    if model is not None:
+        info = _model_expert_bytes(model, dtype or "auto", quantization, total)
+        source.update({"from": "model", "model": info.as_dict()})
+        return info.expert_bytes, source
+    return counted, source
+
+
 def _resolve_hot_rows(hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int, counts: CountsArtifact) -> int:
     if (hot_rows is None) == (hbm_bytes is None):
         raise UserError("give exactly one budget: --hot-rows N or --hbm-bytes B")
@@ -128,7 +179,8 @@ def _positional_description(mask: placement.PlacementMask) -> str:
 
 
 def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int | None,
-           positional: bool, label: str, out: str | None) -> dict[str, Any]:
+           positional: bool, label: str, out: str | None, model: str | None = None, dtype: str | None = None,
+           quantization: str | None = None) -> dict[str, Any]:
     if positional and out:
         raise UserError(
             "--positional cannot be written to --out: the positional placement has a different hot count in every "
@@ -143,10 +195,19 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
     names = list(counts_paths)
     counts = placement.load_counts_files(names)
     total = placement.sum_counts(counts, names)
-    xbytes = _expert_bytes(counts, names, expert_bytes)
+    xbytes, xsource = _resolve_expert_bytes(counts, names, total, expert_bytes, model, dtype, quantization)
     rows = _resolve_hot_rows(hot_rows, hbm_bytes, xbytes, total)
-    emap = placement.build_usage_map(counts, rows, label, expert_bytes=xbytes, names=names,
-                                meta={"source_files": [os.path.basename(n) for n in names]})
+    # A figure other than the counted engine's means the map is for another format (a quantized twin).
+    same_format = xsource["from"] in ("counts", "unknown") or xbytes == xsource["counts_expert_bytes"]
+    build_meta: dict[str, Any] = {"source_files": [os.path.basename(n) for n in names]}
+    if xsource["from"] == "model":
+        m = xsource["model"]
+        build_meta["expert_bytes_from"] = {"model": m["path"], "format": m["format"], "dtype": m["dtype"],
+                                           "measured_on_gpu": m["measured_on_gpu"]}
+    elif xsource["from"] == "expert-bytes":
+        build_meta["expert_bytes_from"] = {"expert_bytes": xbytes}
+    emap = placement.build_usage_map(counts, rows, label, expert_bytes=xbytes, names=names, meta=build_meta,
+                                     same_format=same_format)
     mask = placement.positional_for(emap)
     usage_eval = placement.evaluate(emap, total, "map", "counts")
     positional_eval = placement.evaluate(mask, total, "positional baseline", "counts")
@@ -156,6 +217,9 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         "budget_from": "hot-rows" if hot_rows is not None else "hbm-bytes",
         "hbm_bytes": hbm_bytes,
         "expert_bytes": xbytes,
+        "expert_bytes_from": xsource["from"],
+        "counts_expert_bytes": xsource["counts_expert_bytes"],
+        "model": xsource.get("model"),
         "counts": names,
         "tokens": total.tokens,
         "selections": total.selections,
@@ -185,6 +249,7 @@ def _build_human(r: dict[str, Any]) -> str:
                  + (f" (from --hbm-bytes {r['hbm_bytes']} at {r['expert_bytes']} bytes/expert)"
                     if r["budget_from"] == "hbm-bytes" else ""))
     lines.append(f"counts: {len(r['counts'])} file(s), {r['tokens']} tokens, {r['selections']} selections")
+    lines.append(_bytes_line(r))
     for name in r["inconsistent_counts"]:
         lines.append(f"warning: {name}: per-layer selections do not all equal tokens x top_k (a flush mid-step, or "
                      "an incomplete count boot); check it with `pinsidecar counts show`")
@@ -204,6 +269,24 @@ def _build_human(r: dict[str, Any]) -> str:
                                   [[p["layer_id"], p["cold_experts"], _pct(p["cold_rate"])]
                                    for p in r["positional"]["per_layer"]]))
     return "\n".join(lines)
+
+
+def _bytes_line(r: dict[str, Any]) -> str:
+    xbytes, counted, source = r["expert_bytes"], r["counts_expert_bytes"], r["expert_bytes_from"]
+    if source == "unknown":
+        return "bytes per expert: unknown (the counts do not record it; --expert-bytes N or --model DIR give it)"
+    text = f"bytes per expert: {xbytes} ({_gib(xbytes)})"
+    if source == "model":
+        m = r["model"]
+        text += (f" from --model {m['path']}: {m['format']}, {m['dtype']}, "
+                 + ("measured on a GPU" if m["measured_on_gpu"] else "derived from vLLM's code, not yet measured"))
+    elif source == "expert-bytes":
+        text += " from --expert-bytes"
+    else:
+        text += " from the counts"
+    if source != "counts" and counted and counted != xbytes:
+        text += f"; the counted engine had {counted}"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------- eval
@@ -304,7 +387,16 @@ def register(main: click.Group) -> None:
     @click.argument("counts", nargs=-1, required=True, type=click.Path(dir_okay=False))
     @click.option("--hot-rows", type=int, help="Experts kept in HBM per layer (1..num_experts-1).")
     @click.option("--hbm-bytes", type=int, help="HBM budget for experts, in bytes; converted to hot rows per layer.")
-    @click.option("--expert-bytes", type=int, help="Bytes of one expert (default: from the counts' meta).")
+    @click.option("--expert-bytes", type=int,
+                  help="Bytes of one expert as the hook measures them (default: from the counts' meta).")
+    @click.option("--model", "model", type=click.Path(file_okay=False),
+                  help="Take the bytes per expert from this checkpoint directory (its config.json): for a map of the "
+                       "counted model's quantized twin (FP8 block, GPTQ), same experts, fewer bytes.")
+    @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default=None,
+                  help="With --model: the engine's --dtype (default auto: the checkpoint's torch_dtype, float32 read "
+                       "as bfloat16 as vLLM does).")
+    @click.option("--quantization", type=click.Choice(["fp8", "fp8_per_tensor"]), default=None,
+                  help="With --model: the engine's --quantization, for online FP8 of an unquantized checkpoint.")
     @click.option("--positional", is_flag=True,
                   help="Print the positional (--cpu-offload-gb) baseline for the budget instead of writing a map.")
     @click.option("--label", default="", help="A name for the map (e.g. the traffic class).")
@@ -312,13 +404,17 @@ def register(main: click.Group) -> None:
     @json_option
     @handle_errors
     def build_cmd(counts: tuple[str, ...], hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int | None,
-                  positional: bool, label: str, out: str | None, as_json: bool) -> None:
+                  model: str | None, dtype: str | None, quantization: str | None, positional: bool, label: str,
+                  out: str | None, as_json: bool) -> None:
         """Make each layer's hot set from its most-selected experts in COUNTS (summed); same hot count everywhere.
 
         With several COUNTS, also prints a leave-one-out evaluation (the figure that says how well the map
-        generalises). Always prints the positional baseline for the same budget.
+        generalises). Always prints the positional baseline for the same budget. The map records the bytes per
+        expert pin mode checks: the counted engine's, or --expert-bytes, or --model's (a quantized twin of the
+        counted model routes the same, so its map comes from the same counts).
         """
-        emit(_build(counts, hot_rows, hbm_bytes, expert_bytes, positional, label, out), as_json, _build_human)
+        emit(_build(counts, hot_rows, hbm_bytes, expert_bytes, positional, label, out, model, dtype, quantization),
+             as_json, _build_human)
 
     @map_group.command("eval")
     @click.argument("map_path", metavar="MAP", type=click.Path(dir_okay=False))

@@ -30,6 +30,10 @@ the residual stream keep the tiny model's magnitudes. The default geometry is wr
 bytes; tests pin them). Any other geometry draws its expert weights with torch, on CUDA when available (a 20 GB
 checkpoint is written in seconds there, where numpy would take minutes), and is written in one safetensors shard
 per layer with an index; the same seed gives the same bytes on the same kind of device.
+
+**Quantized twins** (``--quant fp8-block`` / ``--quant gptq-int4``, :mod:`pinsidecar.demo.quant`): the same model
+(same seed, same geometry, same router) with its routed experts stored quantized in the layout vLLM loads for real
+FP8-block and GPTQ checkpoints; everything else stays bf16, so the routing is the unquantized model's.
 """
 
 from __future__ import annotations
@@ -473,11 +477,15 @@ def _dump_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry) -> list[_LayerPlan]:
+def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry,
+                   quant: str | None = None) -> list[_LayerPlan]:
     """Any non-default geometry: one safetensors shard per layer (experts from torch) plus one for the embedding,
-    norm and head, and the index that names each tensor's shard."""
+    norm and head, and the index that names each tensor's shard. With ``quant``, the routed experts are stored
+    quantized from exactly the weights the unquantized model has (:mod:`pinsidecar.demo.quant`)."""
     import torch
     from safetensors.torch import save_file
+
+    from pinsidecar.demo.quant import quantize_expert_tensors
 
     dtype = getattr(torch, geo.dtype)
     rng = np.random.default_rng(seed)
@@ -491,6 +499,8 @@ def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry) -> l
         name = f"model-{index + 1:05d}-of-{n_files:05d}.safetensors"
         as_torch = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v).to(dtype).contiguous()
                     for k, v in tensors.items()}
+        if quant:
+            as_torch = quantize_expert_tensors(as_torch, quant)
         save_file(as_torch, str(tmp / name), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in as_torch.values())
         weight_map.update(dict.fromkeys(as_torch, name))
@@ -507,7 +517,7 @@ def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry) -> l
     return plans
 
 
-def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY) -> None:
+def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY, quant: str | None = None) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -519,7 +529,7 @@ def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY) -> None
         save_file({k: torch.from_numpy(v).to(torch.bfloat16).contiguous() for k, v in tensors.items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
     else:
-        plans = _write_sharded(tmp, seed, scores, geo)
+        plans = _write_sharded(tmp, seed, scores, geo, quant)
     tmp.joinpath("tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     _dump_json(tmp / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -533,7 +543,12 @@ def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY) -> None
         "model_max_length": MAX_POSITIONS,
     })
     _dump_json(tmp / "special_tokens_map.json", {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN})
-    _dump_json(tmp / "config.json", _config(eos_id, geo))
+    config = _config(eos_id, geo)
+    if quant:
+        from pinsidecar.demo.quant import quantization_config
+
+        config["quantization_config"] = quantization_config(quant, geo.layers)
+    _dump_json(tmp / "config.json", config)
     _dump_json(tmp / "generation_config.json", {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False})
     info: dict[str, Any] = {
         "format_version": DEMO_FORMAT_VERSION,
@@ -546,18 +561,29 @@ def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY) -> None
     }
     if not geo.is_default:  # the default model's file stays byte for byte what it always was
         info["geometry"] = geo.as_dict()
+    if quant:  # the experts' format; the unquantized twin (same seed and geometry) routes identically
+        info["quant"] = {"method": quant, "quantization_config": config["quantization_config"]}
     _dump_json(tmp / "pinsidecar_demo.json", info)
 
 
 def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
-                     geometry: Geometry = DEFAULT_GEOMETRY) -> Path:
+                     geometry: Geometry = DEFAULT_GEOMETRY, quant: str | None = None) -> Path:
     """Write the demo model to ``out_dir`` and return it; the same seed always gives the same bytes (for a
     non-default ``geometry``: on the same kind of device, see the module docstring).
 
-    The model is built in a temporary directory beside ``out_dir`` and renamed into place, so a crash never leaves
-    half a model. An existing non-empty ``out_dir`` is refused unless ``force`` (then it is replaced whole).
+    ``quant`` (``"fp8-block"`` or ``"gptq-int4"``, :mod:`pinsidecar.demo.quant`) stores the routed experts
+    quantized; it needs hidden and expert intermediate sizes that are multiples of 128, so never the default
+    geometry. The model is built in a temporary directory beside ``out_dir`` and renamed into place, so a crash
+    never leaves half a model. An existing non-empty ``out_dir`` is refused unless ``force`` (then it is replaced
+    whole).
     """
     geometry.check()
+    if quant:
+        from pinsidecar.demo.quant import geometry_problems
+
+        problems = geometry_problems(quant, geometry.hidden, geometry.expert_intermediate)
+        if problems:
+            raise DemoModelError("bad demo-model quantization: " + "; ".join(problems))
     out_dir = Path(out_dir).absolute()
     if out_dir.exists() and not out_dir.is_dir():
         raise DemoModelError(f"{out_dir} exists and is not a directory; pick another path or remove it")
@@ -571,10 +597,10 @@ def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
         raise DemoModelError(f"cannot create {out_dir}: {exc.strerror}; check the path and its permissions") from exc
     old: Path | None = None
     try:
-        if geometry.is_default:
+        if geometry.is_default:  # never quantized: refused above
             _write_model(tmp, seed)
         else:
-            _write_model(tmp, seed, geometry)
+            _write_model(tmp, seed, geometry, quant)
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

@@ -6,6 +6,8 @@ pipeline do the I/O around them. Import from this package; the modules behind it
 
 - :mod:`~pinsidecar.placement.counts` — load, check and merge counts; skew figures;
 - :mod:`~pinsidecar.placement.build` — the usage map and the positional baseline;
+- :mod:`~pinsidecar.placement.expert_bytes` — bytes per expert per checkpoint format, read from a checkpoint
+  directory (for a map built from one model's counts for its quantized twin);
 - :mod:`~pinsidecar.placement.evaluate` — cold-selection rates, leave-one-out, diffs and summaries;
 - :mod:`~pinsidecar.placement.heatmap` — a PNG of a map over counts. Not re-exported here: it needs the optional
   ``plot`` extra (matplotlib), and nothing else in placement does.
@@ -36,18 +38,33 @@ from pinsidecar.placement.evaluate import (
     leave_one_out,
     summary,
 )
+from pinsidecar.placement.expert_bytes import (
+    CheckpointExperts,
+    ExpertBytesError,
+    checkpoint_experts,
+    fp8_block_expert_bytes,
+    fp8_per_tensor_expert_bytes,
+    gptq_expert_bytes,
+    unquantized_expert_bytes,
+)
 
 __all__ = [
     "SKEW_TOP_FRACTION",
+    "CheckpointExperts",
+    "ExpertBytesError",
     "Placement",
     "PlacementMask",
     "build_usage_map",
     "check_compatible",
     "check_hot_rows",
     "check_same_geometry",
+    "checkpoint_experts",
     "counts_summary",
     "diff_maps",
     "evaluate",
+    "fp8_block_expert_bytes",
+    "fp8_per_tensor_expert_bytes",
+    "gptq_expert_bytes",
     "hot_rows_for_budget",
     "leave_one_out",
     "load_counts_files",
@@ -57,4 +74,5 @@ __all__ = [
     "sum_counts",
     "summary",
     "top_share",
+    "unquantized_expert_bytes",
 ]

@@ -46,6 +46,8 @@ log = structlog.get_logger(__name__)
 # Count-boot meta that describes the engine rather than the traffic; copied into the map when every input agrees,
 # so pin mode can check the map against the model it is loaded into.
 _MODEL_META_KEYS = ("dtype", "tp_size", "expert_tensors", "moe_layers")
+# Of those, the ones that describe the checkpoint *format* (a quantized twin has other tensors and dtypes).
+_FORMAT_META_KEYS = ("dtype", "expert_tensors")
 
 
 class Placement(Protocol):
@@ -145,6 +147,7 @@ def build_usage_map(
     expert_bytes: int = 0,
     names: Sequence[str] | None = None,
     meta: dict[str, Any] | None = None,
+    same_format: bool = True,
 ) -> ExpertMap:
     """The deployable map: per layer the ``hot_rows`` most-selected experts of the summed ``counts``.
 
@@ -152,6 +155,10 @@ def build_usage_map(
     content hash however it was reached. ``predicted_cold_rate`` is the in-sample rate on the summed counts (use
     :func:`leave_one_out` for the held-out figure); ``meta`` records the per-layer rate as well, so ``map show``
     can draw coverage without the counts. ``names`` (file names) only make error messages name the right file.
+    ``same_format=False`` says the map is for another checkpoint format than the counts were counted on (the FP8
+    twin of a bf16 model: same experts, same routing): the counted engine's ``dtype`` and ``expert_tensors`` are
+    then left out of the map (pin mode checks ``expert_tensors`` against the loaded model, and would refuse the
+    twin for tensors it was never meant to have).
     """
     if not counts:
         raise ArtifactError(None, "no counts given", "pass at least one counts file")
@@ -182,7 +189,8 @@ def build_usage_map(
             "tokens": total.tokens,
             "selections": total.selections,
             "workloads": [c.workload for c in counts],
-            **{k: v for k, v in shared_meta(counts).items() if k in _MODEL_META_KEYS},
+            **{k: v for k, v in shared_meta(counts).items()
+               if k in _MODEL_META_KEYS and (same_format or k not in _FORMAT_META_KEYS)},
             **(meta or {}),
         },
     )
