@@ -310,8 +310,11 @@ def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: Expert
     for name, hot_rows, seed, stats in (("all-hot", demo_geometry.num_experts, 0, blocker / "stats.json"),
                                         ("skew", demo_geometry.num_experts * 5 // 8, 11, None)):
         map_path = _write_map(tmp / f"{name}.json", demo_geometry, hot_rows=hot_rows, seed=seed, label=name)
+        # The skewed engine also runs the attach-time self-check (test_selfcheck_runs_in_the_engine): the counts
+        # the other tests check exactly must not see its forwards.
         engine = engine_factory(demo_model_dir, "pin", map_path=map_path, stats_path=stats,
-                                hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1"})
+                                hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1",
+                                          "PINSIDECAR_PIN_SELFCHECK": "1" if name == "skew" else "0"})
         prompt_tokens = 0
         gen = _generate(engine)
         for prompt in PROMPTS:
@@ -372,6 +375,26 @@ def _hook_request(engine: Any, stats: Path, op: str, timeout_s: float = 60.0) ->
 
 
 @pytest.mark.vllm
+def test_selfcheck_runs_in_the_engine_and_lists_every_tensor(pin_engines: dict[str, Any]) -> None:
+    """PINSIDECAR_PIN_SELFCHECK=1: every layer's split ran against vLLM's own unsplit call through the layer's
+    quant method, inside the real engine, on every routing case; the CPU backend is placement-invariant by design,
+    so the figure is reported with expected_equal false rather than judged. The boot log lists the layer's
+    tensors and their fates."""
+    from pinsidecar_hook.contract import load_stats
+    from pinsidecar_hook.selfcheck import KINDS, TOKENS
+
+    skew = pin_engines["skew"]
+    meta = load_stats(skew["stats"]).meta
+    sc = meta["selfcheck"]
+    assert sc["errors"] == [] and sc["expected_equal"] is False
+    assert sc["layers"] == 4 and sc["cases"] == 4 * len(TOKENS) * len(KINDS)
+    assert 0 <= sc["equal"] <= sc["cases"] and sc["equal"] + sc["mismatch_count"] == sc["cases"]
+    assert meta["backend"] == "cpu" and meta["backend_verified"] is True and meta["expert_bytes"] > 0
+    log = Path(skew["log"]).read_text(errors="replace")
+    assert "pinsidecar pin selfcheck: " in log
+    assert "layer 0 tensors: w13_weight [64x" in log and ": split" in log
+
+
 def test_engine_unwritable_stats_dir_keeps_serving(pin_engines: dict[str, Any]) -> None:
     from pinsidecar.live_stats import StatsReader
 

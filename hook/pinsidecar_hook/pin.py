@@ -367,9 +367,8 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     log.info("pinsidecar pin: layer %d tensors: %s", facts.layer_ids[0],
              "; ".join(f.describe() for f in facts.first_fates))
     names_by_layer = facts.names_by_layer
-    checker = SelfCheck() if cfg.selfcheck else None
-    if checker is not None and not backend.BIT_IDENTICAL:
-        checker.skipped = f"the {backend_name} backend is placement-invariant, not bit-identical to the unsplit kernel"
+    checker = SelfCheck(vllm_config=getattr(worker, "vllm_config", None),
+                        expected_equal=backend.BIT_IDENTICAL) if cfg.selfcheck else None
 
     ledger = MemoryLedger()
     pins: list[LayerPin] = []
@@ -378,7 +377,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         rows, hot_local, cold_local = emap.layer(ref.layer_id).row_map(emap.num_experts, expert_map)
         row_map = torch.tensor(rows, dtype=torch.int32, device=device)
         check = None
-        if checker is not None and not checker.skipped:
+        if checker is not None:
             hidden = geo.hidden_size or int(geo.param_owner.w2_weight.shape[1])
             check = checker.before(geo, ref.layer_id, selfcheck_cases(
                 emap.num_experts, geo.top_k, hidden, geo.act_dtype or torch.bfloat16, device, row_map,
@@ -418,10 +417,13 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     if checker is not None:
         summary["selfcheck"] = checker.summary()
         sc = summary["selfcheck"]
-        (log.info if not sc.get("mismatch_count") and not sc.get("errors") else log.error)(
-            "pinsidecar pin selfcheck: %s", sc["skipped"] if sc.get("skipped") else
+        bad = sc.get("errors") or (sc.get("mismatch_count") and backend.BIT_IDENTICAL)
+        design = "" if backend.BIT_IDENTICAL else (f" (the {backend_name} backend is placement-invariant by design, "
+                                                   "not bit-identical to the unsplit kernel)")
+        (log.error if bad else log.info)(
+            "pinsidecar pin selfcheck: %s",
             f"{sc['equal']}/{sc['cases']} cases bitwise equal to vLLM's unsplit call over {sc['layers']} layers"
-            f"{'; mismatches: ' + str(sc['mismatches'][:3]) if sc.get('mismatch_count') else ''}"
+            f"{design}{'; mismatches: ' + str(sc['mismatches'][:3]) if sc.get('mismatch_count') else ''}"
             f"{'; errors: ' + str(sc['errors'][:2]) if sc.get('errors') else ''}")
     log.info(
         "pinsidecar pin: map %s (%s, hash %s) on rank %d/%d via %s backend: %d layers, %d hot + %d cold rows/layer, "

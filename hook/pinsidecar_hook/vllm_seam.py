@@ -355,10 +355,11 @@ def install_split(geometry: MoEGeometry, split: Any) -> None:
     experts._pinsidecar_split = split
 
 
-def run_layer_experts(geometry: MoEGeometry, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+def run_layer_experts(geometry: MoEGeometry, x: Any, topk_weights: Any, topk_ids: Any,
+                      vllm_config: Any = None) -> Any:
     """One forward of this layer's experts on given routing, through the layer's quant method, the way the engine
     runs it (prepare, experts, finalize): what the attach-time self-check compares before and after the split.
-    Runs inside vLLM's forward context of the current config, since some kernels read it."""
+    Runs inside a forward context of ``vllm_config`` (the worker's), since some kernels read it."""
     import torch
 
     owner = geometry.param_owner
@@ -369,11 +370,11 @@ def run_layer_experts(geometry: MoEGeometry, x: Any, topk_weights: Any, topk_ids
         if name in params:
             kwargs[name] = None
     ctx: AbstractContextManager[Any] = contextlib.nullcontext()
-    with contextlib.suppress(Exception):
-        from vllm.config import get_current_vllm_config
-        from vllm.forward_context import set_forward_context
+    if vllm_config is not None:
+        with contextlib.suppress(ImportError):
+            from vllm.forward_context import set_forward_context
 
-        ctx = set_forward_context(None, get_current_vllm_config())
+            ctx = set_forward_context(None, vllm_config)
     with torch.inference_mode(), ctx:
         out = method.apply(owner, x, topk_weights, topk_ids, **kwargs)
     return out[0] if isinstance(out, tuple) else out

@@ -111,9 +111,11 @@ def _fmt_status(st: dict[str, Any]) -> str:
                      + (f", {p['expert_bytes']} bytes per expert" if p.get("expert_bytes") else ""))
         sc = p.get("selfcheck")
         if sc:
-            lines.append("         self-check " + (sc["skipped"] if sc.get("skipped") else
+            lines.append("         self-check " +
                          f"{sc.get('equal')}/{sc.get('cases')} cases bitwise equal over {sc.get('layers')} layers"
-                         + (f", {sc.get('mismatch_count')} MISMATCHED" if sc.get("mismatch_count") else "")))
+                         + (f", {sc.get('mismatch_count')} MISMATCHED" if sc.get("mismatch_count")
+                            and sc.get("expected_equal", True) else "")
+                         + ("" if sc.get("expected_equal", True) else " (placement-invariant backend)"))
     g = st.get("gate")
     if g:
         lines.append(f"gate     upstream {g['upstream']}, in flight {g['in_flight']}, held {g['held']}"
