@@ -16,3 +16,11 @@ gpu_lane_pack() {  # $1: archive name
     logs results hook maps maps.json model_build.json counts_code.json counts_prose.json split_check.json \
     2>/dev/null || true
 }
+# Pack lanes kept in folders of their own under $GPU_LANE_WORK (device_quant.sh: one per quant) into one archive
+# under $OUT: per lane what gpu_lane_pack takes, plus its report (PNG included). $1: archive name; then the folders.
+gpu_lane_pack_lanes() {
+  local archive=$1
+  shift
+  tar -czf "$OUT/$archive" -C "$GPU_LANE_WORK" --exclude=model --exclude=vllm-cache --exclude='*.safetensors' \
+    --exclude=pids "$@" quant_calls.log 2>/dev/null || true
+}

@@ -7,13 +7,8 @@
 set -uo pipefail
 T0=$(date +%s)
 exec > >(tee "$OUT/smoke.log") 2>&1
-mkdir -p /tmp/gpu_lane && cp .gpu_lane/c01/* .gpu_lane/ctl/* /tmp/gpu_lane/ || exit 2
-bash /tmp/gpu_lane/device_install.sh > "$OUT/install.log" 2>&1
-rc=$?; tail -n 25 "$OUT/install.log"; [ $rc -eq 0 ] || { echo "install failed ($rc)"; exit $rc; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_lane/extra/*.whl || exit 4
-python3 scripts/gpu_lane/patch_vllm.py /tmp/site || exit 6
-source scripts/gpu_lane/device_env.sh
-echo "== installed at +$(( $(date +%s) - T0 )) s; attention backend: ${GPU_LANE_ATTENTION_BACKEND:-auto}"
+source scripts/gpu_lane/device_install_lane.sh  # the install, shared with device_quant.sh
+gpu_lane_install || exit $?
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader; nproc; free -g | head -2
 timeout 240 python3 bench/gpu_lane.py --work "$GPU_LANE_WORK" --phases model || echo "MODEL BUILD FAILED"
 echo "== model at +$(( $(date +%s) - T0 )) s"; df -h /tmp | tail -1
