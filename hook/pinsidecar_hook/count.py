@@ -227,10 +227,12 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
     for i, (_ref, geo) in enumerate(layers):
         vllm_seam.bind_router_capture(geo, lambda previous, i=i: state.capture_fn(i, previous))
     if state.writer:
+        # Started at engine-ready, not here: a snapshot copies device counters from the side thread, and while the
+        # worker captures CUDA graphs (warm-up, after load_model) any such copy invalidates the capture (seen on
+        # the H200 with a long online-FP8 boot: cudaErrorStreamCaptureUnsupported). Nothing before engine-ready
+        # is traffic anyway: the counters are zeroed there.
         state.flusher = Flusher(state, cfg.counts_path, interval_s=cfg.flush_interval_s, name="count",
                                 what="counts", write_error_key="counts_write")
-        state.flusher.start()
-        state.flusher.flush_at_exit()
     _state = state
     log.info("pinsidecar count: counting %d MoE layers x %d experts (top-%d) on %s -> %s", len(layers), num_experts,
              top_k, device, cfg.counts_path)
@@ -246,3 +248,6 @@ def on_engine_ready() -> None:
     state.engine_ready = True
     if state.flusher is not None:
         state.flusher.flush()
+        if not state.flusher.started:
+            state.flusher.start()
+            state.flusher.flush_at_exit()

@@ -225,6 +225,10 @@ class Flusher:
         while not self._stop.wait(REQUEST_POLL_S):
             next_flush = self.poll_once(time.monotonic(), next_flush)
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
         """Start the thread (once)."""
         if self._thread is not None:
