@@ -46,6 +46,7 @@ __all__ = [
     "QUANT_METHODS",
     "dequantize_fp8_block",
     "geometry_problems",
+    "pack_int4",
     "quantization_config",
     "quantize_expert_tensors",
     "quantize_fp8_block",
@@ -111,7 +112,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
     return q.float() * full
 
 
-def _pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     """Pack int 0..15 along ``dim`` (8 per int32, the first in the lowest nibble), as AutoGPTQ and vLLM do.
 
     Computed in int64 and wrapped into int32 explicitly (the top nibble lands on the sign bit), so the result does
@@ -157,8 +158,8 @@ def quantize_gptq_int4(w: torch.Tensor, group_size: int = GPTQ_GROUP) -> dict[st
     q = torch.clamp(torch.round(wt / scale) + zero, 0, maxq).to(torch.int32).reshape(in_f, out_f)
     zeros = torch.full((in_f // group_size, out_f), zero - 1, dtype=torch.int32, device=w.device)
     return {
-        "qweight": _pack_int4(q, dim=0),
-        "qzeros": _pack_int4(zeros, dim=1),
+        "qweight": pack_int4(q, dim=0),
+        "qzeros": pack_int4(zeros, dim=1),
         "scales": scale.reshape(in_f // group_size, out_f).to(torch.float16).contiguous(),
         "g_idx": (torch.arange(in_f, dtype=torch.int32, device=w.device) // group_size).contiguous(),
     }

@@ -22,6 +22,7 @@ from pinsidecar_hook.kernels.dequant import (
     scheme_of,
 )
 
+from pinsidecar.demo.quant import pack_int4
 from pinsidecar.testing import moe
 
 __all__ = [
@@ -90,16 +91,6 @@ def quantize_fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _fp8(w.to(torch.float32), scale), scale
 
 
-def _pack_nibbles(q: torch.Tensor, dim: int) -> torch.Tensor:
-    """Values in ``[0, 15]`` along ``dim`` packed eight per int32, the low nibble first (``[.., 8P, ..] ->
-    [.., P, ..]``): the inverse of the dequantization's unpacking."""
-    q = q.to(torch.int64).movedim(dim, -1)
-    q = q.reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
-    packed = (q << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # the int32 with the same bits
-    return packed.to(torch.int32).movedim(-1, dim).contiguous()
-
-
 def quantize_int4(w: torch.Tensor, g_idx: torch.Tensor, group_size: int = 128, *, symmetric: bool = True,
                   scale_dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
     """GPTQ-style int4 of ``w [E, N, K]`` with input row ``k`` of expert ``e`` in group ``g_idx[e, k]``: returns
@@ -125,9 +116,9 @@ def quantize_int4(w: torch.Tensor, g_idx: torch.Tensor, group_size: int = 128, *
     s = stored.to(torch.float32)
     q = (torch.round(w / s.gather(2, idx)) + zero.gather(2, idx)).clamp(0, _INT4_MAX)
     return {
-        "qweight": _pack_nibbles(q.transpose(1, 2), dim=1),
+        "qweight": pack_int4(q.transpose(1, 2), dim=1),
         "scales": stored.transpose(1, 2).contiguous(),
-        "qzeros": _pack_nibbles((zero - GPTQ_ZERO_OFFSET).transpose(1, 2), dim=2),
+        "qzeros": pack_int4((zero - GPTQ_ZERO_OFFSET).transpose(1, 2), dim=2),
         "g_idx": g_idx.to(torch.int32).contiguous(),
     }
 
