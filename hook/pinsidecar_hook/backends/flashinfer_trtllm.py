@@ -1,7 +1,7 @@
 """Split invoke for FlashInfer's ``trtllm_fp4_block_scale_routed_moe`` (SM100, MXFP4): two expert windows, one
 finalize in slot order.
 
-**Not run on hardware.** Neither :class:`TrtllmFp4Split` nor :func:`make_split_apply` has run on a GPU or in an
+**Not run on hardware.** Neither :class:`TrtllmFp4Split` nor :class:`FlashinferTrtllmSplit` has run on a GPU or in an
 engine: no machine here has an SM100 GPU (the lent H200 is SM90) and FlashInfer's TRT-LLM MoE kernels need one.
 This adapter is written against the call vLLM 0.33 makes in
 ``experts/trtllm_mxfp4_moe.py: TrtLlmMxfp4ExpertsModular._invoke_kernel``; the id renumbering, the windows, the

@@ -4,7 +4,7 @@ What it is for. It is the one backend whose split can be checked *bit for bit ag
 every machine we have (the CPU here, the H200 through the device tool), and it is the experts stage of the GPU
 benchmark. It is not a production path: it loops over experts in Python, and its arithmetic is its own, not the
 engine kernel's, so an engine served through it gives slightly different outputs than the same engine unsplit.
-That is why the registry never picks it automatically; :func:`make_split_apply` exists so that it can be asked
+That is why the registry never picks it automatically; :class:`TorchRefSplit` exists so that it can be asked
 for (``PINSIDECAR_PIN_BACKEND=torch_ref``) as an in-engine reference on any device, for SiLU-and-mul experts with
 unquantized activations (weights unquantized or quantized, below). It has run only in the tests here
 (tests/test_backends_ref.py, tests/test_backends_quant_ref.py, tests/test_gpu.py), not in an engine.
@@ -42,7 +42,7 @@ in; the argument above then holds unchanged, and a split is bit-identical to the
 tensors. A bias is added to its GEMM's output (already rounded to the activation dtype) in fp32, and the sum
 rounded once more. A scalar shared by all experts (a static
 input scale) is passed unsplit to both tiers. Activation quantization (FP8 w8a8's a1/a2 scales, dynamic or static)
-is *not* modelled: the reference is weight-dequantization only, and :func:`make_split_apply` refuses a call that
+is *not* modelled: the reference is weight-dequantization only, and :class:`TorchRefSplit` refuses a call that
 brings quantized activations. With biases only the ``loop`` implementation runs (the grouped kernels have no bias
 epilogue); the grouped implementations dequantize a tier's weights whole before their call.
 """
@@ -90,7 +90,7 @@ NAME = "torch_ref"
 # Every per-expert tensor the dequantization knows (weights, fp8 scales, int4 qweight/scales/qzeros/g_idx, biases).
 SPLIT_TENSORS = PER_EXPERT_TENSORS
 # None by name: the weights are required in one of two spellings (``w13_weight`` or, for int4, ``w13_qweight``),
-# which a list of names cannot say. :func:`make_split_apply` refuses (scheme_of) a layer without them, at attach.
+# which a list of names cannot say. :class:`TorchRefSplit` refuses (scheme_of) a layer without them, at attach.
 REQUIRED_TENSORS: tuple[str, ...] = ()
 # Run the cold call on a side stream, concurrently with the hot one, on CUDA (module docstring).
 OVERLAP_DEFAULT = True
