@@ -108,7 +108,15 @@ def test_execute_model_wrapper_sets_the_real_token_scalar(monkeypatch: pytest.Mo
 def test_triton_experts_split_counts_only_real_rows() -> None:
     """Pin mode's Triton split passes the scalar to the partition: counters, cold counter and tokens are masked."""
     from pinsidecar_hook.backends import triton_experts as te
-    from test_backends_gpu_adapters import HIDDEN, INTER, FakeDesc, FakeQuantConfig, FakeTritonExperts, _triton_setup
+    from test_backends_gpu_adapters import (
+        HIDDEN,
+        INTER,
+        FakeDesc,
+        FakeQuantConfig,
+        FakeTritonExperts,
+        _Layer,
+        _triton_setup,
+    )
 
     g, w1, w2, s1, s2 = _triton_setup(7)
     row_map = torch.randperm(16, generator=g).to(torch.int32)
@@ -116,17 +124,14 @@ def test_triton_experts_split_counts_only_real_rows() -> None:
     weights = torch.full((6, K), 1.0 / K)
     x = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16)
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
-    counts, cold, tokens = torch.zeros(16, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), \
-        torch.zeros(1, dtype=torch.int64)
-    split = te.TritonExpertsSplit(
-        experts=experts, row_map=row_map, hot_rows=16, global_num_experts=16, full_w1_shape=tuple(w1.shape),
-        full_w2_shape=tuple(w2.shape), hot_quant_config=te.tier_quant_config(experts.quant_config, {}),
-        cold_quant_config=te.tier_quant_config(experts.quant_config, {}), expert_counts=counts, cold_counts=cold,
-        num_real=torch.tensor([4]), token_counts=tokens, config_fn=lambda *a: {"BLOCK_SIZE_K": 16},
-        override_fn=lambda c: contextlib.nullcontext())
-    w1r, w2r = w1[row_map.argsort()], w2[row_map.argsort()]  # all hot, rows in map order
-    split.apply(torch.empty(6, HIDDEN, dtype=torch.bfloat16), x, w1r, w2r, w1r[:0], w2r[:0], weights, ids, "silu",
-                None, None, None, torch.empty(6, K, 2 * INTER, dtype=torch.bfloat16), None, False)
+    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2}, row_map, 16)
+    split = te.TritonExpertsSplit(experts, layer, num_real=torch.tensor([4]), fused_finalize=False, naive_ids=False,
+                                  config_fn=lambda *a: {"BLOCK_SIZE_K": 16},
+                                  override_fn=lambda c: contextlib.nullcontext())
+    split.apply(torch.empty(6, HIDDEN, dtype=torch.bfloat16), x, None, None, weights, ids, "silu", 16, None, None,
+                None, torch.empty(6, K, 2 * INTER, dtype=torch.bfloat16),
+                torch.empty(6, K, 2 * INTER, dtype=torch.bfloat16), None, False)
+    tokens, counts, cold = layer.token_counts, layer.expert_counts, layer.cold_counts
     assert int(tokens) == 4 and int(counts.sum()) == 4 * K and int(cold) == 0
 
 

@@ -247,7 +247,8 @@ class TritonExpertsSplit(SplitBackend):
     ``config_fn`` and ``override_fn`` default to vLLM's (through :mod:`pinsidecar_hook.vllm_seam`) and exist for
     tests; so do ``fused_finalize`` (default: :func:`finalize_matches_reduction` on this device), ``naive_ids``
     (default: :func:`pinsidecar_hook.vllm_seam.triton_naive_accepts_invalid_ids`) and ``phased_steps`` (default:
-    vLLM 0.26's steps, for a per-tensor dynamic GEMM2 input scale)."""
+    vLLM 0.26's steps, for a per-tensor dynamic GEMM2 input scale) and ``num_real`` (default: the worker's real-token
+    scalar)."""
 
     NAME = "triton_experts"
     SPLIT_TENSORS = ("w13_weight", "w2_weight", *_QUANT_FIELD_OF)
@@ -273,7 +274,7 @@ class TritonExpertsSplit(SplitBackend):
 
     def __init__(self, experts: Any, layer: Any, *, config_fn: Any = None, override_fn: Any = None,
                  fused_finalize: bool | None = None, naive_ids: bool | None = None,
-                 phased_steps: Any = None) -> None:
+                 phased_steps: Any = None, num_real: torch.Tensor | None = None) -> None:
         super().__init__(experts, layer)
         hot, cold = layer.hot, layer.cold
         w13 = hot["w13_weight"]
@@ -286,7 +287,7 @@ class TritonExpertsSplit(SplitBackend):
         self.hot_experts = tier_experts(experts, tier_quant_config(experts.quant_config, _tier_quant_tensors(hot)))
         self.cold_experts = tier_experts(experts, tier_quant_config(experts.quant_config, _tier_quant_tensors(cold)))
         self.hot_map, self.cold_map = tier_expert_maps(self.row_map, self.hot_rows)
-        self.num_real = vllm_seam.real_token_count(layer.row_map.device)
+        self.num_real = num_real if num_real is not None else vllm_seam.real_token_count(layer.row_map.device)
         self.config_fn = config_fn or vllm_seam.triton_moe_config
         self.override_fn = override_fn or vllm_seam.triton_override_config
         if fused_finalize is None:
