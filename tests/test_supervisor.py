@@ -113,8 +113,9 @@ def test_engine_never_ready_bounded_wait_log_lines_failed_state(tmp_path: Path) 
     assert _procs_running(script) == []  # every hung engine was stopped, its process group included
 
 
-def test_engine_exiting_at_boot_backs_off_exponentially_then_fails(tmp_path: Path) -> None:
-    script = _script(tmp_path, 'echo "Traceback (most recent call last):"\necho "RuntimeError: boom"\nexit 3\n')
+def _run_until_failed(tmp_path: Path, script: Path, linger_s: float = 0.0) -> tuple[Supervisor, list[tuple[str, str]]]:
+    """Run a supervisor over ``script`` (fast backoff, crash-loop limit 4) until it is ``failed``, stay ``linger_s``
+    longer (a retry would show), close it; returns it and the states it went through."""
     states: list[tuple[str, str]] = []
     cfg = SupervisorConfig(health_interval_s=0.2, backoff_initial_s=0.1, backoff_max_s=0.3, crash_loop_limit=4)
     sup = _supervisor(tmp_path, script, cfg, states)
@@ -122,10 +123,17 @@ def test_engine_exiting_at_boot_backs_off_exponentially_then_fails(tmp_path: Pat
     async def scenario() -> None:
         task = asyncio.create_task(sup.run())
         await _until(lambda: sup.state == EngineState.FAILED, "failed state")
+        await asyncio.sleep(linger_s)
         await sup.close()
         await asyncio.wait_for(task, 10)
 
     asyncio.run(scenario())
+    return sup, states
+
+
+def test_engine_exiting_at_boot_backs_off_exponentially_then_fails(tmp_path: Path) -> None:
+    script = _script(tmp_path, 'echo "Traceback (most recent call last):"\necho "RuntimeError: boom"\nexit 3\n')
+    sup, states = _run_until_failed(tmp_path, script)
     assert len(sup.boots) == 4
     assert all("exited with code 3" in b.error for b in sup.boots)
     assert "RuntimeError: boom" in sup.boots[-1].log_tail
@@ -145,18 +153,7 @@ def test_a_pin_refusal_is_reported_at_once_not_retried(tmp_path: Path) -> None:
             "cuda. Tried: marlin_experts: never picked by auto")
     script = _script(tmp_path, f'echo "INFO loading"\necho "{line}"\necho "Traceback (most recent call last):"\n'
                                'exit 1\n')
-    states: list[tuple[str, str]] = []
-    cfg = SupervisorConfig(health_interval_s=0.2, backoff_initial_s=0.1, backoff_max_s=0.3, crash_loop_limit=4)
-    sup = _supervisor(tmp_path, script, cfg, states)
-
-    async def scenario() -> None:
-        task = asyncio.create_task(sup.run())
-        await _until(lambda: sup.state == EngineState.FAILED, "failed state")
-        await asyncio.sleep(0.5)
-        await sup.close()
-        await asyncio.wait_for(task, 10)
-
-    asyncio.run(scenario())
+    sup, states = _run_until_failed(tmp_path, script, linger_s=0.5)
     assert len(sup.boots) == 1  # not retried
     assert "a retry cannot fix this" in sup.detail
     assert "pin mode refused to boot: map /m.json: no split backend for experts MarlinExperts" in sup.detail

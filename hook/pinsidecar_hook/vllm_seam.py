@@ -59,6 +59,7 @@ from typing import Any
 from pinsidecar_hook.contract import ModelInfo
 
 __all__ = [
+    "PINSIDECAR_CLASS",
     "MoEGeometry",
     "MoELayerRef",
     "accelerator_view",
@@ -85,6 +86,7 @@ __all__ = [
     "triton_override_config",
     "triton_phased_steps",
     "trtllm_mxfp4_kernel_args",
+    "vllm_class",
     "vllm_version",
     "worker_model",
     "worker_rank",
@@ -341,7 +343,8 @@ def _split_class(cls: type) -> type:
         return self._pinsidecar_split.apply(*args, **kwargs)
 
     return type(f"PinSplit{cls.__name__}", (cls,), {
-        "apply": apply, "__doc__": f"vLLM's {cls.__name__}, its experts call split by residency (pinsidecar)"})
+        "apply": apply, "__doc__": f"vLLM's {cls.__name__}, its experts call split by residency (pinsidecar)",
+        PINSIDECAR_CLASS: True})
 
 
 def install_split(geometry: MoEGeometry, split: Any) -> None:
@@ -419,7 +422,7 @@ def is_triton_experts(experts: Any) -> bool:
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     except ImportError:
         return False
-    return isinstance(experts, TritonExperts) and _own_apply(experts) is TritonExperts.apply
+    return isinstance(experts, TritonExperts) and vllm_class(experts).apply is TritonExperts.apply
 
 
 def is_marlin_experts(experts: Any) -> bool:
@@ -429,13 +432,22 @@ def is_marlin_experts(experts: Any) -> bool:
         from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
     except ImportError:
         return False
-    return isinstance(experts, MarlinExperts) and _own_apply(experts) is MarlinExperts.apply
+    return isinstance(experts, MarlinExperts) and vllm_class(experts).apply is MarlinExperts.apply
 
 
-def _own_apply(experts: Any) -> Any:
-    """The ``apply`` of the experts object's vLLM class (past pinsidecar's own subclasses)."""
-    cls = next(c for c in type(experts).__mro__ if not c.__name__.startswith(("PinSplit", "PinTier")))
-    return cls.apply
+# Set on the subclasses pinsidecar makes of vLLM's experts classes (the split's here, the backends' tier classes), so
+# that vLLM's own class can be found behind them (:func:`vllm_class`).
+PINSIDECAR_CLASS = "_pinsidecar_class"
+
+
+def vllm_class(experts: Any) -> type:
+    """The experts object's vLLM class: the first in its MRO that pinsidecar did not make (:data:`PINSIDECAR_CLASS`)."""
+    return _vllm_class_of(type(experts))
+
+
+@functools.cache
+def _vllm_class_of(cls: type) -> type:
+    return next(c for c in cls.__mro__ if not c.__dict__.get(PINSIDECAR_CLASS, False))
 
 
 def is_trtllm_mxfp4_experts(experts: Any) -> bool:

