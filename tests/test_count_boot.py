@@ -131,6 +131,19 @@ def test_engine_table_is_the_daemons_schema_with_count_boot_defaults(tmp_path: P
         count_boot_config(cfg)
 
 
+def test_the_serving_engines_map_need_not_exist_for_the_count_boot_that_makes_it(tmp_path: Path) -> None:
+    # An operator writes the daemon's config first (pin mode, the map it will serve), then counts: the count boot
+    # runs its own hook, so the serving map's path is not checked (docs/gpu-operator.md runs exactly this order).
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(f'[engine]\nmodel = "{tmp_path}"\nhook_mode = "pin"\nmap = "{tmp_path}/maps/code.json"\n'
+                   f'log_path = "{tmp_path}/nowhere/engine.log"\n')
+    engine = count_boot_config(cfg)
+    assert engine.hook_mode == "off" and engine.map is None and engine.log_path is None
+    cfg.write_text(f'[engine]\nmodel = "{tmp_path}"\nhook_mode = "pin"\nmap = 3\nnot_a_key = 1\n')
+    with pytest.raises(ConfigError, match=r"engine\.not_a_key: unknown key"):  # the rest is still validated
+        count_boot_config(cfg)
+
+
 def test_cli_without_any_model_is_a_clear_error(tmp_path: Path) -> None:
     cfg = tmp_path / "p.toml"
     cfg.write_text("[engine]\nport = 8123\n")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -241,20 +241,23 @@ def _plain(value: Any) -> Any:
 
 
 def load_engine_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None, *,
-                       defaults: Mapping[str, Any] | None = None, check_paths: bool = True) -> EngineConfig:
+                       defaults: Mapping[str, Any] | None = None, check_paths: bool = True,
+                       unused: Sequence[str] = ()) -> EngineConfig:
     """The ``[engine]`` table of the config file at ``path``, validated like the daemon validates it.
 
     Other tables of the file are not read (the daemon's config can be passed as is). ``defaults`` are a command's
     own defaults for keys the file does not set; ``overrides`` (the command line: ``{"model": DIR}``, or the
     daemon's dotted ``{"engine.model": DIR}``) replace the file's values. Both are validated exactly like the file.
     ``path=None``: no file, the defaults and overrides alone. Relative paths are relative to the file's folder
-    (to the working directory without a file). Raises :class:`ConfigError` naming the file and the key, also when
-    no model is set anywhere.
+    (to the working directory without a file). ``unused``: keys the caller does not use, dropped before validation
+    (the count boot ignores the serving engine's ``map``, which need not exist yet: the count boot is how an
+    operator makes it). Raises :class:`ConfigError` naming the file and the key, also when no model is set anywhere.
     """
     doc = read_toml(path) if path is not None else {}
     table = doc.get(ENGINE_SECTION, {})
     if isinstance(table, dict):
-        table = {**{k: _plain(v) for k, v in (defaults or {}).items()}, **table}
+        table = {**{k: _plain(v) for k, v in (defaults or {}).items()},
+                 **{k: v for k, v in table.items() if k not in unused}}
         for key, value in (overrides or {}).items():
             table[key.removeprefix(f"{ENGINE_SECTION}.")] = _plain(value)
     base = Path(path).resolve().parent if path is not None else Path.cwd()

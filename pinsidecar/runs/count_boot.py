@@ -84,6 +84,11 @@ class ProfileError(RuntimeError):
     """The count boot ran and failed (engine died, hook never answered, requests failed). Exit code 1."""
 
 
+# The [engine] keys that describe the serving engine's hook and log, which a count boot replaces with its own: not
+# validated for it, so a config whose map is not built yet (the count boot is how it gets built) still counts.
+SERVING_ONLY_KEYS = ("hook_mode", "map", "counts_path", "stats_path", "workload", "log_path")
+
+
 def count_boot_config(path: Path | None = None, *, model: Path | None = None,
                       port: int | None = None) -> EngineConfig:
     """The engine a count boot runs: the ``[engine]`` table of ``path`` (None: no file), over
@@ -94,7 +99,7 @@ def count_boot_config(path: Path | None = None, *, model: Path | None = None,
         overrides["model"] = str(Path(model).absolute())
     if port is not None:
         overrides["port"] = port
-    return load_engine_config(path, overrides, defaults=COUNT_BOOT_DEFAULTS)
+    return load_engine_config(path, overrides, defaults=COUNT_BOOT_DEFAULTS, unused=SERVING_ONLY_KEYS)
 
 
 @dataclass
