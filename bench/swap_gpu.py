@@ -26,6 +26,9 @@ Measured, in one run:
 
 On the CPU both tiers are host memory, so the times mean nothing, and there are no streams (no graph, no
 negative control); CI checks that the script runs and that the identity checks hold.
+
+The applies here run with nothing serving; the stall they cause while steps run, in bounded batches and in one
+hold, is ``bench/apply_gpu.py``'s (which shares this module's helpers).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -451,37 +455,83 @@ def ordering_control(state: PinState, geo: dict[str, int], device: torch.device,
     return out_doc
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "swap_gpu.json"))
+# ------------------------------------------------------------------------------------------------------ runs
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """Where and how a benchmark runs: bf16 and the grouped Triton experts call on CUDA; fp32 and the loop on the
+    CPU (bf16 GEMMs on this CPU are slow; the checks are the same)."""
+
+    device: torch.device
+    geo: dict[str, int]
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cuda else torch.float32
+
+    @property
+    def impl(self) -> str:
+        return "triton" if self.cuda else "loop"
+
+
+def run_setup(device: str | None, geometry: dict[str, int], small: dict[str, int] | None) -> RunSetup:
+    """``device`` (default: cuda when available) and the geometry (``small`` when given)."""
+    return RunSetup(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+                    dict(small if small is not None else geometry))
+
+
+def result_header(script: str, argv: list[str] | None, run: RunSetup) -> dict[str, Any]:
+    """The head of a benchmark's JSON: what ran, where, when, on which geometry."""
+    device, geo, dtype = run.device, run.geo, run.dtype
+    return {
+        "benchmark": script,
+        "command": os.environ.get("PINSIDECAR_BENCH_COMMAND", " ".join(["python3", script, *(
+            argv if argv is not None else sys.argv[1:])])),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if run.cuda else f"CPU ({platform.machine()})",
+        "environment": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+        "geometry": {**geo, "hot": geo["experts"] - geo["cold"], "dtype": str(dtype).replace("torch.", ""),
+                     "expert_bytes": expert_bytes(geo, dtype)},
+        "impl": run.impl,
+    }
+
+
+def saver(out: Path, result: dict[str, Any]) -> Callable[[], None]:
+    """A function that writes ``result`` (as it stands then) to ``out``, atomically."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        atomic_write_bytes(out, (json.dumps(result, indent=1, default=float) + "\n").encode())
+
+    return save
+
+
+def bench_parser(doc: str, out_name: str) -> argparse.ArgumentParser:
+    """The options every benchmark here takes: ``--out`` (default under ``$OUT``), ``--small``, ``--device``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), out_name))
     parser.add_argument("--small", action="store_true", help="small geometry (quick runs, CPU, CI)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__, "swap_gpu.json")
     parser.add_argument("--reps", type=int, default=None, help="applies per size and direction")
     parser.add_argument("--probe-mib", type=int, default=2048, help="bytes per bandwidth probe copy, MiB")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = device.type == "cuda"
-    geo = dict(SMALL_GEOMETRY if args.small else GEOMETRY)
-    dtype = torch.bfloat16 if cuda else torch.float32  # bf16 GEMMs on this CPU are slow; the checks are the same
-    impl = "triton" if cuda else "loop"
+    run = run_setup(args.device, GEOMETRY, SMALL_GEOMETRY if args.small else None)
+    device, cuda, geo, dtype, impl = run.device, run.cuda, run.geo, run.dtype, run.impl
     reps = args.reps or (3 if cuda else 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {
-        "benchmark": "bench/swap_gpu.py",
-        "command": os.environ.get("PINSIDECAR_BENCH_COMMAND", " ".join(["python3", "bench/swap_gpu.py", *(
-            argv if argv is not None else sys.argv[1:])])),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.machine()})",
-        "environment": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
-        "geometry": {**geo, "hot": geo["experts"] - geo["cold"], "dtype": str(dtype).replace("torch.", ""),
-                     "expert_bytes": expert_bytes(geo, dtype)},
-        "impl": impl, "reps": reps,
-    }
-
-    def save() -> None:
-        atomic_write_bytes(out, (json.dumps(result, indent=1, default=float) + "\n").encode())
+    result = result_header("bench/swap_gpu.py", argv, run)
+    result["reps"] = reps
+    save = saver(Path(args.out), result)
 
     if cuda:
         result["bandwidth"] = bandwidth_probes(device, args.probe_mib << 20)

@@ -1,25 +1,34 @@
-"""bench/swap_gpu.py on the CPU with ``--small``, so the in-place remap benchmark does not rot between device sessions.
+"""bench/swap_gpu.py and bench/apply_gpu.py on the CPU with ``--small``, so the in-place remap benchmarks do not rot
+between device sessions.
 
-On the CPU both tiers are host memory and there are no streams, so its times mean nothing and the graph and
-ordering sections are skipped; what is asserted is that it runs through the production apply and that every
-identity check holds (outputs against a fresh re-home, every expert's rows, addresses kept).
+On the CPU both tiers are host memory and there are no streams, so their times mean nothing and the graph and
+ordering sections are skipped; what is asserted is that they run through the production apply and that every
+identity check holds (outputs against a fresh re-home, every expert's rows, addresses kept), and for the apply
+under serving that the batched phase has a batch per pair with steps between them, the unbatched one a single
+batch.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_swap_bench_small_runs_on_cpu(tmp_path: Path) -> None:
+def _bench(name: str) -> Any:
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        import swap_gpu
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_swap_bench_small_runs_on_cpu(tmp_path: Path) -> None:
+    swap_gpu = _bench("swap_gpu")
     out = tmp_path / "swap_cpu.json"
     assert swap_gpu.main(["--small", "--device", "cpu", "--reps", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -32,3 +41,23 @@ def test_swap_bench_small_runs_on_cpu(tmp_path: Path) -> None:
         assert identity[key] == "16/16", (key, identity)
     assert identity["experts_rows_hold_original_bytes"] == "64/64"
     assert doc["addresses_kept"] is True and "graph" not in doc and "ordering" not in doc
+
+
+def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
+    apply_gpu = _bench("apply_gpu")
+    out = tmp_path / "apply_cpu.json"
+    assert apply_gpu.main(["--small", "--device", "cpu", "--hold-ms", "0", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    geo = doc["geometry"]
+    rows = geo["layers"] * min(geo["cold"], geo["hot"])
+    batched, unbatched = doc["batched"], doc["unbatched"]
+    for phase in (batched, unbatched):
+        assert phase["rows"] == rows and phase["bytes_moved"] == 2 * rows * geo["expert_bytes"]
+        assert phase["identity"]["vs_before"] == "4/4"
+        assert phase["identity"]["rows_hold_original_bytes"] == f"{geo['layers'] * geo['experts']}/" \
+            f"{geo['layers'] * geo['experts']}"
+        assert phase["steps_before"] > 0 and phase["link_GBps"] > 0
+    assert batched["identity"]["vs_fresh_rehome"] == "4/4"
+    assert batched["batches"] == rows and batched["steps_during"] >= 1 and batched["hold_budget_ms"] == 0.0
+    assert unbatched["batches"] == 1 and unbatched["hold_budget_ms"] is None
+    assert doc["target_met"] is False  # the small geometry moves fewer than 800 rows

@@ -19,10 +19,11 @@ loaded and repacked, KV cache not sized yet) and after warm-up. In order:
    recorded as ``meta["map_changed_on_disk"]``; the running placement stays the one loaded at boot, or applied
    since).
 5. While serving, the side thread serves ``apply`` requests (:meth:`PinState.apply`, :mod:`pinsidecar_hook.swap`):
-   a candidate map of the same geometry is swapped in place, between two steps. That is why pin mode holds a
-   *step lock* around each ``execute_model`` (:func:`step_guard`, wrapped around it by :mod:`pinsidecar_hook.modes`)
-   and why it keeps the model's facts read at boot (:class:`ModelFacts`): the candidate is validated by the same
-   checks as the boot map, after re-homing has changed the tensors those facts were read from.
+   a candidate map of the same geometry is swapped in place, in bounded batches between steps. That is why pin
+   mode holds a *step lock* around each ``execute_model`` (:func:`step_guard`, wrapped around it by
+   :mod:`pinsidecar_hook.modes`) and why it keeps the model's facts read at boot (:class:`ModelFacts`): the
+   candidate is validated by the same checks as the boot map, after re-homing has changed the tensors those facts
+   were read from.
 
 Tensor parallel: every rank applies the same map to its shard of each expert. Expert parallel: each rank maps
 only its local experts (vLLM's ``expert_map``), so its row map sends non-local experts to -1.
@@ -127,9 +128,12 @@ class PinState:
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # new each boot: readers tell restarts apart
     map_changed: bool = False
     facts: ModelFacts | None = None  # the model as read at boot, to validate an applied candidate
-    # Held around each execute_model (step_guard) and by an in-place apply: the apply falls between two steps.
+    # Held around each execute_model (step_guard) and by each batch of an in-place apply: batches fall between steps.
     # Re-entrant, as count mode's: the SIGTERM handler runs on the main thread, which may be mid-step.
     step_lock: Any = field(default_factory=threading.RLock)
+    # Counts the steps and lets an apply batch that asks for the lock go before the next step: an apply moves its
+    # rows in bounded batches with steps in between (:class:`pinsidecar_hook.swap.StepClock`).
+    step_clock: swap.StepClock = field(default_factory=swap.StepClock)
 
     def __post_init__(self) -> None:
         self.map_path: Path | None = self.cfg.map_path  # the map file served: the boot map, or the last applied
@@ -154,10 +158,16 @@ class PinState:
 
     # ------------------------------------------------------------------------------------------ apply (remap)
 
-    def apply(self, args: Mapping[str, Any], token: str) -> ApplyResult:
-        """Serve an ``apply`` request: swap the candidate map in place between two steps
-        (:func:`pinsidecar_hook.swap.apply_map`). Never raises; the answer says applied, refused or failed."""
-        return swap.apply_map(self, args, token)
+    def apply(self, args: Mapping[str, Any], token: str, hold_budget_s: float | None = None) -> ApplyResult:
+        """Serve an ``apply`` request: swap the candidate map in place, in bounded batches between steps
+        (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch). Never raises; the answer
+        says applied, refused or failed."""
+        return swap.apply_map(self, args, token, hold_budget_s=hold_budget_s)
+
+    def step_guard(self) -> contextlib.AbstractContextManager[None]:
+        """Held around one step (``execute_model``): the step lock, after any apply batch already asking for it;
+        the step is counted when it ends, so the apply knows one ran between two of its batches."""
+        return self.step_clock.step(self.step_lock)
 
     def check_candidate(self, candidate: ExpertMap, source: str) -> None:
         """The boot checks (:func:`check_map`) for a candidate; :class:`PinMapMismatch` when it does not fit."""
@@ -214,13 +224,13 @@ def state() -> PinState | None:
 
 @contextlib.contextmanager
 def step_guard() -> Iterator[None]:
-    """Held around each ``execute_model``: an in-place apply waits for the step to finish, and the next step waits
-    for the apply."""
+    """Held around each ``execute_model``: an in-place apply batch waits for the step to finish, and the next step
+    waits for the batch (:meth:`PinState.step_guard`)."""
     st = _state
     if st is None:
         yield
         return
-    with st.step_lock:
+    with st.step_guard():
         yield
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -67,11 +68,28 @@ class HookRequest(NamedTuple):
     args: dict[str, Any]
 
 
-def apply_args(map_path: str | os.PathLike[str], content_hash: str) -> dict[str, Any]:
+def apply_args(map_path: str | os.PathLike[str], content_hash: str,
+               hold_ms: float | None = None) -> dict[str, Any]:
     """The arguments of an ``apply`` request: the candidate map's path as the engine sees it (absolute: the engine
     does not share the client's working directory, and may live in a container) and its content hash, which the
-    hook checks against the file it reads, so a file replaced in between is refused rather than applied."""
-    return {"map": str(map_path), "hash": str(content_hash)}
+    hook checks against the file it reads, so a file replaced in between is refused rather than applied.
+    ``hold_ms``, optional, bounds how long one batch of the apply holds the engine's step (the hook's default
+    otherwise; see :func:`apply_hold_budget_s`)."""
+    args: dict[str, Any] = {"map": str(map_path), "hash": str(content_hash)}
+    if hold_ms is not None:
+        args["hold_ms"] = float(hold_ms)
+    return args
+
+
+def apply_hold_budget_s(args: Mapping[str, Any]) -> float | None:
+    """The optional ``hold_ms`` of an ``apply`` request, in seconds (None: the hook's default); ``ValueError`` when
+    it is not a number >= 0. Kept apart from :func:`parse_apply_args`, whose answer old callers unpack."""
+    raw = args.get("hold_ms") if isinstance(args, Mapping) else None
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not raw >= 0 or math.isnan(raw):
+        raise ValueError(f"apply args.hold_ms must be a number of milliseconds >= 0, got {raw!r}")
+    return float(raw) / 1e3
 
 
 def parse_apply_args(args: Mapping[str, Any]) -> tuple[Path, str]:

@@ -115,8 +115,14 @@ class ApplyResult:
     to_hash: str = ""
     rows: int = 0  # swapped pairs (0 unless applied)
     bytes_moved: int = 0  # bytes copied between the tiers, both directions
-    seconds: float = 0.0  # from taking the step lock to releasing it: how long serving stood still
+    seconds: float = 0.0  # the step lock held, all batches together: how long serving stood still in all
     layers: int = 0
+    # Batched applies (files written before them lack these: read as 0). A step waits at most one batch.
+    batches: int = 0  # times the step lock was taken; steps ran in between
+    hold_max_s: float = 0.0  # the longest single hold: the longest any step waited for the apply
+    hold_budget_s: float = 0.0  # what one hold was bounded by (0: not bounded, one batch)
+    wall_s: float = 0.0  # the whole apply, steps in between included
+    link_GBps: float = 0.0  # bytes moved / time spent copying them (prefetch + copies under the lock)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,6 +140,9 @@ class ApplyResult:
                        map_hash=str(doc.get("map_hash", "")), from_hash=str(doc.get("from_hash", "")),
                        to_hash=str(doc.get("to_hash", "")), rows=int(doc.get("rows", 0)),
                        bytes_moved=int(doc.get("bytes_moved", 0)), seconds=float(doc.get("seconds", 0.0)),
-                       layers=int(doc.get("layers", 0)))
+                       layers=int(doc.get("layers", 0)), batches=int(doc.get("batches", 0)),
+                       hold_max_s=float(doc.get("hold_max_s", 0.0)),
+                       hold_budget_s=float(doc.get("hold_budget_s", 0.0)), wall_s=float(doc.get("wall_s", 0.0)),
+                       link_GBps=float(doc.get("link_GBps", 0.0)))
         except (TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"meta.apply has a malformed field ({exc})") from None

@@ -1,0 +1,260 @@
+"""Remap in place in bounded batches: the apply gives the step lock back between batches, and steps run between them.
+
+The split is bit-identical to the unsplit call for any placement, and each pair swap (entering expert into the hot
+row of the leaving one, leaving expert into the entering one's cold row) is self-contained: after its copies land,
+flipping only its two row-map entries gives a valid placement. So a step between two batches may serve a
+half-applied remap and still give the reference bits. What is shown here, on pin mode's real state over CPU
+tensors (the scaffolding of ``test_swap_apply.py``):
+
+- a tiny hold budget gives one pair per batch, and the end state (tiers and row maps) is bit for bit that of the
+  unbatched apply, its outputs those of a fresh re-home with the candidate;
+- steps run between the batches (counted by the step clock, not timed), and every one of them gives the
+  reference bits; no step waits long for the lock;
+- the negative control: the same batches with each pair's row-map entries flipped *before* its copies give other
+  bits, so the checks above do depend on the order;
+- a failure in a later batch (the test hook, a refresher, a prefetch outside the lock) rolls every batch back.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pinsidecar_hook import swap
+from pinsidecar_hook.backends import torch_ref
+from pinsidecar_hook.contract import ApplyResult, apply_args, apply_hold_budget_s, plan_swap
+from pinsidecar_hook.pin import PinState
+from test_swap_apply import (  # the scaffolding: pin mode's state built by the production re-home
+    EXPERT_BYTES,
+    LAYER_IDS,
+    _check_rows_hold_their_experts,
+    _clone,
+    _forward,
+    _map,
+    _same,
+    _save,
+    _state,
+    _step,
+    _tensors,
+    _weights,
+)
+
+
+@pytest.fixture
+def maps(tmp_path: Path) -> dict[str, Any]:
+    """Maps a and b of ``test_swap_apply``, and their files."""
+    a, b = _map(1, "a"), _map(2, "b")
+    return {"a": a, "b": b, "a_path": _save(a, tmp_path), "b_path": _save(b, tmp_path)}
+
+
+def _plan_rows(m: dict[str, Any]) -> int:
+    return plan_swap(m["a"], m["b"]).rows
+
+
+def _swap(state: PinState, m: dict[str, Any], **kwargs: Any) -> swap.SwapStats:
+    """Apply map b to ``state`` (at map a) through :func:`swap.swap_layers`, with the state's lock and clock."""
+    return swap.swap_layers(state.layers, plan_swap(m["a"], m["b"]), state.step_lock, clock=state.step_clock,
+                            on_done=lambda: state.adopt(m["b"], m["b_path"]), **kwargs)
+
+
+def _internal(state: PinState, m: dict[str, Any], **kwargs: Any) -> swap._Apply:
+    """The internal batch runner, for what only a test may ask of it (the negative control)."""
+    settings: dict[str, Any] = {"clock": None, "hold_budget_s": 0.0, "staging_bytes": swap.STAGING_BYTES,
+                                "idle_s": 0.0, "stall_s": None, "fail_after_layers": None, **kwargs}
+    return swap._Apply(swap._resolve(state.layers, plan_swap(m["a"], m["b"])), state.step_lock, **settings)
+
+
+# ---------------------------------------------------------------------------------------------------- the end state
+
+
+@pytest.mark.parametrize(("budget", "staging"), [(0.0, swap.STAGING_BYTES), (0.0, 0), (0.0, 2 * EXPERT_BYTES),
+                                                 (math.inf, 2 * EXPERT_BYTES), (0.002, swap.STAGING_BYTES)],
+                         ids=["one-pair-batches", "no-prefetch", "two-slots", "one-batch-two-slots", "2ms"])
+def test_batched_apply_ends_where_the_unbatched_one_does(maps: dict[str, Any], budget: float, staging: int) -> None:
+    reference = _state(maps["a"], maps["a_path"])
+    _swap(reference, maps, hold_budget_s=math.inf)  # the old behaviour: one hold
+    state = _state(maps["a"], maps["a_path"])
+    stats = _swap(state, maps, hold_budget_s=budget, staging_bytes=staging, idle_s=0.0)
+
+    rows = _plan_rows(maps)
+    assert stats.rows == rows and stats.layers == len(LAYER_IDS) and len(stats.holds) == stats.batches
+    if budget == 0.0:
+        assert stats.batches == rows  # at least one pair per batch, and no more with no budget
+    if math.isinf(budget):
+        assert stats.batches == 1
+    assert stats.bytes_moved == 2 * rows * EXPERT_BYTES and stats.link_GBps > 0
+    assert stats.staging_bytes <= max(staging, 0) + EXPERT_BYTES  # the slots, plus one outgoing row
+    assert math.isclose(stats.seconds, sum(stats.holds)) and stats.hold_max_s == max(stats.holds)
+    # bit for bit the unbatched apply's tiers and row maps, and the candidate's placement
+    assert all(torch.equal(x, y) for x, y in zip(_tensors(state), _tensors(reference), strict=True))
+    assert state.emap.content_hash == maps["b"].content_hash
+    _check_rows_hold_their_experts(state, maps["b"])
+    fresh = _state(maps["b"], maps["b_path"])
+    step = _step(21)
+    for got, want in zip(_forward(state, step), _forward(fresh, step), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_apply_request_reports_its_batches(maps: dict[str, Any]) -> None:
+    """Through the request (``hold_ms`` 0: one pair per batch) and the answer, and an answer file of before
+    batching still reads."""
+    state = _state(maps["a"], maps["a_path"])
+    result = state.apply(apply_args(maps["b_path"], maps["b"].content_hash, hold_ms=0), "apply-b")
+    assert result.outcome == "applied" and result.batches == result.rows == _plan_rows(maps)
+    assert result.hold_budget_s == 0.0 and 0 < result.hold_max_s <= result.seconds <= result.wall_s
+    assert result.link_GBps > 0
+    assert ApplyResult.from_json(result.to_json()) == result
+    old = {k: v for k, v in result.to_json().items() if k not in ("batches", "hold_max_s", "hold_budget_s",
+                                                                    "wall_s", "link_GBps")}
+    assert ApplyResult.from_json(old).batches == 0
+    unbounded = state.apply(apply_args(maps["a_path"], maps["a"].content_hash), "apply-a", hold_budget_s=math.inf)
+    assert unbounded.outcome == "applied" and unbounded.batches == 1 and unbounded.hold_budget_s == 0.0
+
+
+@pytest.mark.parametrize("hold_ms", [-1, "5", True, float("nan")])
+def test_a_malformed_hold_budget_is_refused(maps: dict[str, Any], hold_ms: Any) -> None:
+    state = _state(maps["a"], maps["a_path"])
+    before = _clone(state)
+    args = {**apply_args(maps["b_path"], maps["b"].content_hash), "hold_ms": hold_ms}
+    with pytest.raises(ValueError, match="hold_ms"):
+        apply_hold_budget_s(args)
+    result = state.apply(args, "apply-bad")
+    assert result.outcome == "refused" and "hold_ms" in result.reason and _same(state, before)
+
+
+# ---------------------------------------------------------------------------------------------------- while serving
+
+
+def test_steps_between_batches_serve_the_reference_bits(maps: dict[str, Any]) -> None:
+    state = _state(maps["a"], maps["a_path"])
+    step = _step(5)
+    reference = _forward(state, step)
+    for layer, out in zip(state.layers, reference, strict=True):  # which is the unsplit call's
+        w13, w2 = _weights(layer.layer_id)
+        assert torch.equal(out, torch_ref.unsplit(step.x, w13, w2, step.weights, step.ids))
+    finished = threading.Event()
+    waits: list[float] = []
+    mismatches: list[int] = []
+    placements_checked = []
+
+    def stepping() -> None:
+        while not finished.is_set():
+            asked = time.perf_counter()
+            with state.step_guard():
+                waits.append(time.perf_counter() - asked)
+                outs = _forward(state, step)
+                mismatches.append(sum(not torch.equal(o, r) for o, r in zip(outs, reference, strict=True)))
+                if len(placements_checked) < 5:
+                    _check_rows_hold_their_experts(state, None)
+                    placements_checked.append(True)
+
+    stepper = threading.Thread(target=stepping)
+    stepper.start()
+    try:
+        while state.step_clock.steps < 2:  # serving before the apply
+            time.sleep(0.001)
+        # idle_s long: on this busy box a step may take a while to come; the engine is never idle here
+        stats = _swap(state, maps, hold_budget_s=0.0, idle_s=5.0)
+    finally:
+        finished.set()
+        stepper.join(10)
+    assert stats.batches == _plan_rows(maps) > 10
+    # a step ended between every two batches (the clock's count when each batch took the lock went up)
+    assert all(later > earlier for earlier, later in zip(stats.batch_steps, stats.batch_steps[1:], strict=False))
+    assert stats.steps_during >= stats.batches - 1
+    assert not any(mismatches) and len(mismatches) >= stats.batches and placements_checked
+    # no step waited for much more than a batch (generous slack: 2 cores shared with other work)
+    assert max(waits) < 1.0, max(waits)
+    _check_rows_hold_their_experts(state, maps["b"])
+
+
+def test_a_step_inside_a_step_does_not_wait_for_an_asking_batch(maps: dict[str, Any]) -> None:
+    """A re-entrant step (the SIGTERM handler on the main thread, mid-step) must not wait for a batch that waits
+    for the lock this very thread holds."""
+    state = _state(maps["a"], maps["a_path"])
+    state.step_clock.yield_s = 5.0
+    got_lock = threading.Event()
+
+    def batch() -> None:
+        with state.step_clock.holding(state.step_lock):
+            got_lock.set()
+
+    with state.step_guard():
+        applier = threading.Thread(target=batch)
+        applier.start()
+        while not state.step_clock._asking:
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        with state.step_guard():
+            nested = time.perf_counter() - t0
+        assert not got_lock.is_set()
+    applier.join(5)
+    assert got_lock.is_set() and nested < 1.0 and state.step_clock.steps == 1  # the nested one is no step
+
+
+# ---------------------------------------------------------------------------------------------------- the order
+
+
+@pytest.mark.parametrize("flip_first", [False, True], ids=["copies-then-flip", "flip-before-copies"])
+def test_negative_control_a_flip_before_its_copies_diverges(maps: dict[str, Any], flip_first: bool) -> None:
+    """A refresher runs right after each flip: a forward there sees what a step would see if the row map
+    landed first. In the apply's order it sees the reference bits; with the flip first, other bits."""
+    state = _state(maps["a"], maps["a_path"])
+    step = _step(9, tokens=8)  # small: a forward per flip
+    reference = _forward(state, step)
+    seen: list[bool] = []
+    for p in state.layers:
+        p.row_map_listeners.append(lambda: seen.append(all(
+            torch.equal(o, r) for o, r in zip(_forward(state, step), reference, strict=True))))
+    _internal(state, maps).run(None, flip_first=flip_first)
+    assert len(seen) >= _plan_rows(maps)
+    if flip_first:
+        assert not all(seen), "a row map flipped before its copies must send tokens to the wrong rows"
+    else:
+        assert all(seen)
+    _check_rows_hold_their_experts(state, maps["b"])  # and once the copies landed, the placement is whole
+
+
+# ---------------------------------------------------------------------------------------------------- failure
+
+
+@pytest.mark.parametrize("how", ["hook", "refresher", "prefetch"])
+def test_a_failure_in_a_later_batch_rolls_every_batch_back(maps: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                           how: str) -> None:
+    state = _state(maps["a"], maps["a_path"])
+    before = _clone(state)
+    kwargs: dict[str, Any] = {"hold_budget_s": 0.0, "idle_s": 0.0}
+    if how == "hook":
+        kwargs["fail_after_layers"] = 2
+    elif how == "refresher":
+        calls = []
+
+        def broken_later() -> None:
+            calls.append(1)
+            if len(calls) == 3:  # the third batch that touches the last layer
+                raise RuntimeError("refresher broke")
+
+        state.layers[-1].row_map_listeners.append(broken_later)
+    else:
+        real = swap._Apply._prefetch
+        prefetches = []
+
+        def broken_prefetch(self: swap._Apply) -> None:  # outside the lock, after some batches
+            prefetches.append(1)
+            if len(prefetches) == 6:
+                raise OSError("prefetch broke")
+            real(self)
+
+        monkeypatch.setattr(swap._Apply, "_prefetch", broken_prefetch)
+    with pytest.raises(swap.SwapFailed) as failed:
+        _swap(state, maps, **kwargs)
+    assert failed.value.rolled_back and "rolled back" in str(failed.value)
+    assert failed.value.stats.batches > 3 and failed.value.stats.rows > 3
+    assert _same(state, before), "every batch's rows and row-map entries must be back"
+    assert state.emap is maps["a"]
+    _check_rows_hold_their_experts(state, maps["a"])
