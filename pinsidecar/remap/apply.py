@@ -113,11 +113,15 @@ class ApplyAnswer:
     purpose: str = "candidate"  # "candidate" or "rollback"
     map_hash: str = ""  # the map asked for
     served_hash: str = ""  # what the stats report after the answer
-    seconds: float = 0.0  # the hook's: how long it held the engine's step (serving stood still)
+    seconds: float = 0.0  # the hook's: the step lock held, summed over its batches (serving stood still that long)
     wait_s: float = 0.0  # the daemon's: from dropping the request to reading the answer
     rows: int = 0
     bytes_moved: int = 0
     layers: int = 0
+    batches: int = 0  # the hook's batches between steps; the longest one is the longest a step waited
+    hold_max_s: float = 0.0
+    wall_s: float = 0.0  # the hook's: first batch to last, steps in between included
+    link_GBps: float = 0.0  # bytes moved over the time the copies took
     at: str = ""
 
     @property
@@ -133,7 +137,9 @@ def classify_answer(result: ApplyResult, stats: StatsSnapshot, *, map_hash: str,
     """Read the hook's answer. An ``applied`` that the stats contradict (another hash) counts as ``failed``: the
     daemon cannot tell which map serves, and only the reboot fallback makes that certain again."""
     base = {"purpose": purpose, "map_hash": map_hash, "served_hash": stats.map_hash, "wait_s": round(wait_s, 3),
-            "seconds": round(result.seconds, 6), "layers": result.layers}
+            "seconds": round(result.seconds, 6), "layers": result.layers, "batches": result.batches,
+            "hold_max_s": round(result.hold_max_s, 6), "wall_s": round(result.wall_s, 6),
+            "link_GBps": round(result.link_GBps, 3)}
     if boot_before is not None and stats.boot_id != boot_before:
         return ApplyAnswer("engine_died", f"the engine restarted during the apply (boot {boot_before} -> "
                            f"{stats.boot_id})", **base)
@@ -185,5 +191,6 @@ def apply_summary(remap_id: str, state: str, apply: dict[str, Any]) -> dict[str,
     return {"remap": remap_id, "remap_state": state, "in_place": apply.get("in_place"),
             "outcome": apply.get("outcome"), "reason": apply.get("reason"), "result": first.get("result"),
             "seconds": first.get("seconds"), "wait_s": first.get("wait_s"), "at": first.get("at"),
+            "batches": first.get("batches"), "hold_max_s": first.get("hold_max_s"), "link_GBps": first.get("link_GBps"),
             "rows": first.get("rows") or plan.get("rows"), "bytes_moved": first.get("bytes_moved") or
             plan.get("bytes_moved"), "planned_rows": plan.get("rows"), "requests": len(requests)}
