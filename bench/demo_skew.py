@@ -5,6 +5,10 @@ domains' hot sets overlap by <= 50 %. Run ``python bench/demo_skew.py [--model D
 without ``--model`` it builds the demo model (seed 0) in a temporary directory. ``--engine transformers`` (default)
 needs no vLLM; ``--engine vllm`` boots vLLM CPU in this process and counts the top-k of every router's logits with a
 forward hook on each ``mlp.gate`` (greedy decoding, EOS ignored, prefix caching off), as a cross-check.
+``--router calibrated`` builds the model with the router calibrated to the reference skew; for every model the
+held-out figures add ``cold_rate``: per domain, the cold-selection rate of the map from its training prompts with
+23 % of the experts cold (the figure that router is set by), and ``cross_cold_rate``, the same map on the other
+domain's held-out prompts (what drift detection sees).
 """
 
 from __future__ import annotations
@@ -66,11 +70,20 @@ def vllm_routing_counts(model: Path, prompt_sets: dict[str, list[str]], gen_toke
 
 def main(argv: list[str] | None = None) -> int:
     from pinsidecar import log
-    from pinsidecar.demo.model import DOMAINS, build_demo_model, load_prompts, routing_counts, skew_figures
+    from pinsidecar.demo.model import (
+        DOMAINS,
+        ROUTERS,
+        build_demo_model,
+        cold_selection_rate,
+        load_prompts,
+        routing_counts,
+        skew_figures,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="an existing demo model directory (default: build one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--router", choices=ROUTERS, default="zipf", help="router of the model built (not with --model)")
     ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     ap.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens generated per prompt (max_tokens)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
@@ -78,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     log.configure("warning")  # logs to stderr; stdout carries only the JSON
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or build_demo_model(Path(tmp) / "demo", seed=args.seed)
-        result: dict[str, Any] = {"model": str(args.model or f"demo seed {args.seed}"), "engine": args.engine,
+        model = args.model or build_demo_model(Path(tmp) / "demo", seed=args.seed, router=args.router)
+        result: dict[str, Any] = {"model": str(args.model or f"demo seed {args.seed}, router {args.router}"),
+                                  "engine": args.engine,
                                   "gen_tokens": args.gen_tokens, "hot_fraction": 0.25,
                                   "command": "python bench/demo_skew.py " + " ".join(argv or sys.argv[1:])}
         t0 = time.perf_counter()
@@ -96,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             figures.pop("hot_sets")
             figures["selections"] = {d: int(c.sum()) for d, c in per_domain.items()}
             result[split] = figures
+        other = dict(zip(DOMAINS, DOMAINS[::-1], strict=True))
+        result["heldout"]["cold_rate"] = {
+            d: float(cold_selection_rate(counts[("train", d)], counts[("heldout", d)]).mean()) for d in DOMAINS}
+        result["heldout"]["cross_cold_rate"] = {
+            d: float(cold_selection_rate(counts[("train", d)], counts[("heldout", other[d])]).mean()) for d in DOMAINS}
         result["seconds"] = round(time.perf_counter() - t0, 2)
     text = json.dumps(result, indent=2)
     print(text)

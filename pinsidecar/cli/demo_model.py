@@ -1,6 +1,7 @@
 """``pinsidecar demo-model DIR``: write the deterministic tiny Qwen3-MoE that CI, tests and the demo run on, or the
 same routing design at another geometry (``--hidden 2048 --experts 128 --top-k 8 --expert-intermediate 768
---layers 16``: a model large enough for experts to dominate, which the GPU lane builds on the device)."""
+--layers 16``: a model large enough for experts to dominate, which the GPU lane builds on the device), with the
+designed router or one calibrated to the reference deployment's skew (``--router calibrated``)."""
 
 from __future__ import annotations
 
@@ -30,16 +31,22 @@ __all__ = ["register"]
               help="Store the routed experts quantized (FP8 with 128x128 block scales, or GPTQ int4 with groups of "
                    "128); the rest stays in --dtype. Needs hidden and expert intermediate sizes that are multiples "
                    "of 128.")
+@click.option("--router", type=click.Choice(["zipf", "calibrated"]), default="zipf", show_default=True,
+              help="zipf: the designed router (the toy's skew). calibrated: the same router with its gains set at "
+                   "build time so that a usage map with 23 % of the experts cold sees about 1.55 % cold selections "
+                   "on held-out prompts (the reference deployment's figure).")
 @json_option
 @handle_errors
 def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers: int | None, experts: int | None,
-               top_k: int | None, expert_intermediate: int | None, dtype: str, quant: str, as_json: bool) -> None:
+               top_k: int | None, expert_intermediate: int | None, dtype: str, quant: str, router: str,
+               as_json: bool) -> None:
     """Write a tiny Qwen3-MoE (4 layers, 64 experts, top-8) with skewed, domain-dependent routing to OUT_DIR.
 
     Prompt fixtures for its two domains ship with the package (code.jsonl, prose.jsonl and held-out sets). The
     geometry options build the same routing design at another size (attention heads of 128 from hidden 512 up);
     without them the model is byte for byte the tiny default. --quant writes the quantized twin of a geometry
     (e.g. --hidden 256 --expert-intermediate 128 --quant fp8-block): the same router, so the same routing.
+    --router calibrated keeps everything but the routers' gains, so placement figures see the reference skew.
     """
     from pinsidecar.demo.model import (
         DEFAULT_GEOMETRY,
@@ -56,7 +63,7 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
         expert_intermediate=expert_intermediate or d.expert_intermediate, dtype=dtype)
     try:
         path = build_demo_model(out_dir, seed=seed, force=force, geometry=geometry,
-                                quant=None if quant == "none" else quant)
+                                quant=None if quant == "none" else quant, router=router)
     except DemoModelError as exc:
         raise UserError(str(exc)) from exc
     config = json.loads((path / "config.json").read_text())
@@ -72,13 +79,15 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
         "expert_intermediate": config["moe_intermediate_size"],
         "dtype": config["torch_dtype"],
         "quant": quant,
+        "router": router,
         "vocab_size": config["vocab_size"],
         "fixtures": {name: str(fixture_path(name)) for name in
                      ("code", "prose", "code_heldout", "prose_heldout")},
     }
     emit(payload, as_json, lambda p: (
         f"wrote demo model to {p['path']} ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
-        f"seed {p['seed']}{'' if p['quant'] == 'none' else ', experts ' + p['quant']}, sha256 {p['digest'][:12]})\n"
+        f"seed {p['seed']}{'' if p['quant'] == 'none' else ', experts ' + p['quant']}"
+        f"{'' if p['router'] == 'zipf' else ', router ' + p['router']}, sha256 {p['digest'][:12]})\n"
         + "\n".join(f"  workload {k}: {v}" for k, v in p["fixtures"].items())))
 
 

@@ -31,6 +31,27 @@ bytes; tests pin them). Any other geometry draws its expert weights with torch, 
 checkpoint is written in seconds there, where numpy would take minutes), and is written in one safetensors shard
 per layer with an index; the same seed gives the same bytes on the same kind of device.
 
+**Calibrated router** (``router="calibrated"``; ``pinsidecar demo-model DIR --router calibrated``, with any geometry
+and ``--quant``): one lane with the reference deployment's skew, so that placement figures measured on the demo
+model say how a placement does at that skew, not at the toy's. The designed (``zipf``, default) router is
+top-heavy but has a fat tail: with 23 % of the experts cold, a usage map built on a domain's training prompts sees
+4.5 % cold selections on its held-out prompts (seed 0, tiny geometry; 6.5 % code, 2.6 % prose), where the reference
+sees 1.55 % (bench/placement.py's ``CALIBRATION``, :data:`CALIBRATED_COLD_RATE` at
+:data:`CALIBRATED_COLD_FRACTION`). The calibrated router is the same router with each layer's domain and bias
+weights multiplied by one gain, set at build time by a bisection on the router logits alone (no forward pass; see
+:class:`_RouterCalibration` for the proxy of the router inputs, prompts plus their greedy continuations) so that the
+map sees that figure, averaged over the two domains, for the geometry being built (its experts and top-k). Every
+other tensor is the zipf model's (same seed, same draws), so the domains still route differently and drift still
+shows; the gains and the proxy's figures are recorded under ``router`` in ``pinsidecar_demo.json`` (absent: zipf).
+Measured with :func:`routing_counts` (16 generated tokens, seed 0), held-out cold rate at 23 % cold, mean of the two
+domains (code / prose): tiny geometry 1.65 % (2.7 / 0.6 %); hidden 512, 64 experts, top-8, 4 layers 1.90 % (2.7 /
+1.1 %); hidden 512, 128 experts, top-8, 4 layers 2.20 % (3.0 / 1.4 %); the same with expert intermediate 64 and 16
+layers 1.99 % (2.4 / 1.5 %). The proxy reproduces the prompt tokens' figure (1.50 % vs 1.50 % tiny, 2.32 % vs 2.42 %
+at 128 experts); what it misses is in the generated tokens, and grows with the experts. Drift still shows: a code
+map sees 15 %, 4 %, 10 % and 12 % cold selections on prose traffic at those geometries, a prose map 9 %, 8.5 %, 11 %
+and 14 % on code. At the GPU lane's geometry the calibration takes about 20 s of CPU (0.5 GB) and sets gains of
+1.44-1.69, as at hidden 512 with 128 experts (1.39-1.68); no forward pass measured it there.
+
 **Quantized twins** (``--quant fp8-block`` / ``--quant gptq-int4``, :mod:`pinsidecar.demo.quant`): the same model
 (same seed, same geometry, same router) with its routed experts stored quantized in the layout vLLM loads for real
 FP8-block and GPTQ checkpoints; everything else stays bf16, so the routing is the unquantized model's.
@@ -56,14 +77,18 @@ import numpy as np
 import structlog
 
 __all__ = [
+    "CALIBRATED_COLD_FRACTION",
+    "CALIBRATED_COLD_RATE",
     "DEFAULT_GEOMETRY",
     "DEMO_FORMAT_VERSION",
     "DOMAINS",
+    "ROUTERS",
     "DemoModelError",
     "DemoModelExistsError",
     "Geometry",
     "SkewFigures",
     "build_demo_model",
+    "cold_selection_rate",
     "fixture_path",
     "load_prompts",
     "routing_counts",
@@ -113,6 +138,17 @@ ZIPF_EXPONENT = 0.8
 LM_HEAD_DOMAIN_GAIN = 1.0  # LM head weight on the domain coordinate, times the token's domain score
 EXPERT_IN_STD = 1.0 / math.sqrt(HIDDEN)
 EXPERT_OUT_STD = 0.05
+
+# Router kinds (module docstring): ``zipf`` is the designed router above, as it always was; ``calibrated`` is the same
+# router with each layer's domain and bias weights multiplied by a gain set at build time so that the usage map sees
+# the reference deployment's cold-selection rate (bench/placement.py's CALIBRATION: 1.55 % of selections land on the
+# 89 of 384 experts, 23 %, that the map leaves cold).
+ROUTERS = ("zipf", "calibrated")
+CALIBRATED_COLD_FRACTION = 89 / 384
+CALIBRATED_COLD_RATE = 0.0155
+CALIBRATION_GAIN_RANGE = (1 / 16, 64.0)  # bisection bounds on the gain; 1 is the zipf router
+CALIBRATION_STEPS = 30
+CALIBRATION_GEN_TOKENS = 16  # routing_counts' default: tokens per prompt the calibrated traffic routes
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -305,6 +341,142 @@ def _plan_layer(rng: np.random.Generator, geo: Geometry = DEFAULT_GEOMETRY) -> _
     return _LayerPlan(shared=shared, hot=hot)
 
 
+def cold_selection_rate(map_counts: np.ndarray, counts: np.ndarray,
+                        cold_fraction: float = CALIBRATED_COLD_FRACTION) -> np.ndarray:
+    """Per layer: the fraction of ``counts``' selections that land on the experts a usage map built from
+    ``map_counts`` leaves cold, i.e. its ``round(cold_fraction * experts)`` least-selected (ties go cold by higher
+    expert id, as in bench/placement.py's calibration). Both are ``[layers, experts]`` (or one layer's row).
+
+    This is the figure the ``calibrated`` router is set by: what a placement that keeps the map's hot experts in
+    GPU memory pays in host-memory selections on other traffic.
+    """
+    map_counts, counts = np.atleast_2d(map_counts), np.atleast_2d(counts)
+    num_experts = map_counts.shape[1]
+    cold = round(cold_fraction * num_experts)
+    if cold <= 0:
+        return np.zeros(map_counts.shape[0])
+    cold_ids = np.argsort(-map_counts, axis=1, kind="stable")[:, num_experts - cold:]
+    return np.take_along_axis(counts, cold_ids, axis=1).sum(axis=1) / np.maximum(1, counts.sum(axis=1))
+
+
+def _rms_normed(h: np.ndarray) -> np.ndarray:
+    return h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + 1e-6)
+
+
+def _with_context(embedded: np.ndarray, upto: int) -> np.ndarray:
+    """Proxy of the residual stream after the attention of layers ``0..upto``: each adds its gain times the prefix's
+    mean normalised domain coordinate, attention taken as exactly uniform over the prefix (its q/k norms are small)."""
+    h = embedded.copy()
+    for layer in range(min(upto + 1, len(ATTN_DOMAIN_GAIN))):
+        if ATTN_DOMAIN_GAIN[layer]:
+            dom = _rms_normed(h)[:, DOMAIN_DIM]
+            h[:, DOMAIN_DIM] += ATTN_DOMAIN_GAIN[layer] * np.cumsum(dom) / np.arange(1, len(dom) + 1)
+    return h
+
+
+class _RouterCalibration:
+    """Sets each layer's ``calibrated`` router gain at build time, on the router logits alone (no forward pass).
+
+    A router's input is dominated by the domain and bias coordinates, which only the embedding and the attention's
+    domain term write, and by the embedding's content coordinates, which the small expert and attention outputs
+    barely move. So it is approximated as the embedding (in the model dtype) plus the attention's domain term
+    (:func:`_with_context`), RMS-normalised, for the tokens :func:`routing_counts` routes on the shipped fixtures:
+    each prompt and the first ``CALIBRATION_GEN_TOKENS - 1`` tokens of its greedy continuation. The continuation
+    is decoded on the same proxy through the LM head; it is not the model's text token for token, but it is as
+    in-domain, and generated tokens route to the hot experts far more than prompt tokens do, so leaving them out
+    would set the gain for another traffic mix (measured: half the cold rate at 16 generated tokens per prompt).
+
+    The router's weights split into a structured part (domain and bias columns) and the random rest, so the logits
+    at gain ``g`` are ``rest + g * structured``: each bisection step is one add and one top-k. The target is the
+    calibration as defined: per domain, the usage map from its training prompts, measured on its held-out prompts,
+    averaged over the two domains; the cold rate falls as the gain rises (the designed hot sets pull harder against
+    the noise), so a bisection on log(gain) finds it.
+    """
+
+    def __init__(self, tok: Any, geo: Geometry) -> None:
+        self.geo = geo
+        self.ids = {(split, d): [tok.encode(row["prompt"]).ids for row in load_prompts(d + suffix)]
+                    for split, suffix in (("train", ""), ("heldout", "_heldout")) for d in DOMAINS}
+        self.embed = np.zeros((0, geo.hidden), dtype=np.float32)
+        self.inputs: dict[int, dict[tuple[str, str], np.ndarray]] = {}
+        self.gains: list[float] = []
+        self.rates: list[float] = []
+
+    def start(self, embed: np.ndarray, lm_head: np.ndarray) -> None:
+        """Take the embedding and LM head as they will be saved (the model dtype) and decode the continuations."""
+        import torch
+
+        dtype = getattr(torch, self.geo.dtype)
+        self.embed = torch.from_numpy(embed).to(dtype).float().numpy()
+        head = torch.from_numpy(lm_head).to(dtype).float().numpy()
+        seqs = [seq for key in self.ids for seq in self.ids[key]]
+        for _ in range(CALIBRATION_GEN_TOKENS - 1):  # greedy, batched over every prompt; EOS ignored as vLLM's is
+            last = np.stack([_with_context(self.embed[seq], self.geo.layers - 1)[-1] for seq in seqs])
+            for seq, token in zip(seqs, np.argmax(_rms_normed(last) @ head.T, axis=1), strict=True):
+                seq.append(int(token))
+        self.inputs = {}
+
+    def _router_inputs(self, layer: int) -> dict[tuple[str, str], np.ndarray]:
+        nonzero = [i for i, g in enumerate(ATTN_DOMAIN_GAIN) if g and i <= layer]
+        upto = nonzero[-1] if nonzero else -1  # layers after the last attention domain term see the same inputs
+        if upto not in self.inputs:
+            self.inputs = {upto: {key: _rms_normed(np.concatenate([_with_context(self.embed[seq], upto)
+                                                                   for seq in seqs]))
+                                  for key, seqs in self.ids.items()}}
+        return self.inputs[upto]
+
+    def calibrate(self, layer: int, gate: np.ndarray) -> float:
+        """The gain for this layer's zipf router weights ``gate``."""
+        x = self._router_inputs(layer)
+        cols = [DOMAIN_DIM, BIAS_DIM]
+        rest = gate.copy()
+        rest[:, cols] = 0.0
+        base = {key: v @ rest.T for key, v in x.items()}
+        structured = {key: v[:, cols] @ gate[:, cols].T for key, v in x.items()}
+        k, n = self.geo.top_k, gate.shape[0]
+
+        def counts(key: tuple[str, str], g: float) -> np.ndarray:
+            top = np.argpartition(-(base[key] + g * structured[key]), k - 1, axis=1)[:, :k]
+            return np.bincount(top.reshape(-1), minlength=n)
+
+        def rate(g: float) -> float:
+            return float(np.mean([cold_selection_rate(counts(("train", d), g), counts(("heldout", d), g))[0]
+                                  for d in DOMAINS]))
+
+        lo, hi = (math.log(b) for b in CALIBRATION_GAIN_RANGE)
+        if rate(math.exp(hi)) > CALIBRATED_COLD_RATE:  # cannot get that cold: the strongest pull allowed
+            lo = hi
+        elif rate(math.exp(lo)) < CALIBRATED_COLD_RATE:
+            hi = lo
+        for _ in range(CALIBRATION_STEPS if lo < hi else 0):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if rate(math.exp(mid)) > CALIBRATED_COLD_RATE else (lo, mid)
+        gain = math.exp((lo + hi) / 2)
+        self.gains.append(gain)
+        self.rates.append(rate(gain))
+        return gain
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": "calibrated", "cold_fraction": CALIBRATED_COLD_FRACTION,
+                "target_cold_rate": CALIBRATED_COLD_RATE, "gen_tokens": CALIBRATION_GEN_TOKENS,
+                "gains": self.gains, "proxy_cold_rate": self.rates}
+
+
+def _replayed_lm_head(seed: int, scores: np.ndarray, geo: Geometry) -> np.ndarray:
+    """The LM head the build draws last, drawn ahead by replaying the build's numpy draws (the calibration decodes
+    through it before the first router is written; the calibrated model keeps every zipf tensor but the routers)."""
+    rng = np.random.default_rng(seed)
+    experts = _ExpertSource(seed, geo, rng)
+    _embedding(rng, geo, scores)
+    for layer in range(geo.layers):
+        if geo.is_default:  # _weights: numpy experts drawn after each layer's dense part
+            _layer_dense(rng, geo, layer, "", None)
+            experts.numpy_layer("")
+        else:  # _write_sharded: experts come from torch
+            _layer_dense(rng, geo, layer, "", experts)
+    return _head(rng, geo, scores)["lm_head.weight"]
+
+
 class _ExpertSource:
     """Where the routed experts' weights come from: numpy (the default geometry, byte for byte as always) or torch
     (any other geometry: fast, on CUDA when available). ``layer(i)`` yields ``(name, float32 array-like)``."""
@@ -354,9 +526,11 @@ class _ExpertSource:
         return out
 
 
-def _layer_dense(rng: np.random.Generator, geo: Geometry, layer: int, prefix: str,
-                 experts: _ExpertSource | None) -> tuple[dict[str, np.ndarray], _LayerPlan]:
-    """One layer's attention, norms and router (numpy), and its experts when ``experts`` draws them with numpy."""
+def _layer_dense(rng: np.random.Generator, geo: Geometry, layer: int, prefix: str, experts: _ExpertSource | None,
+                 calibration: _RouterCalibration | None = None) -> tuple[dict[str, np.ndarray], _LayerPlan]:
+    """One layer's attention, norms and router (numpy). With ``calibration`` the router's domain and bias weights
+    are scaled by the calibrated gain; the random draws are the same either way, so every other tensor is the
+    zipf model's."""
     hidden, heads, kv_heads, head_dim = geo.hidden, geo.heads, geo.kv_heads, geo.head_dim
     in_std = 1.0 / math.sqrt(hidden)
     out_std = EXPERT_OUT_STD if experts is None else experts.out_std
@@ -395,21 +569,26 @@ def _layer_dense(rng: np.random.Generator, geo: Geometry, layer: int, prefix: st
     zipf = _zipf(geo.domain_hot)
     gate[plan.hot["code"], DOMAIN_DIM] = ROUTER_DOMAIN_GAIN * zipf
     gate[plan.hot["prose"], DOMAIN_DIM] = -ROUTER_DOMAIN_GAIN * zipf
+    if calibration is not None:
+        gate[:, [DOMAIN_DIM, BIAS_DIM]] *= calibration.calibrate(layer, gate)
     t[p + "mlp.gate.weight"] = gate
     return t, plan
 
 
-def _weights(seed: int, scores: np.ndarray) -> tuple[dict[str, np.ndarray], list[_LayerPlan]]:
+def _weights(seed: int, scores: np.ndarray, calibration: _RouterCalibration | None = None
+             ) -> tuple[dict[str, np.ndarray], list[_LayerPlan]]:
     """All tensors of the default geometry as float32 numpy arrays (cast to bf16 on save), and the designed
     expert sets per layer. The numpy draws come in one fixed order: the default model's bytes depend on it."""
     rng = np.random.default_rng(seed)
     geo = DEFAULT_GEOMETRY
     experts = _ExpertSource(seed, geo, rng)
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": _embedding(rng, geo, scores)}
+    if calibration is not None:
+        calibration.start(t["model.embed_tokens.weight"], _replayed_lm_head(seed, scores, geo))
     plans = []
     for layer in range(geo.layers):
         p = f"model.layers.{layer}."
-        dense, plan = _layer_dense(rng, geo, layer, p, None)
+        dense, plan = _layer_dense(rng, geo, layer, p, None, calibration)
         t.update(dense)
         plans.append(plan)
         # Experts: random; small outputs that never touch the domain and bias coordinates.
@@ -477,8 +656,8 @@ def _dump_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry,
-                   quant: str | None = None) -> list[_LayerPlan]:
+def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry, quant: str | None = None,
+                   calibration: _RouterCalibration | None = None) -> list[_LayerPlan]:
     """Any non-default geometry: one safetensors shard per layer (experts from torch) plus one for the embedding,
     norm and head, and the index that names each tensor's shard. With ``quant``, the routed experts are stored
     quantized from exactly the weights the unquantized model has (:mod:`pinsidecar.demo.quant`)."""
@@ -506,10 +685,12 @@ def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry,
         weight_map.update(dict.fromkeys(as_torch, name))
 
     embed = _embedding(rng, geo, scores)
+    if calibration is not None:
+        calibration.start(embed, _replayed_lm_head(seed, scores, geo))
     plans = []
     for layer in range(geo.layers):
         p = f"model.layers.{layer}."
-        dense, plan = _layer_dense(rng, geo, layer, p, experts)
+        dense, plan = _layer_dense(rng, geo, layer, p, experts, calibration)
         plans.append(plan)
         write(layer, {**dense, **experts.torch_layer(layer, p)})
     write(geo.layers, {"model.embed_tokens.weight": embed, **_head(rng, geo, scores)})
@@ -517,19 +698,21 @@ def _write_sharded(tmp: Path, seed: int, scores: np.ndarray, geo: Geometry,
     return plans
 
 
-def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY, quant: str | None = None) -> None:
+def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY, quant: str | None = None,
+                 router: str = "zipf") -> None:
     import torch
     from safetensors.torch import save_file
 
     tok = _train_tokenizer()
     eos_id = tok.token_to_id(EOS_TOKEN)
     scores = _token_domain_scores(tok)
+    calibration = _RouterCalibration(tok, geo) if router == "calibrated" else None
     if geo.is_default:
-        tensors, plans = _weights(seed, scores)
+        tensors, plans = _weights(seed, scores, calibration)
         save_file({k: torch.from_numpy(v).to(torch.bfloat16).contiguous() for k, v in tensors.items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
     else:
-        plans = _write_sharded(tmp, seed, scores, geo, quant)
+        plans = _write_sharded(tmp, seed, scores, geo, quant, calibration)
     tmp.joinpath("tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     _dump_json(tmp / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -561,13 +744,15 @@ def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY, quant: 
     }
     if not geo.is_default:  # the default model's file stays byte for byte what it always was
         info["geometry"] = geo.as_dict()
+    if calibration is not None:  # absent means the zipf router (the default model's file stays as it was)
+        info["router"] = calibration.as_dict()
     if quant:  # the experts' format; the unquantized twin (same seed and geometry) routes identically
         info["quant"] = {"method": quant, "quantization_config": config["quantization_config"]}
     _dump_json(tmp / "pinsidecar_demo.json", info)
 
 
 def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
-                     geometry: Geometry = DEFAULT_GEOMETRY, quant: str | None = None) -> Path:
+                     geometry: Geometry = DEFAULT_GEOMETRY, quant: str | None = None, router: str = "zipf") -> Path:
     """Write the demo model to ``out_dir`` and return it; the same seed always gives the same bytes (for a
     non-default ``geometry``: on the same kind of device, see the module docstring).
 
@@ -575,9 +760,12 @@ def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
     quantized; it needs hidden and expert intermediate sizes that are multiples of 128, so never the default
     geometry. The model is built in a temporary directory beside ``out_dir`` and renamed into place, so a crash
     never leaves half a model. An existing non-empty ``out_dir`` is refused unless ``force`` (then it is replaced
-    whole).
+    whole). ``router="calibrated"`` sets the routers' gains for the reference deployment's skew (module docstring);
+    everything else is the ``zipf`` model's, and the kind and gains are recorded in ``pinsidecar_demo.json``.
     """
     geometry.check()
+    if router not in ROUTERS:
+        raise DemoModelError(f"unknown demo-model router {router!r}; use one of {', '.join(ROUTERS)}")
     if quant:
         from pinsidecar.demo.quant import geometry_problems
 
@@ -597,10 +785,10 @@ def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
         raise DemoModelError(f"cannot create {out_dir}: {exc.strerror}; check the path and its permissions") from exc
     old: Path | None = None
     try:
-        if geometry.is_default:  # never quantized: refused above
+        if geometry.is_default and router == "zipf":  # never quantized: refused above
             _write_model(tmp, seed)
         else:
-            _write_model(tmp, seed, geometry, quant)
+            _write_model(tmp, seed, geometry, quant, router)
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
@@ -614,7 +802,7 @@ def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    log.info("demo model written", path=str(out_dir), seed=seed)
+    log.info("demo model written", path=str(out_dir), seed=seed, router=router)
     return out_dir
 
 
