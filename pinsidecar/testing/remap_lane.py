@@ -32,11 +32,18 @@ import httpx
 from pinsidecar.demo.sidecar import SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
 from pinsidecar.testing.streaming import LoadResult, load_during
 
-__all__ = ["HOT_ROWS", "OTHER_HOT_ROWS", "LaneMap", "RemapLane", "domain_prompts", "lane_maps"]
+__all__ = ["HOT_ROWS", "LANE_CHANGES", "OTHER_HOT_ROWS", "LaneMap", "RemapLane", "domain_prompts", "dump_toml",
+           "lane_maps", "load_lane_maps"]
 
 HOT_ROWS = 48  # the demo's geometry (pinsidecar.demo.loop.DEFAULT_HOT_ROWS)
 OTHER_HOT_ROWS = 56  # another geometry: the hot tensor changes shape, so only a reboot deploys it
 EVENT_LIMIT_S = 900.0  # a boot on a loaded 2-core box can take minutes
+# The lane's changes to the demo's config (remaps on demand, see the module docstring); ``overrides`` go over them.
+LANE_CHANGES: dict[str, dict[str, Any]] = {
+    "remap": {"source": "live", "verify_timeout_s": 120},
+    "drift": {"cooldown_s": 0, "auto_remap": False, "max_remaps_per_day": 100},
+}
+LANE_NEW_KEYS = {"auto_remap", "max_remaps_per_day"}  # keys the demo's config leaves at their defaults
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,11 @@ class LaneMap:
 def lane_maps(model_dir: Path, maps: Path, hot_rows: tuple[int, ...] = (HOT_ROWS, OTHER_HOT_ROWS)
               ) -> dict[str, LaneMap]:
     """``{"code": ..., "prose": ..., "code-56": ..., "prose-56": ...}``: usage maps of each domain's training
-    prompts, the counts beside each (the drift watch's reference)."""
+    prompts, the counts beside each (the drift watch's reference). The first of ``hot_rows`` is the lane's own
+    geometry (labelled by the domain alone), the others ``<domain>-<hot rows>``. The model's geometry (layers,
+    experts, top-k) is whatever its ``config.json`` says; the routing runs the whole model under transformers on
+    the CPU, in float32: seconds for the demo model, too much for a large one (give :func:`load_lane_maps`
+    prebuilt maps there)."""
     from pinsidecar.demo.model import DOMAINS, load_prompts, routing_counts
     from pinsidecar.placement import build_usage_map
     from pinsidecar.remap.candidates import counts_path_for
@@ -62,13 +73,51 @@ def lane_maps(model_dir: Path, maps: Path, hot_rows: tuple[int, ...] = (HOT_ROWS
         rows = routing_counts(model_dir, load_prompts(domain))
         counts = counts_from(rows, top_k=geo["num_experts_per_tok"], workload=domain)
         for hot in hot_rows:
-            label = domain if hot == HOT_ROWS else f"{domain}-{hot}"
+            label = domain if hot == hot_rows[0] else f"{domain}-{hot}"
             emap = build_usage_map([counts], hot, label=label)
             path = maps / f"{label}.json"
             counts.save(counts_path_for(path))
             emap.save(path)
             out[label] = LaneMap(path, emap.content_hash, label)
     return out
+
+
+def load_lane_maps(maps: Path) -> dict[str, LaneMap]:
+    """Prebuilt lane maps in ``maps`` (``code.json``, ``prose.json``, ``prose-<H>.json``, ... each with its counts
+    beside it, as :func:`lane_maps` writes them), keyed by file stem: for a model whose routing is too big to run
+    under transformers here (a GPU lane's). A map without its counts is refused: the drift watch needs them."""
+    from pinsidecar_hook.contract import load_map
+
+    from pinsidecar.remap.candidates import COUNTS_SUFFIX, counts_path_for
+
+    out: dict[str, LaneMap] = {}
+    for path in sorted(maps.glob("*.json")):
+        if path.name.endswith(COUNTS_SUFFIX):
+            continue
+        if not counts_path_for(path).is_file():
+            raise FileNotFoundError(f"{path}: no counts beside it ({counts_path_for(path).name})")
+        out[path.stem] = LaneMap(path, load_map(path).content_hash, path.stem)
+    return out
+
+
+def dump_toml(doc: dict[str, Any]) -> str:
+    """``doc`` (tables of plain keys: strings, numbers, booleans, lists, flat dicts) as TOML: what the lane's
+    config needs, without a TOML writer dependency. Strings are written with JSON's escapes (a subset of TOML's)."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
+        return json.dumps(str(v))
+
+    lines: list[str] = []
+    for table, keys in doc.items():
+        lines += [f"[{table}]", *(f"{k} = {value(v)}" for k, v in keys.items()), ""]
+    return "\n".join(lines)
 
 
 def domain_prompts(domain: str) -> list[str]:
@@ -80,15 +129,20 @@ def domain_prompts(domain: str) -> list[str]:
 
 @dataclass
 class RemapLane:
-    """One daemon on the CPU demo lane (see the module docstring). ``engine_env`` goes into ``[engine] env``."""
+    """One daemon on the CPU demo lane (see the module docstring). ``engine_env`` goes into ``[engine] env``;
+    ``overrides`` (TOML table -> keys) go over the demo's config and the lane's changes to it, last: the heal
+    scenario turns automatic remaps on there, and a GPU lane gives its engine keys (``enforce_eager = false``,
+    ``dtype``, ``extra_args``, ...) that the CPU demo's config does not have."""
 
     tmp: Path
     model_dir: Path
     boot_map: Path
     engine_env: dict[str, str] = field(default_factory=dict)
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     ports: DemoPorts | None = None
     sidecar: Sidecar | None = None
     starts: int = 0
+    killed_at: float | None = None  # wall clock of the last kill_engine's SIGKILL
 
     @property
     def state_dir(self) -> Path:
@@ -101,6 +155,7 @@ class RemapLane:
 
     def _config(self) -> Path:
         from pinsidecar.engine import free_port
+        from pinsidecar.schema import read_toml
 
         if self.ports is None:
             taken = [free_port()]
@@ -109,16 +164,17 @@ class RemapLane:
             self.ports = DemoPorts(*taken)
         path = demo_config(self.tmp / "pinsidecar.toml", model_dir=self.model_dir, map_path=self.boot_map,
                            run_dir=self.tmp, ports=self.ports)
-        text = path.read_text()
-        env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in sorted(self.engine_env.items()))
-        for old, new in (('source = "capture"', 'source = "live"'),
-                         ("cooldown_s = 3600", "cooldown_s = 0\nauto_remap = false\nmax_remaps_per_day = 100"),
-                         ('hook_mode = "pin"', f'hook_mode = "pin"\nenv = {{ {env} }}' if env else 'hook_mode = "pin"'),
-                         ("verify_timeout_s = 600", "verify_timeout_s = 120")):
-            if old not in text:
-                raise AssertionError(f"the demo config changed: {old!r} not in it")
-            text = text.replace(old, new, 1)
-        path.write_text(text)
+        doc = read_toml(path)
+        for table, keys in LANE_CHANGES.items():
+            missing = [k for k in keys if k not in doc.get(table, {}) and k not in LANE_NEW_KEYS]
+            if missing:  # the lane's changes assume the demo's keys: say so when the demo config moved on
+                raise AssertionError(f"the demo config changed: [{table}] has no {missing}")
+            doc[table].update(keys)
+        for table, keys in self.overrides.items():
+            doc.setdefault(table, {}).update(keys)
+        if self.engine_env:  # over the overrides' env (a GPU lane's), not instead of it
+            doc["engine"]["env"] = {**doc["engine"].get("env", {}), **self.engine_env}
+        path.write_text(dump_toml(doc), encoding="utf-8")
         return path
 
     def start(self) -> dict[str, Any]:
@@ -223,6 +279,7 @@ class RemapLane:
         """SIGKILL the engine's whole process group (vLLM's API server and its engine core), as the kernel's OOM
         killer or a crash would end it."""
         pid = int(self.status()["engine"]["pid"])
+        self.killed_at = time.time()  # the moment itself: what was in flight then is what the kill may fail
         os.killpg(pid, signal.SIGKILL)  # the engine leads its own process group
         return pid
 

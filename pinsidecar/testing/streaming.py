@@ -8,7 +8,8 @@ before a response's first chunk or between two chunks (a request held by the gat
 Every gap is also kept with its wall-clock start and end (``ClientStats.gaps``; a few hundred requests of 32 tokens
 are a few thousand small records), so a figure can ask for the longest gap *during* an event
 (:meth:`LoadResult.longest_gap`), e.g. an in-place apply, and tell gaps between two tokens of one stream from the
-wait before a stream's first token.
+wait before a stream's first token. Every request is kept too (:class:`Request`: sent, ended, outcome), so a
+figure can count requests per interval, and ``ClientStats.last_at`` says since when a client has waited.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["GAP_RECORD_S", "ClientStats", "Gap", "LoadResult", "load_during", "stream_client"]
+__all__ = ["GAP_RECORD_S", "ClientStats", "Gap", "LoadResult", "Request", "load_during", "stream_client"]
 
 PROMPTS = ("def parse(line):", "The river ran", "import os\nfor p in", "Once upon a time")
 # Gaps at least this long are kept with their times (shorter ones only count towards longest_stall_s); 0: all, so
@@ -45,6 +46,17 @@ class Gap:
 
 
 @dataclass
+class Request:
+    """One request a client sent: wall-clock ``sent`` and ``ended`` (None while in flight, and for a lost one),
+    ``outcome`` "completed" or "failed" once it ended; so a figure can count them per interval (a scenario's
+    stages) rather than only over the whole run."""
+
+    sent: float
+    ended: float | None = None
+    outcome: str | None = None
+
+
+@dataclass
 class ClientStats:
     sent: int = 0
     completed: int = 0
@@ -54,6 +66,8 @@ class ClientStats:
     tokens: int = 0
     completed_after: int = 0  # completed requests sent after the action returned
     gaps: list[Gap] = field(default_factory=list)  # every gap of GAP_RECORD_S or more, in order
+    requests: list[Request] = field(default_factory=list)  # every request sent, in order
+    last_at: float = 0.0  # wall clock of the last chunk received (or request sent): a wait in progress began here
 
 
 @dataclass
@@ -90,13 +104,16 @@ async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, s
             stats.sent += 1
             sent_after = after.is_set()
             last, last_wall = time.monotonic(), time.time()
+            req = Request(last_wall)
+            stats.requests.append(req)
+            stats.last_at = last_wall
             kind = "first"
             done = finished = False
             try:
                 async with c.stream("POST", "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
-                        stats.failed += 1
                         stats.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+                        _failed(stats, req)
                         continue
                     async for line in resp.aiter_lines():
                         if not line:  # the blank line that ends an SSE event: not a token
@@ -106,6 +123,7 @@ async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, s
                         if now - last >= GAP_RECORD_S:
                             stats.gaps.append(Gap(last_wall, wall, kind))
                         last, last_wall, kind = now, wall, "token"
+                        stats.last_at = wall
                         if not line.startswith("data: "):
                             continue
                         if line[6:] == "[DONE]":
@@ -118,22 +136,33 @@ async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, s
                         if chunk["choices"][0].get("finish_reason"):
                             finished = True
             except (httpx.HTTPError, ValueError) as exc:  # ValueError: also a JSONDecodeError
-                stats.failed += 1
                 stats.errors.append(f"{type(exc).__name__}: {exc}")
+                _failed(stats, req)
                 continue
             if done and finished:
                 stats.completed += 1
                 stats.completed_after += int(sent_after)
+                req.ended, req.outcome = time.time(), "completed"
             else:
-                stats.failed += 1
                 stats.errors.append(f"stream ended without [DONE]/finish_reason (done={done}, finished={finished})")
+                _failed(stats, req)
+
+
+def _failed(stats: ClientStats, req: Request) -> None:
+    stats.failed += 1
+    req.ended, req.outcome = time.time(), "failed"
 
 
 async def load_during(base_url: str, model: str, action: Callable[[], Awaitable[Any]], *, clients: int = 8,
-                      max_tokens: int = 32, limit_s: float = 600.0, prompts: Sequence[str] = PROMPTS) -> LoadResult:
+                      max_tokens: int = 32, limit_s: float = 600.0, prompts: Sequence[str] = PROMPTS,
+                      stats: list[ClientStats] | None = None) -> LoadResult:
     """Run ``clients`` streaming clients, await ``action`` once all of them are served, then let each be served
-    twice more and stop. Raises ``AssertionError`` when traffic never flows (before or after the action)."""
-    stats = [ClientStats() for _ in range(clients)]
+    twice more and stop. Raises ``AssertionError`` when traffic never flows (before or after the action).
+    ``stats``: the clients' records, given by a caller that reads them while the load runs (a sampler thread);
+    ``clients`` of them, empty."""
+    stats = stats if stats is not None else [ClientStats() for _ in range(clients)]
+    if len(stats) != clients:
+        raise ValueError(f"{len(stats)} ClientStats for {clients} clients")
     stop, after = asyncio.Event(), asyncio.Event()
     tasks = [asyncio.create_task(stream_client(base_url, model, i, stats[i], stop, after, max_tokens=max_tokens,
                                                prompts=prompts))
