@@ -184,8 +184,12 @@ class Gate:
         self._idle.set()
         if self._holding:
             self._open.clear()
+        # A new connection to the engine per request, never a pooled one: a request sent just after the engine
+        # died would otherwise go out on a kept-alive socket of the dead process and fail as if the engine had
+        # taken it (502), where a fresh connect() is refused, which the gate holds and retries (seen once in four
+        # heal scenarios: a request sent 12 ms after a SIGKILL). A loopback connect costs tens of microseconds.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
                                           sock_read=self.upstream_idle_timeout_s),
             auto_decompress=False,  # pass compressed bodies through byte for byte
