@@ -27,7 +27,9 @@ ALLOWED = {
     "rehome": {"vllm_seam"},
     "backends": {"vllm_seam", "contract", "kernels"},
     "count": {"vllm_seam", "contract", "flusher", "kernels"},  # kernels: the GPU count is one partition launch
-    "swap": {"contract"},  # the in-place apply works on pin mode's layers through a protocol, not pin itself
+    "swap_rows": {"contract"},  # the in-place apply works on pin mode's layers through a protocol, not pin itself
+    "swap_batches": {"contract", "swap_rows"},
+    "swap": {"contract", "swap_rows", "swap_batches"},
     "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "swap", "selfcheck"},
     "modes": {"vllm_seam", "contract", "count", "pin"},
     "plugin": {"contract", "modes"},
