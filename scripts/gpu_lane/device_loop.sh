@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The whole loop on the H200: the daemon supervising a GPU vLLM 0.26 engine, as an operator runs it. In as few
+# device calls as the steps need, resumably (like device_quant.sh): each step is skipped when an earlier call on
+# this warm machine finished it, and a step that would not fit the call's time is left for the next call.
+#
+# Steps, in order (estimates from the bf16 lane: a cold-cache boot ~100 s, a warm one ~60 s):
+#   model     the lane's bf16 model (bench/gpu_lane.py --phases model), ~30 s
+#   calmodel  the same geometry with the calibrated router (the reference skew: pinsidecar demo-model --router
+#             calibrated), ~30 s
+#   apply     bench/apply_gpu.py: an in-place apply of >= 800 rows at the reference row size under decode steps,
+#             batched vs one hold, alone on the GPU, ~120 s (not in the default list: run on 2026-12-01)
+#   guide     docs/gpu-operator.md, every bash block (scripts/gpu_lane/run_guide.py), on the calibrated model: the
+#             wheel installed beside vLLM, the config, two count boots (code, prose), the map, `pinsidecar run`
+#             with NVML, /metrics, `pinsidecar status`, the stop, ~360 s
+#   table     bench/gpu_lane.py on the lane model: off, p23, u23, u0 booted together, decode at 1/4/16 streams,
+#             3 interleaved rounds (its count boot's counts also make the scenario's maps)
+#   heal1     bench/heal_scenario.py at 1 stream on the daemon, the lane model, ~480 s
+#   heal16    the scenario again at 16 streams
+# GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
+#
+# Calls (kind nvidia-h200; each within ~30 s of the previous one's end):
+#   1. carry [".gpu_lane/c00"]: the chunk-0 call of docs/gpu-lane.md's table (timeout 300)
+#   2. carry [".gpu_lane/c01", ".gpu_lane/ctl", ".gpu_lane/extra", ".gpu_lane/wheel"]: bash scripts/gpu_lane/device_loop.sh (600)
+#   3+. no carry: bash scripts/gpu_lane/device_loop.sh (600), again while it exits 3
+# .gpu_lane/extra holds structlog and watchdog (installed into vLLM's /tmp/site), .gpu_lane/wheel this checkout's wheel
+# (pip wheel --no-deps --no-build-isolation -w .gpu_lane/wheel .), which only the guide step installs, beside it.
+# Exit: 0 all done, 3 more to do, 4 done but a step failed, 20 the install failed (send calls 1 and 2 again).
+# Under $OUT: loop.log, and per step its JSON/PNG/log; loop.tgz with the daemon and engine logs.
+set -uo pipefail
+T0=$(date +%s)
+BUDGET=${1:-585}
+STEPS=${GPU_LANE_LOOP_STEPS:-model calmodel guide table heal1 heal16}
+PACK_S=30
+L=/tmp/gl/loop  # step markers and work folders, kept while the machine is warm
+mkdir -p "$L"
+exec > >(tee "$OUT/loop.log") 2>&1
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+at() { echo "+$(( $(date +%s) - T0 )) s"; }
+declare -A EST=([model]=40 [calmodel]=60 [apply]=150 [guide]=420 [table]=480 [heal1]=500 [heal16]=500)
+
+source scripts/gpu_lane/device_install_lane.sh
+if gpu_lane_installed; then
+  source scripts/gpu_lane/device_env.sh
+  echo "== installed by an earlier call; attention backend: ${GPU_LANE_ATTENTION_BACKEND:-auto}"
+else
+  gpu_lane_install || { echo "INSTALL FAILED ($?): on a cold machine send calls 1 and 2 again"; exit 20; }
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader; free -g | head -2
+ATTN=()
+[ -n "${GPU_LANE_ATTENTION_BACKEND:-}" ] && ATTN=("--attention-backend" "$GPU_LANE_ATTENTION_BACKEND")
+WHEEL=$(ls .gpu_lane/wheel/pinsidecar-*.whl 2>/dev/null | head -1)
+OPS=/tmp/op-site   # the operator's install of the wheel, beside vLLM's /tmp/site (the device's vLLM environment)
+
+step_model() { timeout 240 python3 bench/gpu_lane.py --work "$GPU_LANE_WORK" --phases model; }
+psc() { python3 -c "from pinsidecar.cli import main; main()" "$@"; }  # the checkout's CLI (PYTHONPATH)
+CALMODEL=/tmp/gl/model-calibrated
+step_calmodel() {
+  timeout 240 psc demo-model "$CALMODEL" --hidden 2048 --experts 128 --top-k 8 \
+    --expert-intermediate 768 --layers 16 --router calibrated
+}
+
+step_apply() {
+  timeout $(( $(left) - PACK_S )) python3 bench/apply_gpu.py --out "$OUT/apply_h200.json"
+}
+
+step_guide() {
+  [ -n "$WHEEL" ] || { echo "no pinsidecar wheel in .gpu_lane/wheel (pip wheel --no-deps -w .gpu_lane/wheel .)"; return 2; }
+  rm -rf /tmp/op "$OPS"; mkdir -p /tmp/op/traffic
+  cp pinsidecar/demo/fixtures/code.jsonl pinsidecar/demo/fixtures/prose.jsonl /tmp/op/traffic/
+  local extra='"--max-num-batched-tokens", "2048", "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"'
+  [ ${#ATTN[@]} -gt 0 ] && extra="$extra, \"--attention-backend\", \"${ATTN[1]}\""
+  # Not the repository: the guide runs what the wheel installed (PYTHONPATH: vLLM's packages and the wheel's).
+  ( cd /tmp/op && env PYTHONPATH="/tmp/site:$OPS" PATH="$OPS/bin:$PATH" VLLM_PY=python3 MODEL="$CALMODEL" \
+      PS_HOME=/tmp/op WHEEL="$OLDPWD/$WHEEL" PIP_INSTALL_ARGS="--no-index --no-deps --target $OPS" \
+      EXTRA_VLLM_ARGS="$extra" HOT_ROWS=99 \
+      timeout $(( $(left) - PACK_S )) python3 "$OLDPWD/scripts/gpu_lane/run_guide.py" "$OLDPWD/docs/gpu-operator.md" \
+      --log "$OUT/guide.log" --json "$OUT/guide.json" )
+}
+
+# The scenario's maps from the table's count boot of the lane model (counts_code.json, counts_prose.json): code and
+# prose at 99 hot rows (23 % of the expert bytes in host memory), prose at 92 (another geometry: only a
+# drain-reboot can deploy it), each with its counts beside it (the drift watch's reference).
+heal_maps() {
+  local m=/tmp/gl/heal-maps c=$GPU_LANE_WORK
+  [ -f "$m/prose-92.json" ] && return 0
+  [ -f "$c/counts_prose.json" ] || { echo "no counts of the lane model: the table step makes them"; return 1; }
+  mkdir -p "$m"
+  for spec in code:99:code prose:99:prose prose:92:prose-92; do
+    IFS=: read -r counts hot label <<< "$spec"
+    psc map build "$c/counts_$counts.json" --hot-rows "$hot" --label "$label" \
+      --out "$m/$label.json" > /dev/null || return 1
+    cp "$c/counts_$counts.json" "$m/$label.counts.json"
+  done
+}
+
+step_heal() {  # $1 clients
+  heal_maps || return 1
+  local attn=""
+  [ ${#ATTN[@]} -gt 0 ] && attn=", \"--attention-backend\", \"${ATTN[1]}\""
+  # The GPU lane's engine settings (bench/gpu_lane.py engine_for) and its compile cache, which the table's u23
+  # engine filled: the scenario's first boot is a warm one.
+  cat > /tmp/gl/heal-engine.toml <<EOF
+[engine]
+enforce_eager = false
+dtype = "auto"
+kv_cache_bytes = 1073741824
+max_model_len = 1024
+extra_args = ["--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.2",
+              "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"$attn]
+env = { VLLM_CACHE_ROOT = "$GPU_LANE_WORK/vllm-cache", VLLM_USE_FLASHINFER_SAMPLER = "0" }
+EOF
+  timeout $(( $(left) - PACK_S )) python3 bench/heal_scenario.py --clients "$1" --model "$GPU_LANE_WORK/model" \
+    --maps /tmp/gl/heal-maps --hot-rows 99 --other-hot-rows 92 --engine-toml /tmp/gl/heal-engine.toml --nvml \
+    --work "/tmp/gl/heal$1" --out "$OUT/heal_h200_c$1.json" --png "$OUT/heal_h200_c$1.png"
+}
+step_heal1() { step_heal 1; }
+step_heal16() { step_heal 16; }
+
+step_table() {
+  timeout -s TERM -k 15 $(( $(left) - PACK_S )) python3 bench/gpu_lane.py --work "$GPU_LANE_WORK" --out "$OUT" \
+    --phases count,maps,engines,report --plan off,p23,u23,u0 --sweep all --reps 3 \
+    --deadline-s $(( $(left) - PACK_S - 10 ))
+}
+
+STATUS=0
+for s in $STEPS; do
+  if [ -f "$L/$s.done" ]; then echo "== $s: done in an earlier call"; continue; fi
+  if [ -f "$L/$s.failed" ] && [ -z "${GPU_LANE_RETRY:-}" ]; then echo "== $s: FAILED earlier (GPU_LANE_RETRY=1 runs it)"; continue; fi
+  if [ "$(left)" -lt $(( ${EST[$s]:-300} + PACK_S )) ]; then
+    echo "== $s: needs ~${EST[$s]:-300} s, $(left) s left: next call"; STATUS=3; break
+  fi
+  echo "== $s at $(at)"
+  "step_$s"
+  rc=$?
+  echo "== $s rc=$rc at $(at)"
+  case $rc in
+    0) touch "$L/$s.done" ;;
+    3|124|137|143) STATUS=3; break ;;
+    *) echo "$rc" > "$L/$s.failed" ;;
+  esac
+done
+tar -czf "$OUT/loop.tgz" --exclude='*.safetensors' --exclude=vllm-cache --exclude=model \
+  -C /tmp op/daemon.log op/state op/counts op/maps gl/heal1 gl/heal16 gl/heal-maps gl/logs gl/results gl/maps.json \
+  2>/dev/null || true
+FAILED=$(cd "$L" && ls -- *.failed 2>/dev/null | sed 's/\.failed$//' | tr '\n' ' ')
+if [ $STATUS -ne 0 ]; then echo "== more to do: call again (no carry) at $(at)${FAILED:+; failed: $FAILED}"
+elif [ -n "$FAILED" ]; then echo "== done at $(at), failed: $FAILED"; STATUS=4
+else echo "== all done at $(at)"; fi
+exit $STATUS
