@@ -3,18 +3,18 @@
 # device calls as the steps need, resumably (like device_quant.sh): each step is skipped when an earlier call on
 # this warm machine finished it, and a step that would not fit the call's time is left for the next call.
 #
-# Steps, in order (estimates from the bf16 lane: a cold-cache boot ~100 s, a warm one ~60 s):
+# Steps, in order of what they are worth if the device time runs out (a cold-cache boot ~100 s, a warm one ~60 s):
 #   model     the lane's bf16 model (bench/gpu_lane.py --phases model), ~30 s
+#   guide     docs/gpu-operator.md, every bash block (scripts/gpu_lane/run_guide.py), on the lane model: the wheel
+#             installed beside vLLM, the config, two count boots (code, prose), the map, `pinsidecar run` with
+#             NVML, /metrics, `pinsidecar status`, the stop, ~330 s
+#   heal1     bench/heal_scenario.py at 1 stream on the daemon, maps from the guide's count boots, ~450 s
+#   table     bench/gpu_lane.py: off, p23, u23 booted together, decode at 1/4/16 streams, 3 interleaved rounds
 #   calmodel  the same geometry with the calibrated router (the reference skew: pinsidecar demo-model --router
-#             calibrated), ~30 s
+#             calibrated), ~60 s
+#   callane   its count boot (code), its usage map at 23 %, and that map's cold rate on held-out code, ~200 s
 #   apply     bench/apply_gpu.py: an in-place apply of >= 800 rows at the reference row size under decode steps,
 #             batched vs one hold, alone on the GPU, ~120 s (not in the default list: run on 2026-12-01)
-#   guide     docs/gpu-operator.md, every bash block (scripts/gpu_lane/run_guide.py), on the calibrated model: the
-#             wheel installed beside vLLM, the config, two count boots (code, prose), the map, `pinsidecar run`
-#             with NVML, /metrics, `pinsidecar status`, the stop, ~360 s
-#   table     bench/gpu_lane.py on the lane model: off, p23, u23, u0 booted together, decode at 1/4/16 streams,
-#             3 interleaved rounds (its count boot's counts also make the scenario's maps)
-#   heal1     bench/heal_scenario.py at 1 stream on the daemon, the lane model, ~480 s
 #   heal16    the scenario again at 16 streams
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
 #
@@ -29,14 +29,14 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET=${1:-585}
-STEPS=${GPU_LANE_LOOP_STEPS:-model calmodel guide table heal1 heal16}
+STEPS=${GPU_LANE_LOOP_STEPS:-model guide heal1 table calmodel callane heal16}
 PACK_S=30
 L=/tmp/gl/loop  # step markers and work folders, kept while the machine is warm
 mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [calmodel]=60 [apply]=150 [guide]=420 [table]=480 [heal1]=500 [heal16]=500)
+declare -A EST=([model]=40 [guide]=400 [heal1]=480 [table]=450 [calmodel]=70 [callane]=200 [apply]=150 [heal16]=480)
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
@@ -70,26 +70,26 @@ step_guide() {
   local extra='"--max-num-batched-tokens", "2048", "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"'
   [ ${#ATTN[@]} -gt 0 ] && extra="$extra, \"--attention-backend\", \"${ATTN[1]}\""
   # Not the repository: the guide runs what the wheel installed (PYTHONPATH: vLLM's packages and the wheel's).
-  ( cd /tmp/op && env PYTHONPATH="/tmp/site:$OPS" PATH="$OPS/bin:$PATH" VLLM_PY=python3 MODEL="$CALMODEL" \
+  ( cd /tmp/op && env PYTHONPATH="/tmp/site:$OPS" PATH="$OPS/bin:$PATH" VLLM_PY=python3 MODEL="$GPU_LANE_WORK/model" \
       PS_HOME=/tmp/op WHEEL="$OLDPWD/$WHEEL" PIP_INSTALL_ARGS="--no-index --no-deps --target $OPS" \
       EXTRA_VLLM_ARGS="$extra" HOT_ROWS=99 \
       timeout $(( $(left) - PACK_S )) python3 "$OLDPWD/scripts/gpu_lane/run_guide.py" "$OLDPWD/docs/gpu-operator.md" \
       --log "$OUT/guide.log" --json "$OUT/guide.json" )
 }
 
-# The scenario's maps from the table's count boot of the lane model (counts_code.json, counts_prose.json): code and
-# prose at 99 hot rows (23 % of the expert bytes in host memory), prose at 92 (another geometry: only a
-# drain-reboot can deploy it), each with its counts beside it (the drift watch's reference).
+# The scenario's maps from the guide's count boots of the lane model (/tmp/op/counts): code and prose at 99 hot
+# rows (23 % of the expert bytes in host memory), prose at 92 (another geometry: only a drain-reboot can deploy
+# it), each with its counts beside it (the drift watch's reference).
 heal_maps() {
-  local m=/tmp/gl/heal-maps c=$GPU_LANE_WORK
+  local m=/tmp/gl/heal-maps c=/tmp/op/counts
   [ -f "$m/prose-92.json" ] && return 0
-  [ -f "$c/counts_prose.json" ] || { echo "no counts of the lane model: the table step makes them"; return 1; }
+  [ -f "$c/prose.counts.json" ] || { echo "no counts of the lane model: the guide step makes them"; return 1; }
   mkdir -p "$m"
   for spec in code:99:code prose:99:prose prose:92:prose-92; do
     IFS=: read -r counts hot label <<< "$spec"
-    psc map build "$c/counts_$counts.json" --hot-rows "$hot" --label "$label" \
+    psc map build "$c/$counts.counts.json" --hot-rows "$hot" --label "$label" \
       --out "$m/$label.json" > /dev/null || return 1
-    cp "$c/counts_$counts.json" "$m/$label.counts.json"
+    cp "$c/$counts.counts.json" "$m/$label.counts.json"
   done
 }
 
@@ -114,11 +114,28 @@ EOF
     --work "/tmp/gl/heal$1" --out "$OUT/heal_h200_c$1.json" --png "$OUT/heal_h200_c$1.png"
 }
 step_heal1() { step_heal 1; }
+
+# The calibrated lane: count its code traffic (the guide's engine table, another model), a usage map at 23 %, and
+# the map's cold rate on held-out code: the reference deployment's figure is 1.55 % (89 of 384 experts cold).
+step_callane() {
+  local w=/tmp/gl/callane
+  mkdir -p "$w"
+  for t in code code_heldout; do
+    timeout 300 python3 -c "from pinsidecar.cli import main; main()" profile --config /tmp/op/pinsidecar.toml \
+      --model "$CALMODEL" --workload "pinsidecar/demo/fixtures/$t.jsonl" --out "$w/$t.counts.json" --label "$t" \
+      --json > "$w/$t.profile.json" || return 1
+  done
+  psc map build "$w/code.counts.json" --hot-rows 99 --label "calibrated code" --out "$w/code.json" --json \
+    > "$w/code.build.json" || return 1
+  psc map eval "$w/code.json" "$w/code_heldout.counts.json" --json > "$OUT/callane_eval.json" || return 1
+  cp "$w/code.build.json" "$OUT/callane_build.json"
+  python3 -c "import json; d=json.load(open('$OUT/callane_eval.json')); print({k: v for k, v in d.items() if 'rate' in k})"
+}
 step_heal16() { step_heal 16; }
 
 step_table() {
   timeout -s TERM -k 15 $(( $(left) - PACK_S )) python3 bench/gpu_lane.py --work "$GPU_LANE_WORK" --out "$OUT" \
-    --phases count,maps,engines,report --plan off,p23,u23,u0 --sweep all --reps 3 \
+    --phases count,maps,engines,report --plan off,p23,u23 --sweep all --reps 3 \
     --deadline-s $(( $(left) - PACK_S - 10 ))
 }
 
