@@ -41,11 +41,14 @@ import argparse
 import dataclasses
 import json
 import shutil
+import signal
 import sys
 import time
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from pinsidecar_hook.contract import atomic_write_json
 
 from pinsidecar.testing.remap_lane import HOT_ROWS, OTHER_HOT_ROWS, lane_maps, load_lane_maps
 from pinsidecar.testing.scenario import FULL, SHORT, HealScenario, draw_timeline
@@ -122,17 +125,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         maps = lane_maps(model, lane_dir / "maps", hot_rows=(args.hot_rows, args.other_hot_rows))
     maps_s = time.monotonic() - t0
     scenario = HealScenario(lane_dir, model.absolute(), maps, opts)
+    command = "python bench/heal_scenario.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def write(partial: bool) -> dict[str, Any]:
+        doc = scenario.document()
+        doc.update(command=command, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), model=str(model),
+                   maps_s=round(maps_s, 1), form="short" if args.short else "full", partial=partial,
+                   engine_toml=str(args.engine_toml) if args.engine_toml else None)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(args.out, doc)
+        return doc
+
+    def checkpoint(stage: str) -> None:
+        try:
+            write(partial=True)
+        except Exception as exc:  # a document of a half-run scenario may lack figures: the run goes on
+            print(f"heal_scenario: partial document not written at {stage or 'the end'}: {exc}", file=sys.stderr)
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated(f"signal {signum}: stopped before the end (a deadline?)")
+
+    scenario.on_stage = checkpoint
+    # SIGTERM (timeout, a device call's deadline) unwinds the run: the daemon and its engine are stopped, and the
+    # document says how far it got, instead of a daemon left running that the next run would share a folder with.
+    signal.signal(signal.SIGTERM, terminated)
     failure: BaseException | None = None
     try:
         scenario.run()
     except Exception as exc:  # the document is written either way, with the error in it
         failure = exc
-    doc = scenario.document()
-    doc.update(command="python bench/heal_scenario.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), model=str(model), maps_s=round(maps_s, 1),
-               form="short" if args.short else "full", engine_toml=str(args.engine_toml) if args.engine_toml else None)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc = write(partial=failure is not None)
     draw_timeline(doc, args.png)
     print(json.dumps(_headline(doc), indent=1))
     if failure is not None:
@@ -140,6 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not all(doc["checks"].values()):
         raise SystemExit(f"checks failed: {[k for k, v in doc['checks'].items() if not v]}")
     return doc
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: the run unwinds like any failure (see main)."""
 
 
 if __name__ == "__main__":

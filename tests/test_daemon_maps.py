@@ -155,13 +155,13 @@ def test_refused_map_rolls_back_to_the_served_one(pinned: dict[str, Any]) -> Non
     res = _cli(pinned, "drain-reboot", "--map", str(pinned["wrong"]))
     assert res.returncode == 1, res.stdout + res.stderr
     assert "drain-reboot FAILED" in res.stdout and "rolled back" in res.stdout
-    assert "NOT a hash-hit reboot" in res.stdout
+    assert "another geometry (hot rows changed)" in res.stdout
     st = _status()
     assert st["last_drain_reboot"]["rolled_back"] is True
     assert st["engine"]["state"] == "ready"
     assert st["engine"]["map"]["hash"] == b_hash
     assert st["engine"]["last_boot"]["reason"] == "rollback"
-    assert "not a hash-hit reboot" in pinned["log"].read_text()
+    assert "drain_reboot_geometry_change" in pinned["log"].read_text()
     assert _generate() == 200
 
 

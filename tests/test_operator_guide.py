@@ -83,3 +83,5 @@ def test_the_guide_runs_end_to_end_on_vllm_cpu(demo_model_dir: Path, tmp_path: P
     assert 'pinsidecar_expert_bytes{tier="host"}' in text
     status = json.loads((home / "status.json").read_text())
     assert status["engine"]["state"] == "ready" and status["pin"]["backend"] == "cpu"
+    entries = status["maps"]["entries"]
+    assert entries and all(e["valid"] for e in entries), entries  # the guide puts nothing else in the maps folder

@@ -193,7 +193,7 @@ def _fmt_drain(res: dict[str, Any]) -> str:
     lines = [head]
     if res.get("map"):
         lines.append(f"map      {res['map']} ({res.get('map_hash', '')[:19]})"
-                     + ("" if res.get("hash_hit", True) else "  NOT a hash-hit reboot (geometry changed)"))
+                     + ("" if res.get("hash_hit", True) else "  another geometry (hot rows changed)"))
     if res.get("in_flight_cut"):
         lines.append(f"warning  {res['in_flight_cut']} request(s) were still in flight when the drain timed out")
     if res.get("rolled_back"):

@@ -19,9 +19,13 @@
 **Drain-reboot** (:meth:`Daemon.drain_reboot` from the control API, and every remap's reboot: one
 implementation): the gate holds new requests, in-flight ones get up to ``timeout_s`` to finish, the engine is
 stopped and started again (with the new map if one is given, validated first), and once it serves, the gate
-releases what it held. A map of a different geometry is allowed but logged as *not a hash-hit reboot* (the
-compile caches will miss). If the engine does not come up with the new map, or a remap's check on the new engine
-fails before the gate releases, the daemon boots the old one again and says so (``rolled_back``).
+releases what it held. A map of a different geometry (``hash_hit`` false: another hot-row count) is allowed and
+logged; vLLM keeps the expert tensors out of its compiled graph (the fused-MoE call is one custom op that finds
+the layer's weights by name), so its compile cache hits anyway: on the H200 (vLLM 0.26, 2026-12-02) a drain-reboot
+from 99 to 92 hot rows loaded the compiled graph from the cache and booted in 87 s against 150 s cold. The boot
+record's ``cache_miss`` says whether a boot hit. If the engine does not come up with the new map, or a remap's
+check on the new engine fails before the gate releases, the daemon boots the old one again and says so
+(``rolled_back``).
 
 **Remaps** (:meth:`Daemon.request_remap`, every trigger's one entry): one at a time, through the drift config's
 cooldown and daily cap, run by :class:`~pinsidecar.remap.pipeline.RemapPipeline` in the background. A remap
@@ -568,8 +572,9 @@ class Daemon:
                 result["map_hash"] = emap.content_hash
                 if sup.map is not None and not emap.same_geometry(sup.map):
                     hash_hit = False
-                    log.warning("drain_reboot_geometry_change", map=str(new_map), old=sup.map.geometry(),
-                                new=emap.geometry(), note="not a hash-hit reboot: compile caches will miss")
+                    log.info("drain_reboot_geometry_change", map=str(new_map), old=sup.map.geometry(),
+                             new=emap.geometry(), note="another geometry: the expert tensors change shape, which "
+                             "vLLM's compile cache does not key on (the boot record's cache_miss says if it hit)")
             result["hash_hit"] = hash_hit
             log.info("drain_reboot_begin", map=str(new_map) if new_map else None, timeout_s=timeout, reason=reason)
             async with sup.lock:

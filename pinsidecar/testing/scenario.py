@@ -274,6 +274,9 @@ class HealScenario:
         self._spans: dict[str, tuple[float, float]] = {}
         self.facts: dict[str, Any] = {}
         self.error: str | None = None
+        # Called with each stage as it begins: the command line writes the document so far, so a run cut short (a
+        # device call's deadline) still leaves its samples and the stages it finished.
+        self.on_stage: Callable[[str], None] | None = None
         self.daemon_stop: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------------ stages
@@ -286,6 +289,8 @@ class HealScenario:
         self.stage, self._stage_start = stage, now
         if stage:
             log.info("heal_stage", stage=stage, t=round(now, 1))
+        if self.on_stage is not None:
+            self.on_stage(stage)
 
     def run(self) -> None:
         """All stages; the daemon is stopped and the sampler ended whatever happens (an error is kept in the
