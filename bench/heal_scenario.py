@@ -69,14 +69,16 @@ def _engine_keys(path: Path | None) -> dict[str, Any]:
 
 
 def _headline(doc: dict[str, Any]) -> dict[str, Any]:
-    rem, reb, kill = doc["remap"], doc["reboot"], doc["kill"]
-    return {"ok": doc["ok"], "error": doc["error"], "checks": doc["checks"],
-            "stages": {s["stage"]: s["seconds"] for s in doc["stages"]},
-            "requests": {k: doc["requests"][k] for k in ("sent", "completed", "failed", "lost")},
-            "remap": {"states": rem["states"], "outcome": rem["outcome"], "apply": rem["apply"]},
+    """The figures worth a glance; a cut run's document lacks some, which show as empty."""
+    rem, reb, kill, reqs = (doc.get(k) or {} for k in ("remap", "reboot", "kill", "requests"))
+    return {"ok": doc.get("ok"), "error": doc.get("error"), "checks": doc.get("checks"),
+            "stages": {s["stage"]: s["seconds"] for s in doc.get("stages") or []},
+            "requests": {k: reqs.get(k) for k in ("sent", "completed", "failed", "lost")},
+            "remap": {"states": rem.get("states"), "outcome": rem.get("outcome"), "apply": rem.get("apply")},
             "reboot": {k: reb.get(k) for k in ("ok", "boot_s", "initial_boot_s", "hash_hit", "cache_miss", "hold_s")},
             "kill": {k: kill.get(k) for k in ("pid", "new_pid", "in_flight_at_kill", "failed_after_kill")},
-            "recovery": doc["recovery"], "cold_rate": {k: v for k, v in doc["cold_rate"].items() if k != "source"}}
+            "recovery": doc.get("recovery"),
+            "cold_rate": {k: v for k, v in (doc.get("cold_rate") or {}).items() if k != "source"}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
