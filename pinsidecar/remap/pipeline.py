@@ -12,8 +12,9 @@ c. otherwise the **count boot**: :func:`~pinsidecar.runs.count_boot.run_profile`
    port while the serving engine keeps serving. That is fine on the CPU lane and on a host with a spare GPU; a
    host with one GPU cannot hold two engines and should use ``source = "live"``. Then **build** the candidate
    with the active map's geometry (so the reboot is a compile-cache hit) from that one traffic class: a blend of
-   classes is never built, because a map of mixed traffic was measured to cost the majority class 10 % against
-   its own map;
+   classes is never built, because on the reference deployment a map of mixed traffic cost the majority class
+   10 % of its single-stream throughput against its own map (the reference deployment's figure, from the brief;
+   not measured here: ``docs/design.md``);
 d. **evaluate** (:func:`~pinsidecar.drift.decide`) on the newest drift window not used to build the candidate;
    refused -> ``refused``, with both predicted cold rates;
 e. **deploy**, in place first (``applying``, :mod:`~pinsidecar.remap.apply`): the parity prompts are recorded on
