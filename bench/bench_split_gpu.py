@@ -36,7 +36,11 @@ from pinsidecar.testing import moe
 
 __all__ = ["main"]
 
-HBM_READ_BYTES_PER_S = 3.89e12  # measured on the lent H200 (docs/design.md)
+# The HBM read rate the experts floor is computed with. 3.89 TB/s came from an earlier probe whose run was never
+# committed; the placement bench measured 4.40 TB/s on the same kind of H200 (bench/results/placement_h200.json), so
+# floors computed with this constant (bench/results/bench_split_gpu_h200.json) are about 13 % high. Kept so that
+# new runs compare with the committed one.
+HBM_READ_BYTES_PER_S = 3.89e12
 
 
 def bit_identity(num_experts: int, hidden: int, intermediate: int, use_uva: bool) -> dict:
