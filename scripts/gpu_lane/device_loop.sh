@@ -8,7 +8,8 @@
 #   guide     docs/gpu-operator.md, every bash block (scripts/gpu_lane/run_guide.py), on the lane model: the wheel
 #             installed beside vLLM, the config, two count boots (code, prose), the map, `pinsidecar run` with
 #             NVML, /metrics, `pinsidecar status`, the stop, ~330 s
-#   heal1     bench/heal_scenario.py at 1 stream on the daemon, maps from the guide's count boots, ~450 s
+#   heal1     bench/heal_scenario.py at 1 stream on the daemon, maps from the guide's count boots, its compile
+#             cache (three warm boots: start, drain-reboot, restart after the kill), ~480 s
 #   table     bench/gpu_lane.py: off, p23, u23 booted together, decode at 1/4/16 streams, 3 interleaved rounds
 #   calmodel  the same geometry with the calibrated router (the reference skew: pinsidecar demo-model --router
 #             calibrated), ~60 s
@@ -97,8 +98,9 @@ step_heal() {  # $1 clients
   heal_maps || return 1
   local attn=""
   [ ${#ATTN[@]} -gt 0 ] && attn=", \"--attention-backend\", \"${ATTN[1]}\""
-  # The GPU lane's engine settings (bench/gpu_lane.py engine_for) and its compile cache, which the table's u23
-  # engine filled: the scenario's first boot is a warm one.
+  # The GPU lane's engine settings (bench/gpu_lane.py engine_for), and the compile cache the guide's pin boot
+  # filled (same model and compile settings): without it the scenario's first boot compiles (150 s against 85 s on
+  # 2026-12-02) and a 1-stream scenario no longer fits one call.
   cat > /tmp/gl/heal-engine.toml <<EOF
 [engine]
 enforce_eager = false
@@ -107,10 +109,11 @@ kv_cache_bytes = 1073741824
 max_model_len = 1024
 extra_args = ["--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.2",
               "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"$attn]
-env = { VLLM_CACHE_ROOT = "$GPU_LANE_WORK/vllm-cache", VLLM_USE_FLASHINFER_SAMPLER = "0" }
+env = { VLLM_CACHE_ROOT = "/tmp/op/vllm-cache", VLLM_USE_FLASHINFER_SAMPLER = "0" }
 EOF
   timeout $(( $(left) - PACK_S )) python3 bench/heal_scenario.py --clients "$1" --model "$GPU_LANE_WORK/model" \
     --maps /tmp/gl/heal-maps --hot-rows 99 --other-hot-rows 92 --engine-toml /tmp/gl/heal-engine.toml --nvml \
+    --prose-s 30 --settle-s 15 \
     --work "/tmp/gl/heal$1" --out "$OUT/heal_h200_c$1.json" --png "$OUT/heal_h200_c$1.png"
 }
 step_heal1() { step_heal 1; }
