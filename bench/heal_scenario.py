@@ -17,22 +17,11 @@ Run: ``python bench/heal_scenario.py --short --clients 2 --work /tmp/heal --out 
 --png /tmp/heal/heal.png``. Prints the checks and the headline figures; writes the JSON document (also when the
 run fails: with its ``error``) and the timeline PNG. Exits 1 when a check fails.
 
-On the H200 (vLLM 0.26, the GPU lane's model: ``bench/gpu_lane.py``'s 16 layers x 128 experts, top-8), an engine
-file like the GPU lane's own engines (``engine_for``; ``kv_cache_bytes`` and ``max_model_len`` are engine keys,
-so they are not repeated as flags)::
-
-    [engine]
-    enforce_eager = false
-    dtype = "auto"
-    kv_cache_bytes = 1073741824
-    max_model_len = 1024
-    extra_args = ["--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.2",
-                  "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"]
-    env = { VLLM_CACHE_ROOT = "/tmp/gl/vllm-cache", VLLM_USE_FLASHINFER_SAMPLER = "0" }
-
-and ``python bench/heal_scenario.py --clients 16 --model /tmp/gl/model --engine-toml gpu.toml --nvml
---hot-rows 99 --other-hot-rows 112 --work /tmp/heal --out heal_h200.json --png heal_h200.png`` (add ``--maps DIR``
-with maps from count boots, ``pinsidecar profile`` + ``pinsidecar map build``, to skip the CPU routing).
+On the H200 (vLLM 0.26, the GPU lane's model: ``bench/gpu_lane.py``'s 16 layers x 128 experts, top-8),
+``scripts/gpu_lane/device_loop.sh`` (``step_heal``) writes the engine file (the lane's own engine settings:
+``enforce_eager = false``, ``kv_cache_bytes``, ``max_model_len``, the vLLM flags in ``extra_args``, the compile
+cache in ``env``), builds the maps from count boots (``pinsidecar profile`` + ``pinsidecar map build``) and runs
+this with ``--maps``, ``--engine-toml``, ``--nvml`` and the hot-row counts of those maps.
 """
 
 from __future__ import annotations

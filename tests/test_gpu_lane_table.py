@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
+from typing import Any
+
+from pinsidecar.testing.scripts import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 REPORT = REPO / "bench" / "results" / "gpu_lane_h200_fp8-block.json"
 
 
-def _table() -> object:
-    spec = importlib.util.spec_from_file_location("gpu_lane_table", REPO / "bench" / "gpu_lane_table.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_lane_table", mod)
-    spec.loader.exec_module(mod)
-    return mod
+def _table() -> Any:
+    return load_script(REPO / "bench" / "gpu_lane_table.py", "gpu_lane_table")
 
 
 def test_rows_carry_medians_with_their_spread_and_the_ratios() -> None:

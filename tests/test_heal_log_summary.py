@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+from typing import Any
+
+from pinsidecar.testing.scripts import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "bench" / "results" / "heal_h200_2026-12-02"
 
 
-def _mod() -> object:
-    spec = importlib.util.spec_from_file_location("heal_log_summary", REPO / "bench" / "heal_log_summary.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("heal_log_summary", mod)
-    spec.loader.exec_module(mod)
-    return mod
+def _mod() -> Any:
+    return load_script(REPO / "bench" / "heal_log_summary.py", "heal_log_summary")
 
 
 def test_the_committed_summary_is_what_the_logs_say(tmp_path: Path) -> None:

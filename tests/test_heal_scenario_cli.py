@@ -7,26 +7,21 @@ is the command line around it; tests/test_heal_scenario.py runs the real one on 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
+from pinsidecar.testing.scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _cli() -> Any:
-    spec = importlib.util.spec_from_file_location("heal_scenario_cli", REPO / "bench" / "heal_scenario.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("heal_scenario_cli", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(REPO / "bench" / "heal_scenario.py", "heal_scenario_cli")
 
 
 class StandInScenario:

@@ -9,29 +9,25 @@ metric that moved) is.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pinsidecar.engine import free_port
+from pinsidecar.testing.scripts import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "gpu-operator.md"
 RUNNER = REPO / "scripts" / "gpu_lane" / "run_guide.py"
 
 
-def _runner() -> object:
-    spec = importlib.util.spec_from_file_location("run_guide", RUNNER)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("run_guide", mod)  # a dataclass module must be importable by name while it is built
-    spec.loader.exec_module(mod)
-    return mod
+def _runner() -> Any:
+    return load_script(RUNNER, "run_guide")
 
 
 def test_the_guide_blocks_are_found_in_order_and_parse() -> None:
