@@ -459,3 +459,56 @@ def test_stop_answers_held_requests_503_and_each_hold_measures_its_own_stall() -
         assert gate.counters["rejected_stopping"] == 1
 
     run(body)
+
+
+def test_a_request_sent_after_the_engine_died_is_not_sent_on_its_old_connection() -> None:
+    """An engine that dies keeps nothing: a request sent after its death (before the supervisor noticed) must not
+    go out on a kept-alive connection of the dead process, which would look like a request the engine had taken
+    (a 502), but get a refused connect, wait at the gate and be served by the engine that comes back. The "engine"
+    here answers one request, then stops listening and drops any later request on an open connection unanswered,
+    as a process killed between two requests would."""
+
+    async def body(stub: UpstreamStub) -> None:
+        port = stub.port
+        await stub.stop()
+        answered = asyncio.Event()
+        open_conns: list[asyncio.StreamWriter] = []
+
+        async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            open_conns.append(writer)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            if answered.is_set():  # a request after the "death": dropped unanswered
+                writer.close()
+                return
+            payload = b'{"choices": [{"text": "x"}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(payload)).encode() + b"\r\nConnection: keep-alive\r\n\r\n" + payload)
+            await writer.drain()
+            answered.set()
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await once(reader, writer)  # keep the connection open for a second request
+
+        dying = await asyncio.start_server(once, "127.0.0.1", port)
+        gate = await started(Gate("127.0.0.1", 0, f"http://127.0.0.1:{port}", max_hold_s=30.0))
+        try:
+            async with aiohttp.ClientSession() as s:
+                first = await s.post(url(gate, "/v1/completions"), json={"prompt": "a", "max_tokens": 1})
+                assert first.status == 200
+                dying.close()  # the process is gone: its port refuses connections from now on
+                second = asyncio.create_task(s.post(url(gate, "/v1/completions"), json={"prompt": "b",
+                                                                                        "max_tokens": 1}))
+                await wait_until(lambda: gate.unreachable_retries >= 1)
+                stub.port = port
+                await stub.start()  # the restarted engine
+                resp = await second
+                assert resp.status == 200, await resp.text()
+        finally:
+            await gate.stop()
+            for w in open_conns:
+                w.close()
+        assert gate.counters["bad_gateway"] == 0 and stub.requests == 1
+
+    run(body)
