@@ -76,6 +76,10 @@ MAY_BE_EMPTY = {
     ("Gate", "C"): "only requests the gate did not proxy (rejected, held too long): none in a clean run",
     ("Boot duration", "C"): "boots that missed the compile cache: none expected",
     ("Hook errors and stats age", "A"): "hook errors: none expected",
+    # The alert remaps on the projected gain, which a single rising window already shows; the watch confirms drift
+    # only at the second window in a row, and the remap (about 6 s now that the parity check no longer waits for
+    # vLLM's logprobs compile) is usually over by then, so the window after it is steady.
+    ("annotation Drift confirmed", ""): "the alert's remap can finish before the watch confirms drift",
 }
 
 
@@ -422,7 +426,7 @@ def _check_dashboard(prom: PrometheusServer, start: float, end: float) -> None:
     for a in dash["annotations"]["list"]:
         if "expr" in a:
             q = a["expr"].replace("$instance", ".*")
-            if not prom.query_range(q, start, end, step_s=2.0):
+            if not prom.query_range(q, start, end, step_s=2.0) and ("annotation " + a["name"], "") not in MAY_BE_EMPTY:
                 empty.append(("annotation " + a["name"], "", a["expr"]))
     print("dashboard targets without data here (allowed):", allowed)
     assert not empty, "dashboard queries with no data:\n" + "\n".join(map(str, empty))
