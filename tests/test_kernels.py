@@ -138,9 +138,25 @@ def test_triton_finalize_matches_torch_under_interpreter(interpreter_results: di
     assert len(fin) == 72
     summing = {k: v for k, v in fin.items() if "w=True" in k}  # moe_sum arithmetic: no multiply
     assert all(summing.values()), [k for k, v in summing.items() if not v]
-    if not interpreter_results["fma_is_fused"]:
-        pytest.skip("this Triton's interpreter does not fuse tl.fma (Triton 3.6 rounds twice); the FMA cases are "
-                    "checked by the compiled kernel on the GPU (tests/test_gpu.py) and under newer interpreters")
+
+
+def _triton_version() -> tuple[int, ...]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(p) for p in version("triton").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return (0,)
+
+
+# Triton 3.6's interpreter multiplies and adds tl.fma in fp32, rounding twice, so the weighted finalize cases (an
+# FMA each) cannot match there; the compiled kernel on the GPU rounds once (tests/test_gpu.py). Strict: an
+# interpreter that starts fusing makes this XPASS and fail, so the marker is noticed and removed.
+@pytest.mark.xfail(_triton_version() < (3, 7), strict=True,
+                   reason="Triton < 3.7's interpreter rounds tl.fma twice; the GPU's compiled kernel is checked")
+def test_triton_finalize_fma_cases_match_torch_under_interpreter(interpreter_results: dict[str, bool]) -> None:
+    fin = {k: v for k, v in interpreter_results.items() if k.startswith("finalize")}
+    assert interpreter_results["fma_is_fused"]
     assert all(fin.values()), [k for k, v in fin.items() if not v]
 
 
