@@ -46,7 +46,7 @@ def test_swap_bench_small_runs_on_cpu(tmp_path: Path) -> None:
 def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
     apply_gpu = _bench("apply_gpu")
     out = tmp_path / "apply_cpu.json"
-    assert apply_gpu.main(["--small", "--device", "cpu", "--hold-ms", "0", "--out", str(out)]) == 0
+    assert apply_gpu.main(["--small", "--device", "cpu", "--hold-ms", "0", "--reps", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     geo = doc["geometry"]
     rows = geo["layers"] * min(geo["cold"], geo["hot"])
@@ -61,3 +61,10 @@ def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
     assert batched["batches"] == rows and batched["steps_during"] >= 1 and batched["hold_budget_ms"] == 0.0
     assert unbatched["batches"] == 1 and unbatched["hold_budget_ms"] is None
     assert doc["target_met"] is False  # the small geometry moves fewer than 800 rows
+    # interleaved rounds: batched and one hold alternate, and every figure has its spread over both rounds
+    assert len(doc["rounds"]) == 2 and doc["rounds"][0]["batched"] == batched
+    assert doc["rounds"][1]["batched"]["identity"]["vs_before"] == "4/4"
+    for name in ("batched", "unbatched"):
+        gap = doc["spread"][name]["longest_gap_ms"]
+        assert gap["n"] == 2 and gap["min"] <= gap["median"] <= gap["max"]
+        assert gap["values"] == [round(r[name]["longest_gap_ms"], 4) for r in doc["rounds"]]

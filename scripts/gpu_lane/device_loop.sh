@@ -14,8 +14,8 @@
 #   calmodel  the same geometry with the calibrated router (the reference skew: pinsidecar demo-model --router
 #             calibrated), ~60 s
 #   callane   its count boot (code), its usage map at 23 %, and that map's cold rate on held-out code, ~200 s
-#   apply     bench/apply_gpu.py: an in-place apply of >= 800 rows at the reference row size under decode steps,
-#             batched vs one hold, alone on the GPU, ~120 s (not in the default list: run on 2026-12-01)
+#   apply     bench/apply_gpu.py --reps 3: an in-place apply of >= 800 rows at the reference row size under decode
+#             steps, batched and one hold interleaved, 3 rounds, alone on the GPU, ~200 s (2026-12-01: one round)
 #   heal16    the scenario again at 16 streams
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
 #
@@ -30,14 +30,14 @@
 set -uo pipefail
 T0=$(date +%s)
 BUDGET=${1:-585}
-STEPS=${GPU_LANE_LOOP_STEPS:-model guide heal1 table calmodel callane heal16}
+STEPS=${GPU_LANE_LOOP_STEPS:-model guide heal1 table apply calmodel callane heal16}
 PACK_S=30
 L=/tmp/gl/loop  # step markers and work folders, kept while the machine is warm
 mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=480 [table]=450 [calmodel]=70 [callane]=200 [apply]=150 [heal16]=480)
+declare -A EST=([model]=40 [guide]=400 [heal1]=480 [table]=450 [calmodel]=70 [callane]=200 [apply]=220 [heal16]=480)
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
@@ -61,7 +61,7 @@ step_calmodel() {
 }
 
 step_apply() {
-  timeout $(( $(left) - PACK_S )) python3 bench/apply_gpu.py --out "$OUT/apply_h200.json"
+  timeout $(( $(left) - PACK_S )) python3 bench/apply_gpu.py --reps 3 --out "$OUT/apply_h200.json"
 }
 
 step_guide() {
