@@ -47,6 +47,7 @@ ALERTMANAGER = GRAFANA / "alertmanager.yml"
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (apt prometheus)")
 needs_amtool = pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool missing (apt prometheus-alertmanager)")
 AM_BINARY = alertmanager_binary()
+CREDENTIAL = "/run/credentials/prometheus-alertmanager.service/pinsidecar-control.token"  # LoadCredential
 
 
 def drift_watch() -> DriftWatch:
@@ -174,9 +175,9 @@ def alertmanager(tmp_path: Path) -> Iterator[tuple[str, WebhookRecorder, str]]:
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
     cfg = ALERTMANAGER.read_text()
-    assert "http://127.0.0.1:8090/remap" in cfg and "/etc/pinsidecar/control.token" in cfg
+    assert "http://127.0.0.1:8090/remap" in cfg and CREDENTIAL in cfg
     cfg = cfg.replace("http://127.0.0.1:8090/remap", f"http://127.0.0.1:{hook.port}/remap")
-    cfg = cfg.replace("/etc/pinsidecar/control.token", str(token_file))
+    cfg = cfg.replace(CREDENTIAL, str(token_file))  # the copy systemd would hand it
     (tmp_path / "am.yml").write_text(cfg)
     port = free_port(lo=hook.port + 1)
     with open(tmp_path / "am.log", "wb") as log:
