@@ -42,7 +42,7 @@ PORT_RANGE = (8330, 8349)  # this benchmark's share of the gate helper's port ra
 
 
 def _free_port() -> int:
-    from pinsidecar.testing.prometheus import free_port
+    from pinsidecar.engine.ports import free_port
 
     return free_port(*PORT_RANGE)
 

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pinsidecar import placement
     from pinsidecar.cli import main as cli
-    from pinsidecar.testing import make_counts
+    from pinsidecar.testing.artifacts import make_counts
 
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

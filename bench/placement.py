@@ -58,7 +58,8 @@ from pinsidecar_hook.contract.io import atomic_write_bytes
 from pinsidecar_hook.kernels import grouped, partition
 from pinsidecar_hook.rehome import device_view_of_pinned
 
-from pinsidecar.placement import build_usage_map, evaluate, positional_mask
+from pinsidecar.placement import build_usage_map, evaluate
+from pinsidecar.placement.build import positional_mask
 from pinsidecar.testing import moe
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,8 +1,11 @@
 """pinsidecar: keep the MoE experts that traffic uses in GPU memory and the rest in pinned host memory.
 
-The loop, in module order: counts (``profile``) -> maps (``maps``) -> hook (count, pin; the ``pinsidecar_hook``
-package) -> engine (``engine``) -> metrics (``metrics``) -> drift (``drift``) -> remap (``remap``). The daemon
-(``daemon``) and the CLI (``cli``) drive it.
+The loop, in folder order: counts (``runs``: the count boot) -> placement (``placement``: a row map from counts)
+-> hook (the ``pinsidecar_hook`` package: count and pin mode inside vLLM) -> engine (``engine``) -> metrics
+(``metrics``) -> drift (``drift``) -> remap (``remap``). The daemon (``daemon``) and the CLI (``cli``) drive it;
+``demo`` builds the tiny local model and runs the loop on it, and ``testing`` holds what the tests build with.
+Each package's ``__init__`` (or, where it re-exports nothing, its modules' ``__all__``) is what other packages
+use; ``tests/test_public_face.py`` keeps that face narrow.
 """
 
 __all__ = ["__version__"]

@@ -46,8 +46,7 @@ import numpy as np
 import structlog
 from pinsidecar_hook.contract import ArtifactError, StatsSnapshot, fallback_stats_path, load_stats, request_and_wait
 
-__all__ = ["StatsReader", "StatsReading", "compare", "fallback_stats_path", "load_newest_stats", "ratio",
-           "request_stats", "stats_candidates"]
+__all__ = ["StatsReader", "StatsReading", "load_newest_stats", "ratio"]
 
 log = structlog.get_logger(__name__)
 

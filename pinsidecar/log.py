@@ -25,7 +25,7 @@ from typing import TextIO
 
 import structlog
 
-__all__ = ["COMMAND_LOG_LEVEL", "QUIET_LIBRARIES", "configure", "reset", "under_systemd", "wants_json"]
+__all__ = ["COMMAND_LOG_LEVEL", "configure", "reset"]
 
 # What a command shows a person on stderr unless ``--log-level`` says otherwise: warnings and errors only. The
 # steps and results are the command's own output; info records are for the journal.

@@ -28,13 +28,10 @@ __all__ = [
     "CHOICES",
     "EXISTS",
     "MIN",
-    "PORT",
     "POSITIVE",
     "ConfigError",
     "apply_override",
     "build_section",
-    "check_value",
-    "convert_value",
     "port_field",
     "read_toml",
 ]

@@ -41,9 +41,10 @@ import numpy as np
 import psutil
 import pytest
 
+from pinsidecar.engine.ports import free_port
 from pinsidecar.placement import build_usage_map
-from pinsidecar.testing import counts_from, free_port, model_geometry
 from pinsidecar.testing.alertmanager import AlertmanagerServer, alertmanager_binary, example_config
+from pinsidecar.testing.artifacts import counts_from, model_geometry
 from pinsidecar.testing.prometheus import PrometheusServer, prometheus_binary, rules_with_for
 
 pytestmark = [

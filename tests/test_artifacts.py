@@ -19,7 +19,7 @@ from pinsidecar_hook import contract as A
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, StatsSnapshot
 from pinsidecar_hook.contract import io as contract_io
 
-from pinsidecar.testing import make_counts, make_map
+from pinsidecar.testing.artifacts import make_counts, make_map
 
 
 def _write_doc(path: Path, doc: Any) -> Path:

@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 from pinsidecar_hook.contract import load_counts, load_map
 
 from pinsidecar.cli import main
-from pinsidecar.testing import write_counts, write_map
+from pinsidecar.testing.artifacts import write_counts, write_map
 
 GEOM = dict(num_layers=6, num_experts=32, top_k=4, tokens=400)
 
@@ -294,7 +294,7 @@ def test_console_script_runs_map_build(tmp_path: Path, counts3: list[str]) -> No
 
 
 def test_build_warns_about_inconsistent_counts(tmp_path: Path) -> None:
-    from pinsidecar.testing import make_counts
+    from pinsidecar.testing.artifacts import make_counts
 
     c = make_counts(**GEOM)
     c.tokens += 5  # as if a flush landed between two layers of one forward

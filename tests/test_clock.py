@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.drift import DriftConfig
+from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.detector import DAY_S, DriftDetector
 from pinsidecar.drift.windows import LiveSample, LiveWindows
-from pinsidecar.remap import RemapRecord, admission
-from pinsidecar.remap.record import utc_stamp
+from pinsidecar.remap import admission
+from pinsidecar.remap.record import RemapRecord, utc_stamp
 
 WALL0 = 1_790_000_000.0  # a wall time in 2026
 

@@ -39,11 +39,12 @@ from pinsidecar_hook.contract.env import HookConfig
 
 from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.daemon.supervisor import EngineState, Supervisor
-from pinsidecar.engine import EngineConfig, EngineSetupError, PortInUseError, free_port, hooked_spec
+from pinsidecar.engine import EngineConfig, PortInUseError, free_port, hooked_spec
 from pinsidecar.engine.container import ContainerEngine
+from pinsidecar.engine.launcher import EngineSetupError
 from pinsidecar.placement import build_usage_map
 from pinsidecar.runs.count_boot import request_counts
-from pinsidecar.testing import write_map
+from pinsidecar.testing.artifacts import write_map
 from pinsidecar.testing.container import PodmanLane
 from pinsidecar.testing.streaming import load_during
 

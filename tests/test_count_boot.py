@@ -14,9 +14,9 @@ from pinsidecar_hook.contract import load_counts
 
 from pinsidecar.cli import main
 from pinsidecar.engine import hooked_spec
+from pinsidecar.engine.ports import free_port
 from pinsidecar.runs.count_boot import count_boot_config
 from pinsidecar.schema import ConfigError
-from pinsidecar.testing import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from pinsidecar_hook.contract import load_map
 
-from pinsidecar.testing import model_geometry, write_map
+from pinsidecar.testing.artifacts import model_geometry, write_map
 
 pytestmark = pytest.mark.vllm
 

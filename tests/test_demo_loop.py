@@ -31,8 +31,9 @@ from pinsidecar.cli._terminal import Terminal, format_elapsed
 from pinsidecar.cli.demo import format_summary
 from pinsidecar.demo import loop
 from pinsidecar.demo.sidecar import DemoPorts, demo_config
+from pinsidecar.engine.ports import free_port
 from pinsidecar.remap.candidates import counts_path_for
-from pinsidecar.testing import free_port, write_counts, write_map
+from pinsidecar.testing.artifacts import write_counts, write_map
 
 
 def _one_json_document(text: str) -> Any:

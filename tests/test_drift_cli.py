@@ -9,9 +9,10 @@ import pytest
 from click.testing import CliRunner, Result
 
 from pinsidecar.cli import main
-from pinsidecar.drift import DriftConfig, load_drift_config
+from pinsidecar.drift import load_drift_config
+from pinsidecar.drift.config import DriftConfig
 from pinsidecar.schema import ConfigError
-from pinsidecar.testing import make_counts, write_counts
+from pinsidecar.testing.artifacts import make_counts, write_counts
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
 

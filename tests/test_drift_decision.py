@@ -7,7 +7,7 @@ from pinsidecar_hook.contract import ArtifactError
 
 from pinsidecar.drift import Window, build_candidate, decide, pick_from_library
 from pinsidecar.placement import build_usage_map
-from pinsidecar.testing import make_counts, make_map
+from pinsidecar.testing.artifacts import make_counts, make_map
 
 MARGIN = 0.05
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pinsidecar.drift import NO_SKEW, DriftConfig, DriftDetector, Signals, Window
+from pinsidecar.drift import NO_SKEW, Window
+from pinsidecar.drift.config import DriftConfig
+from pinsidecar.drift.detector import DriftDetector
+from pinsidecar.drift.signals import Signals
 
 CFG = DriftConfig(trip_gain=0.08, clear_gain=0.04, margin=0.05, consecutive_windows=2, cooldown_s=300.0,
                   max_remaps_per_day=3, min_tokens=256)

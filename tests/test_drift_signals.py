@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from pinsidecar_hook.contract import ArtifactError
 
-from pinsidecar.drift import DriftConfig, Window, compute_signals, js_divergence
-from pinsidecar.drift.signals import cold_rate_on, split_half_cold_rate, top_mask
+from pinsidecar.drift import Window
+from pinsidecar.drift.config import DriftConfig
+from pinsidecar.drift.signals import cold_rate_on, compute_signals, js_divergence, split_half_cold_rate, top_mask
 from pinsidecar.placement import build_usage_map
-from pinsidecar.testing import make_counts, make_map
+from pinsidecar.testing.artifacts import make_counts, make_map
 
 
 def window(i: int = 0, **kwargs) -> Window:

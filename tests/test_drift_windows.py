@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from pinsidecar_hook.contract import StatsSnapshot
 
-from pinsidecar.drift import DriftConfig, DriftWatch, LiveSample, LiveWindows, Window, sample_from_reading
+from pinsidecar.drift import DriftWatch, Window
+from pinsidecar.drift.config import DriftConfig
+from pinsidecar.drift.windows import LiveSample, LiveWindows, sample_from_reading
 from pinsidecar.live_stats import compare
-from pinsidecar.testing import make_counts, make_map
+from pinsidecar.testing.artifacts import make_counts, make_map
 
 LAYERS = (0, 1)
 E, K = 8, 2

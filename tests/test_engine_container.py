@@ -14,16 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.engine import (
-    EngineBootError,
-    EngineError,
-    EngineSetupError,
-    EngineSpec,
-    Launcher,
-    PortInUseError,
-    free_port,
-)
+from pinsidecar.engine import EngineBootError, EngineError, EngineSpec, Launcher, PortInUseError, free_port
 from pinsidecar.engine.container import ContainerConfig, ContainerEngine, build_run_argv, hook_overlay
+from pinsidecar.engine.launcher import EngineSetupError
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ import httpx
 import psutil
 import pytest
 
-from pinsidecar.testing import model_geometry, write_map
+from pinsidecar.testing.artifacts import model_geometry, write_map
 from pinsidecar.testing.streaming import load_during
 
 pytestmark = pytest.mark.vllm

@@ -21,7 +21,7 @@ from pinsidecar_hook.flusher import Flusher
 
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for, save_candidate
-from pinsidecar.testing import make_counts
+from pinsidecar.testing.artifacts import make_counts
 from pinsidecar.testing.fs import PAGE, MountNotPermitted, fill, free_pages, remount, small_tmpfs
 
 HOT_ROWS = 48

@@ -26,7 +26,7 @@ from pinsidecar.engine import free_port
 from pinsidecar.metrics import Exporter
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for
-from pinsidecar.testing import make_counts
+from pinsidecar.testing.artifacts import make_counts
 from pinsidecar.testing.metrics import write_cgroup_tree, write_proc_cgroup
 from pinsidecar.testing.remap import FakeHookStats, InstantEngine
 

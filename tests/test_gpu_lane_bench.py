@@ -124,7 +124,7 @@ def test_expert_bytes_per_quant(tmp_path: Path) -> None:
     zeros = (HID // 128 * 2 * INTER // 8 + INTER // 128 * HID // 8) * 2
     assert total("gptq-int4") == 3 * INTER * HID // 2 + scales + zeros  # g_idx: empty [E, 0] after the Marlin repack
     # the same figures as the project's own derivation (pinsidecar.placement.expert_bytes, used by map build)
-    from pinsidecar.placement import (
+    from pinsidecar.placement.expert_bytes import (
         fp8_block_expert_bytes,
         fp8_per_tensor_expert_bytes,
         gptq_expert_bytes,

@@ -25,10 +25,12 @@ import yaml
 from pinsidecar.daemon.control import ControlServer
 from pinsidecar.daemon.gate import Gate
 from pinsidecar.daemon.webhook import DEFAULT_REMAP_ALERTS
-from pinsidecar.drift import DriftConfig, DriftWatch, Window
+from pinsidecar.drift import DriftWatch, Window
+from pinsidecar.drift.config import DriftConfig
+from pinsidecar.engine.ports import free_port
 from pinsidecar.metrics import Exporter
-from pinsidecar.testing import make_counts, make_map
 from pinsidecar.testing.alertmanager import AlertmanagerServer, alertmanager_binary, example_config
+from pinsidecar.testing.artifacts import make_counts, make_map
 from pinsidecar.testing.control import RecordingTarget
 from pinsidecar.testing.metrics import (
     FakeEngineMetrics,
@@ -37,7 +39,6 @@ from pinsidecar.testing.metrics import (
     write_cgroup_tree,
     write_proc_cgroup,
 )
-from pinsidecar.testing.prometheus import free_port
 
 GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
 ALERTS = GRAFANA / "alerts.yml"

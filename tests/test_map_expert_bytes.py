@@ -17,15 +17,14 @@ from pinsidecar_hook.contract import load_map
 
 from pinsidecar.cli import main
 from pinsidecar.demo import model as dm
-from pinsidecar.placement import (
-    ExpertBytesError,
-    checkpoint_experts,
+from pinsidecar.placement import ExpertBytesError, checkpoint_experts
+from pinsidecar.placement.expert_bytes import (
     fp8_block_expert_bytes,
     fp8_per_tensor_expert_bytes,
     gptq_expert_bytes,
     unquantized_expert_bytes,
 )
-from pinsidecar.testing import make_counts, write_counts
+from pinsidecar.testing.artifacts import make_counts, write_counts
 
 H, INTER = 2048, 768  # the GPU lane's geometry, where the anchors were measured
 GEO = dict(hidden=256, layers=2, experts=16, top_k=4, expert_intermediate=128)

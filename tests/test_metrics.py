@@ -19,15 +19,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from pinsidecar.engine.ports import free_port
 from pinsidecar.live_stats import StatsReader
-from pinsidecar.metrics import (
-    ENGINE_STATES,
-    Exporter,
-    GpuMemoryCollector,
-    RoutingTotals,
-    cgroup_path_for_pid,
-)
-from pinsidecar.testing import make_map
+from pinsidecar.metrics import Exporter
+from pinsidecar.metrics.cgroup import cgroup_path_for_pid
+from pinsidecar.metrics.daemon_state import ENGINE_STATES
+from pinsidecar.metrics.gpu import GpuMemoryCollector
+from pinsidecar.metrics.routing import RoutingTotals
+from pinsidecar.testing.artifacts import make_map
 from pinsidecar.testing.metrics import (
     FakeEngineMetrics,
     FakeNvml,
@@ -36,7 +35,6 @@ from pinsidecar.testing.metrics import (
     write_cgroup_tree,
     write_proc_cgroup,
 )
-from pinsidecar.testing.prometheus import free_port
 
 
 @pytest.fixture
@@ -397,7 +395,7 @@ def _hook_stats_writer(tmp_path: Path, stats_path: Path) -> tuple[Any, Any]:
     from pinsidecar_hook.contract.env import HookConfig
     from pinsidecar_hook.pin import LayerPin, PinState
 
-    from pinsidecar.testing import write_map
+    from pinsidecar.testing.artifacts import write_map
 
     map_path = write_map(tmp_path / "map.json", num_layers=2, num_experts=8, hot_rows=6, top_k=2, label="t")
     layers = [LayerPin(layer_id=lid, name=f"layers.{lid}", row_map=torch.arange(8, dtype=torch.int32), hot_rows=6,

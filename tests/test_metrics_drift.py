@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pinsidecar.drift import DriftConfig, DriftWatch, Window
-from pinsidecar.metrics import MAX_LAYER_SERIES, REMAP_OUTCOMES, Exporter
-from pinsidecar.metrics.drift import SERIES_METRICS
-from pinsidecar.testing import make_counts, make_map
+from pinsidecar.drift import DriftWatch, Window
+from pinsidecar.drift.config import DriftConfig
+from pinsidecar.metrics import Exporter
+from pinsidecar.metrics.drift import MAX_LAYER_SERIES, SERIES_METRICS
+from pinsidecar.metrics.remap import REMAP_OUTCOMES
+from pinsidecar.testing.artifacts import make_counts, make_map
 
 CFG = DriftConfig(window_tokens=1024, min_tokens=256, consecutive_windows=2, cooldown_s=300.0, max_remaps_per_day=6)
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pinsidecar.live_stats import request_stats
 from pinsidecar.metrics import Exporter
-from pinsidecar.testing import write_map
+from pinsidecar.testing.artifacts import write_map
 from pinsidecar.testing.engine import HookedEngine
 
 pytestmark = pytest.mark.vllm

@@ -10,7 +10,7 @@ from pinsidecar_hook.contract import ArtifactError, LayerPlacement, load_map
 
 from pinsidecar import placement
 from pinsidecar.placement.heatmap import render_map_png, write_map_png
-from pinsidecar.testing import (
+from pinsidecar.testing.artifacts import (
     counts_from,
     domain_ranking,
     make_counts,

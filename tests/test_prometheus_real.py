@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pinsidecar.engine.ports import free_port
 from pinsidecar.metrics import Exporter
-from pinsidecar.testing import make_map
+from pinsidecar.testing.artifacts import make_map
 from pinsidecar.testing.metrics import (
     FakeEngineMetrics,
     FakeNvml,
@@ -20,7 +21,7 @@ from pinsidecar.testing.metrics import (
     write_cgroup_tree,
     write_proc_cgroup,
 )
-from pinsidecar.testing.prometheus import PrometheusServer, free_port, prometheus_binary
+from pinsidecar.testing.prometheus import PrometheusServer, prometheus_binary
 
 GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
 MAP = dataclasses.replace(make_map(label="code"), created_at="2026-11-29T10:00:00Z", predicted_cold_rate=0.02)

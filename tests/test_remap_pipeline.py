@@ -27,11 +27,10 @@ from pinsidecar.daemon.control import ControlError
 from pinsidecar.daemon.service import ACTIVE_MAP_FILE, Daemon
 from pinsidecar.engine import free_port
 from pinsidecar.placement import build_usage_map
-from pinsidecar.remap import STATES, RecordStore, RemapRecord
 from pinsidecar.remap.candidates import counts_path_for
-from pinsidecar.remap.record import PRE_REBOOT_STATES
+from pinsidecar.remap.record import PRE_REBOOT_STATES, STATES, RecordStore, RemapRecord
 from pinsidecar.runs.count_boot import ProfileError
-from pinsidecar.testing import make_counts
+from pinsidecar.testing.artifacts import make_counts
 from pinsidecar.testing.fs import MountNotPermitted, fill, free_pages, remount, small_tmpfs
 from pinsidecar.testing.remap import FakeApplyClient, FakeHookStats, FakeTools, InstantEngine
 

@@ -37,10 +37,10 @@ from pinsidecar_hook.contract import load_map
 
 from pinsidecar.engine import free_port, port_in_use
 from pinsidecar.placement import build_usage_map
-from pinsidecar.remap import PAUSE_ENV, STATES
 from pinsidecar.remap.candidates import counts_path_for
-from pinsidecar.remap.record import PRE_REBOOT_STATES
-from pinsidecar.testing import make_counts
+from pinsidecar.remap.pipeline import PAUSE_ENV
+from pinsidecar.remap.record import PRE_REBOOT_STATES, STATES
+from pinsidecar.testing.artifacts import make_counts
 
 PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 LIMIT_S = 60.0

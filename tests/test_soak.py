@@ -45,9 +45,10 @@ from pinsidecar.daemon.service import ENGINE_PID_FILE
 from pinsidecar.demo.clients import GateClients
 from pinsidecar.demo.model import load_prompts, routing_counts
 from pinsidecar.demo.sidecar import MAX_HOLD_S, SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
+from pinsidecar.engine.ports import free_port
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for
-from pinsidecar.testing import counts_from, free_port
+from pinsidecar.testing.artifacts import counts_from
 
 SOAK_ENV = "PINSIDECAR_SOAK_S"
 OUT_ENV = "PINSIDECAR_SOAK_OUT"

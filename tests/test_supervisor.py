@@ -284,7 +284,8 @@ def test_the_daemon_hands_the_exporter_the_running_engine(tmp_path: Path) -> Non
     the gate's counters; the configured URL when no engine runs (reported down, not off)."""
     from pinsidecar.daemon.config import load_config
     from pinsidecar.daemon.service import Daemon
-    from pinsidecar.testing.prometheus import PORT_RANGE, free_port
+    from pinsidecar.engine.ports import free_port
+    from pinsidecar.testing._loopback_server import PORT_RANGE
 
     model = tmp_path / "model"
     model.mkdir()

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from pinsidecar_hook.contract import ArtifactError
 
-__all__ = ["UserError", "emit", "fail", "handle_errors", "json_option"]
+__all__: list[str] = []  # nothing here is another package's business
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 

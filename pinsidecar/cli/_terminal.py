@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import click
 
-__all__ = ["Terminal", "format_elapsed"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # How often the indicator redraws and asks ``until()``: often enough that the spinner looks alive and stops
 # within a blink of the engine answering, rarely enough to cost nothing.

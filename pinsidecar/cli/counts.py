@@ -16,7 +16,7 @@ from pinsidecar import placement
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 from pinsidecar.cli.maps import check_out_path, format_table
 
-__all__ = ["register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def _show_human(r: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ import httpx
 
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 
-__all__ = ["register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 config_option = click.option(
     "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,

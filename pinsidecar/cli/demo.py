@@ -18,7 +18,7 @@ import click
 from pinsidecar.cli._common import emit, handle_errors, json_option
 from pinsidecar.cli._terminal import Terminal, format_elapsed
 
-__all__ = ["format_summary", "register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def _pct(x: float | None) -> str:

@@ -15,7 +15,7 @@ from pinsidecar_hook.contract import load_counts, load_map
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 from pinsidecar.cli.maps import format_table
 
-__all__ = ["register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def _pct(x: float | None) -> str:

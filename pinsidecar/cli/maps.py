@@ -19,7 +19,7 @@ from pinsidecar_hook.contract import CountsArtifact, load_counts, load_map
 from pinsidecar import placement
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 
-__all__ = ["check_out_path", "format_table", "register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

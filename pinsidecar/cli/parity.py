@@ -15,7 +15,7 @@ import click
 
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 
-__all__ = ["register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 _MODES = ("pin", "count", "off")
 

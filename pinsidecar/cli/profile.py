@@ -10,7 +10,7 @@ import click
 
 from pinsidecar.cli._common import UserError, emit, fail, handle_errors, json_option
 
-__all__ = ["register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def _human(summary: dict[str, Any]) -> str:

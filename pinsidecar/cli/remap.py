@@ -22,7 +22,7 @@ import click
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 from pinsidecar.cli.daemon import _control_token, _load, _request, config_option
 
-__all__ = ["EXIT_REFUSED", "register"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # The gate said no (busy, cooldown, daily cap): not bad input (2), not a failed remap (1).
 EXIT_REFUSED = 3

@@ -41,22 +41,7 @@ from pinsidecar.schema import (
     read_toml,
 )
 
-__all__ = [
-    "DEFAULT_CONFIG_PATH",
-    "Config",
-    "ConfigError",
-    "ContainerConfig",
-    "ControlConfig",
-    "DaemonConfig",
-    "EngineConfig",
-    "GateConfig",
-    "MapsConfig",
-    "MetricsConfig",
-    "RemapConfig",
-    "SupervisorConfig",
-    "load_config",
-    "parse_config",
-]
+__all__ = ["Config", "ConfigError", "load_config"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/pinsidecar/pinsidecar.toml")
 

@@ -50,7 +50,7 @@ from pinsidecar.daemon.webhook import (
 )
 from pinsidecar.errors import ControlError
 
-__all__ = ["ControlError", "ControlServer", "ControlTarget", "TokenFileError", "read_token"]
+__all__ = ["ControlError", "TokenFileError", "read_token"]
 
 log = structlog.get_logger(__name__)
 

@@ -25,7 +25,7 @@ from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-__all__ = ["MapEntry", "MapLibrary", "MapNotFound", "MapPathRefused"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pinsidecar.daemon.webhook import ALERTMANAGER_VERSION, MAX_ALERTS, TRIGGERS
 
-__all__ = ["openapi_document"]
+__all__: list[str] = []  # nothing here is another package's business
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 _OBJECT = {"type": "object"}

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import structlog
 
-__all__ = ["Notifier"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

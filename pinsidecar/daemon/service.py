@@ -73,7 +73,7 @@ from pinsidecar.remap.recovery import close_open_records
 if TYPE_CHECKING:
     from pinsidecar.metrics import Exporter
 
-__all__ = ["Daemon", "run_daemon"]
+__all__ = ["run_daemon"]
 
 log = structlog.get_logger(__name__)
 

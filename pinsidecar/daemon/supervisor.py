@@ -60,8 +60,7 @@ from pinsidecar_hook.contract.env import PIN_REFUSED_MARKER
 from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 
-__all__ = ["BootObserver", "BootRecord", "EngineGate", "EngineState", "Supervisor", "compile_cache_evidence",
-           "geometry_key", "is_cache_miss"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import structlog
 
-__all__ = ["ACTIVE_NAME", "CAPTURE_PATHS", "CaptureStore"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

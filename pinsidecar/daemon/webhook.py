@@ -39,22 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "ALERTMANAGER_VERSION",
-    "DEDUP_MEMORY",
-    "DEFAULT_REMAP_ALERTS",
-    "TRIGGERS",
-    "AlertMemory",
-    "AlertNotice",
-    "CliRemapRequest",
-    "DeliveryPlan",
-    "WebhookDelivery",
-    "WebhookError",
-    "is_alertmanager_body",
-    "parse_alertmanager_body",
-    "parse_cli_body",
-    "plan_delivery",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 # The webhook payload version Alertmanager has sent since 0.x ("4" in every release to date); another version
 # may change the fields, so it is refused rather than guessed at.

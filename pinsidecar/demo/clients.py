@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["ClientCounts", "GateClients"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # Errors kept for the summary (the first ones; the counts hold them all).
 KEEP_ERRORS = 20

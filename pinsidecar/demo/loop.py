@@ -52,8 +52,7 @@ from pinsidecar_hook.contract import CountsArtifact, atomic_write_json, load_cou
 from pinsidecar import placement
 from pinsidecar.demo.sidecar import BOOT_TIMEOUT_S, MAX_HOLD_S, SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
 
-__all__ = ["DEFAULT_HOT_ROWS", "REMAP_STATES", "REQUIRED_RATIO", "STAGES", "DemoFailed", "DemoOptions", "Display",
-           "run_demo"]
+__all__ = ["DemoFailed", "DemoOptions", "run_demo"]
 
 log = structlog.get_logger(__name__)
 

@@ -77,22 +77,14 @@ import numpy as np
 import structlog
 
 __all__ = [
-    "CALIBRATED_COLD_FRACTION",
-    "CALIBRATED_COLD_RATE",
     "DEFAULT_GEOMETRY",
-    "DEMO_FORMAT_VERSION",
     "DOMAINS",
-    "ROUTERS",
     "DemoModelError",
-    "DemoModelExistsError",
     "Geometry",
-    "SkewFigures",
     "build_demo_model",
-    "cold_selection_rate",
     "fixture_path",
     "load_prompts",
     "routing_counts",
-    "skew_figures",
     "weights_digest",
 ]
 

@@ -39,19 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "BLOCK",
-    "FP8_E4M3_MAX",
-    "GPTQ_GROUP",
-    "QUANT_METHODS",
-    "dequantize_fp8_block",
-    "geometry_problems",
-    "pack_int4",
-    "quantization_config",
-    "quantize_expert_tensors",
-    "quantize_fp8_block",
-    "quantize_gptq_int4",
-]
+__all__ = ["pack_int4"]
 
 QUANT_METHODS = ("fp8-block", "gptq-int4")
 BLOCK = 128  # FP8 weight block, both dimensions (vLLM's CPU FP8 MoE kernel and DeepSeek-V3 checkpoints: 128x128)

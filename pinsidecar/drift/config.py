@@ -27,7 +27,7 @@ from typing import Any
 
 from pinsidecar.schema import MIN, POSITIVE, ConfigError, build_section, read_toml
 
-__all__ = ["DRIFT_SECTION", "DriftConfig", "check_drift_config", "load_drift_config", "parse_drift_table"]
+__all__ = ["DRIFT_SECTION", "DriftConfig", "check_drift_config"]
 
 DRIFT_SECTION = "drift"
 

@@ -32,7 +32,7 @@ from pinsidecar.drift.signals import cold_rate_on
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement import build_usage_map
 
-__all__ = ["Decision", "build_candidate", "decide", "pick_from_library"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.signals import NO_SKEW, Signals
 from pinsidecar.drift.windows import Window
 
-__all__ = ["DAY_S", "STATES", "DriftDetector", "WindowRecord"]
+__all__ = ["DAY_S", "STATES", "DriftDetector"]
 
 log = structlog.get_logger(__name__)
 

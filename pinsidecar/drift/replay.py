@@ -30,7 +30,7 @@ from pinsidecar.drift.watch import DriftWatch
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement import check_compatible, sum_counts
 
-__all__ = ["replay"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def _duration(counts: CountsArtifact, fallback: float) -> float:

@@ -50,17 +50,7 @@ from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement import build_usage_map
 
-__all__ = [
-    "NO_SKEW",
-    "Signals",
-    "candidate_hot_mask",
-    "cold_rate_on",
-    "compute_signals",
-    "js_divergence",
-    "live_cold_rate",
-    "split_half_cold_rate",
-    "top_mask",
-]
+__all__ = ["cold_rate_on"]
 
 # Seed of the random split in split_half_cold_rate: fixed, so a window always gets the same figure (replays repeat).
 SPLIT_SEED = 0x5B117

@@ -28,7 +28,7 @@ from pinsidecar.drift.detector import DriftDetector, WindowRecord
 from pinsidecar.drift.signals import Signals, compute_signals
 from pinsidecar.drift.windows import LiveSample, LiveWindows, Window, sample_from_reading
 
-__all__ = ["DriftWatch"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

@@ -33,7 +33,7 @@ import numpy as np
 import structlog
 from pinsidecar_hook.contract import CountsArtifact, utc_now
 
-__all__ = ["CLOSED_BY", "LiveSample", "LiveWindows", "Window", "sample_from_reading"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

@@ -35,23 +35,15 @@ from pinsidecar.engine.spec import (
 )
 
 __all__ = [
-    "BOOT_LOG_LINES",
-    "DEFAULT_DTYPE",
-    "DEFAULT_KV_CACHE_BYTES",
     "EngineBootError",
     "EngineConfig",
     "EngineError",
     "EngineProcess",
-    "EngineSetupError",
     "EngineSpec",
     "Launcher",
     "PortInUseError",
-    "default_cache_root",
     "free_port",
     "hooked_spec",
     "load_engine_config",
     "port_in_use",
-    "probe_health",
-    "probe_ready",
-    "wait_until_ready",
 ]

@@ -46,8 +46,7 @@ from pinsidecar.engine.readiness import log_tail, probe_health, wait_until_ready
 from pinsidecar.engine.spec import EngineSpec
 from pinsidecar.schema import CHOICES
 
-__all__ = ["ENGINE_LABEL", "STATE_LABEL", "ContainerConfig", "ContainerEngine", "build_run_argv", "container_env",
-           "container_path", "hook_overlay", "remove_leftover_containers", "run_cli", "runtime_trouble"]
+__all__ = ["ENGINE_LABEL", "ContainerConfig", "ContainerEngine", "container_path", "remove_leftover_containers"]
 
 log = structlog.get_logger(__name__)
 

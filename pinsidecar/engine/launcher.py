@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from pinsidecar.engine.spec import EngineSpec
 
-__all__ = ["BOOT_LOG_LINES", "EngineBootError", "EngineError", "EngineSetupError", "Launcher", "PortInUseError"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # How many log lines an EngineBootError carries: enough for a Python traceback and the line that caused it.
 BOOT_LOG_LINES = 30

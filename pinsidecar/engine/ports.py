@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import psutil
 
-__all__ = ["PORT_RANGE_ENV", "PortsTakenError", "check_ports_free", "free_port", "port_holder", "port_in_use"]
+__all__ = ["check_ports_free"]
 
 # PINSIDECAR_TEST_PORTS="8150-8199" keeps free_port() inside a range: on a box shared by several test runs, each
 # run owns a range and the runs never take each other's ports.

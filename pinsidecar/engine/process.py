@@ -50,7 +50,7 @@ from pinsidecar.engine.ports import port_in_use
 from pinsidecar.engine.readiness import log_tail, probe_health, wait_until_ready
 from pinsidecar.engine.spec import EngineSpec
 
-__all__ = ["EngineProcess", "read_pid_file", "stop_recorded_engine"]
+__all__ = ["stop_recorded_engine"]
 
 log = structlog.get_logger(__name__)
 

@@ -34,13 +34,7 @@ import structlog
 
 from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineBootError
 
-__all__ = [
-    "log_tail",
-    "probe_health",
-    "probe_ready",
-    "wait_until_ready",
-    "warm_logprobs",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

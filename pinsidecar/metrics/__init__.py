@@ -115,34 +115,4 @@ from pinsidecar.metrics.remap import REMAP_OUTCOMES, RemapCollector
 from pinsidecar.metrics.routing import RoutingCollector, RoutingTotals
 from pinsidecar.metrics.source import Collector, Source, SourceStatus
 
-__all__ = [
-    "BOOT_DURATION_BUCKETS_S",
-    "ENGINE_SCRAPE_TIMEOUT_S",
-    "ENGINE_SERIES",
-    "ENGINE_STATES",
-    "MAX_LAYER_SERIES",
-    "MEMORY_STAT_KEYS",
-    "REMAP_OUTCOMES",
-    "CgroupMemoryCollector",
-    "Collector",
-    "DaemonStateCollector",
-    "DriftCollector",
-    "DriftView",
-    "EngineMetricsCollector",
-    "Exporter",
-    "GateCollector",
-    "GateView",
-    "GpuMemoryCollector",
-    "HostMemoryCollector",
-    "Live",
-    "RemapCollector",
-    "RoutingCollector",
-    "RoutingTotals",
-    "Source",
-    "SourceStatus",
-    "cgroup_path_for_container",
-    "cgroup_path_for_pid",
-    "cgroup_v1_memory_path_for_pid",
-    "load_nvml",
-    "parse_engine_metrics",
-]
+__all__ = ["Exporter"]

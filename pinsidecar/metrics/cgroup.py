@@ -22,8 +22,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pinsidecar.metrics.source import SourceStatus
 
-__all__ = ["MEMORY_STAT_KEYS", "CgroupMemoryCollector", "cgroup_path_for_container", "cgroup_path_for_pid",
-           "cgroup_v1_memory_path_for_pid"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # memory.stat keys exported: shmem is where pinned host memory (cold experts) is charged; v2 counts it in file too.
 MEMORY_STAT_KEYS = ("anon", "file", "shmem")

@@ -23,7 +23,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-__all__ = ["BOOT_DURATION_BUCKETS_S", "ENGINE_STATES", "DaemonStateCollector"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # The states pinsidecar_engine_state exports. The supervisor folds its own finer states into these
 # (pinsidecar.daemon.supervisor.EngineState.EXPORTED: unhealthy -> restarting, stopping -> stopped).

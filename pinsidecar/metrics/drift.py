@@ -29,13 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.detector import STATES, WindowRecord
 
-__all__ = [
-    "MAX_LAYER_SERIES",
-    "SERIES_METRICS",
-    "DriftCollector",
-    "DriftView",
-    "last_judged",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 # Per-layer divergence series only up to this many layers: one series per MoE layer is what a heatmap needs, and
 # the largest MoE models have ~60-100 MoE layers; beyond this only max and mean are exported.

@@ -18,8 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pinsidecar.metrics.source import SourceStatus
 
-__all__ = ["ENGINE_SCRAPE_TIMEOUT_S", "ENGINE_SERIES", "MIN_RATE_INTERVAL_S", "EngineMetricsCollector",
-           "metrics_url", "parse_engine_metrics"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # The engine's /metrics is read inside our scrape; Prometheus' default scrape timeout is 10 s, so stay well below.
 ENGINE_SCRAPE_TIMEOUT_S = 1.0

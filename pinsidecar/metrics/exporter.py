@@ -39,7 +39,7 @@ from pinsidecar.metrics.remap import RemapCollector
 from pinsidecar.metrics.routing import RoutingCollector
 from pinsidecar.metrics.source import Collector, Source
 
-__all__ = ["Exporter", "Live"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

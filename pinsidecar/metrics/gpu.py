@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pinsidecar.metrics.source import SourceStatus
 
-__all__ = ["REAL_NVML", "GpuMemoryCollector", "load_nvml"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

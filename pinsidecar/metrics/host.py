@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pinsidecar.metrics.source import SourceStatus
 
-__all__ = ["HostMemoryCollector"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 class HostMemoryCollector:

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from pinsidecar.live_stats import StatsReader, StatsReading
 from pinsidecar.metrics.source import SourceStatus
 
-__all__ = ["RoutingCollector", "RoutingTotals"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Protocol
 import structlog
 from prometheus_client.core import Metric
 
-__all__ = ["Collector", "Source", "SourceStatus"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

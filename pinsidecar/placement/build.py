@@ -30,16 +30,7 @@ from pinsidecar_hook.contract import (
 from pinsidecar.placement._ranking import cold_rates, usage_hot_mask, usage_order
 from pinsidecar.placement.counts import shared_meta, sum_counts
 
-__all__ = [
-    "Placement",
-    "PlacementMask",
-    "build_usage_map",
-    "check_hot_rows",
-    "hot_rows_for_budget",
-    "positional_for",
-    "positional_mask",
-    "save_map",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

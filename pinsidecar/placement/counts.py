@@ -21,16 +21,7 @@ from pinsidecar_hook.contract import (
     load_counts,
 )
 
-__all__ = [
-    "SKEW_TOP_FRACTION",
-    "check_same_geometry",
-    "counts_summary",
-    "describe_geometry",
-    "load_counts_files",
-    "shared_meta",
-    "sum_counts",
-    "top_share",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

@@ -46,16 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "DTYPE_BYTES",
-    "CheckpointExperts",
-    "ExpertBytesError",
-    "checkpoint_experts",
-    "fp8_block_expert_bytes",
-    "fp8_per_tensor_expert_bytes",
-    "gptq_expert_bytes",
-    "unquantized_expert_bytes",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 FP8_SCALE_BYTES = 4  # float32 scales, per block or per tensor

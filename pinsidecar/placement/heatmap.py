@@ -22,7 +22,7 @@ from pinsidecar_hook.contract import CountsArtifact, ExpertMap, atomic_write_byt
 
 from pinsidecar.placement.evaluate import check_compatible
 
-__all__ = ["PLOT_EXTRA_HINT", "PlotExtraMissing", "render_map_png", "require_matplotlib", "write_map_png"]
+__all__ = ["PlotExtraMissing", "require_matplotlib", "write_map_png"]
 
 PLOT_EXTRA_HINT = "install the plot extra: pip install 'pinsidecar[plot]'"
 

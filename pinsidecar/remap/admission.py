@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pinsidecar.drift.detector import DAY_S, DriftDetector
 from pinsidecar.remap.record import RemapRecord
 
-__all__ = ["blocked", "note_started", "seed_from_history"]
+__all__ = ["seed_from_history"]
 
 
 def blocked(detector: DriftDetector, now: float | None = None) -> str | None:

@@ -40,8 +40,7 @@ from pinsidecar_hook.contract.swap import ApplyResult
 
 from pinsidecar.runs.parity import PromptOutput
 
-__all__ = ["APPLY_OP", "DEPLOY_OUTCOMES", "REQUEST_RESULTS", "ApplyAnswer", "ApplyClient", "apply_summary",
-           "classify_answer", "request_apply", "stats_boot_id", "token_parity", "withdraw_apply_request"]
+__all__ = ["ApplyAnswer", "withdraw_apply_request"]
 
 log = structlog.get_logger(__name__)
 

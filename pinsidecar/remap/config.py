@@ -22,8 +22,7 @@ from typing import Any
 
 from pinsidecar.schema import CHOICES, MIN, POSITIVE, ConfigError
 
-__all__ = ["REMAP_SECTION", "SOURCES", "RemapConfig", "check_remap_config", "default_parity_prompts",
-           "resolve_workloads"]
+__all__ = ["REMAP_SECTION", "RemapConfig", "check_remap_config", "resolve_workloads"]
 
 REMAP_SECTION = "remap"
 # "capture": count-boot the traffic the gate captured (plus fixtures) on a second engine; "live": build the

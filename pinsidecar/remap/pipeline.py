@@ -82,8 +82,7 @@ from pinsidecar.runs.workload import WorkloadRequest
 if TYPE_CHECKING:
     from pinsidecar.daemon.config import Config
 
-__all__ = ["COUNT_ENGINE_PID_FILE", "KEEP_RECORDS", "PAUSE_ENV", "RemapHost", "RemapPipeline", "RemapTools",
-           "run_count_boot"]
+__all__ = ["COUNT_ENGINE_PID_FILE", "KEEP_RECORDS", "RemapPipeline", "RemapTools"]
 
 log = structlog.get_logger(__name__)
 

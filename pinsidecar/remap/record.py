@@ -36,17 +36,7 @@ from typing import Any
 import structlog
 from pinsidecar_hook.contract import atomic_write_json
 
-__all__ = [
-    "DEPLOY_STATES",
-    "OUTCOMES",
-    "PRE_REBOOT_STATES",
-    "STATES",
-    "TERMINAL_STATES",
-    "TRIGGERS",
-    "RecordStore",
-    "RemapRecord",
-    "utc_stamp",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

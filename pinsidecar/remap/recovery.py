@@ -28,7 +28,7 @@ import structlog
 
 from pinsidecar.remap.record import PRE_REBOOT_STATES, RecordStore, RemapRecord
 
-__all__ = ["active_map_hash", "close_open_records", "close_record"]
+__all__ = ["close_open_records"]
 
 log = structlog.get_logger(__name__)
 

@@ -24,7 +24,7 @@ from pinsidecar.live_stats import StatsReader, ratio
 from pinsidecar.runs.parity import PromptOutput, generate, load_prompts
 from pinsidecar.runs.workload import WorkloadRequest
 
-__all__ = ["ColdRateProbe", "ColdRateResult", "cold_rate_verdict", "load_parity_prompts", "parity_outputs"]
+__all__ = ["ColdRateProbe", "ColdRateResult"]
 
 
 def load_parity_prompts(path: Path) -> list[WorkloadRequest]:

@@ -60,14 +60,7 @@ from pinsidecar.engine import (
 )
 from pinsidecar.runs.workload import ReplayResult, WorkloadError, WorkloadRequest, load_workload, replay
 
-__all__ = [
-    "COUNT_BOOT_DEFAULTS",
-    "ProfileError",
-    "ProfileResult",
-    "count_boot_config",
-    "request_counts",
-    "run_profile",
-]
+__all__ = ["count_boot_config", "request_counts", "run_profile"]
 
 log = structlog.get_logger(__name__)
 

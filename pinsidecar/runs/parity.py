@@ -33,22 +33,17 @@ from pinsidecar_hook.contract import atomic_write_json, load_map, utc_now
 from pinsidecar.runs.workload import WorkloadRequest, load_workload
 
 __all__ = [
-    "PARITY_FORMAT",
     "ParityError",
     "ParityRef",
-    "ParityReport",
-    "PromptDiff",
     "PromptOutput",
     "check_prompts_match",
     "compare",
-    "engine_for",
     "generate",
     "load_prompts",
     "load_ref",
     "outputs_from",
     "prompts_digest",
     "record",
-    "served_model_name",
 ]
 
 log = structlog.get_logger(__name__)

@@ -33,16 +33,7 @@ from typing import Any
 
 import httpx
 
-__all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "ReplayResult",
-    "RequestResult",
-    "WorkloadError",
-    "WorkloadRequest",
-    "load_workload",
-    "parse_request",
-    "replay",
-]
+__all__ = ["WorkloadError", "WorkloadRequest", "load_workload", "parse_request"]
 
 # A request without max_tokens would otherwise generate up to the model's context length; 128 keeps a replay's
 # cost predictable and is plenty to reach decode-phase routing.

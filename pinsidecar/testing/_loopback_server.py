@@ -17,7 +17,7 @@ import httpx
 
 from pinsidecar.engine.ports import free_port
 
-__all__ = ["PORT_RANGE", "LoopbackServer"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # The ports Prometheus, Alertmanager and their scrape targets take in tests (``free_port(*PORT_RANGE)``): a fixed
 # range away from the engines' ports.

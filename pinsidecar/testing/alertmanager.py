@@ -23,7 +23,7 @@ import httpx
 
 from pinsidecar.testing._loopback_server import LoopbackServer
 
-__all__ = ["REMAP_RECEIVER", "AlertmanagerServer", "alertmanager_binary", "example_config"]
+__all__: list[str] = []  # nothing here is another package's business
 
 # The example's receiver that calls the sidecar's webhook.
 REMAP_RECEIVER = "pinsidecar-remap"

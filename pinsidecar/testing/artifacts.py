@@ -29,16 +29,7 @@ from typing import Any
 import numpy as np
 from pinsidecar_hook.contract import CountsArtifact, ExpertMap, LayerPlacement, ModelInfo, utc_now
 
-__all__ = [
-    "counts_from",
-    "domain_ranking",
-    "make_counts",
-    "make_map",
-    "model_geometry",
-    "swap_experts",
-    "write_counts",
-    "write_map",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 # Tokens sampled per numpy call: keeps the [chunk, num_experts] noise matrix small for big layers.
 _CHUNK_TOKENS = 2048

@@ -33,7 +33,7 @@ from typing import Any
 from pinsidecar.engine.container import ENGINE_LABEL as _ENGINE_LABEL
 from pinsidecar.engine.container import ContainerConfig
 
-__all__ = ["CONTAINERS_CONF", "ENGINE_LABEL", "IMAGE", "PodmanLane", "PodmanUnavailable", "podman_lane"]
+__all__: list[str] = []  # nothing here is another package's business
 
 CONTAINERS_CONF = Path(__file__).with_name("containers.conf")
 IMAGE = "localhost/pinsidecar-engine-test:1"

@@ -12,7 +12,7 @@ from typing import Any
 
 from pinsidecar.daemon.control import ControlError
 
-__all__ = ["RecordingTarget"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 class RecordingTarget:

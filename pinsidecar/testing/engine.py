@@ -30,16 +30,8 @@ from pinsidecar_hook.contract import CountsArtifact, load_counts
 from pinsidecar_hook.contract.env import HookConfig
 
 from pinsidecar.engine import EngineConfig, EngineProcess, EngineSpec, free_port, hooked_spec
-from pinsidecar.engine.ports import PORT_RANGE_ENV
 
-__all__ = [
-    "BOOT_TIMEOUT_S",
-    "MODEL_DIR_ENV",
-    "PORT_RANGE_ENV",
-    "HookedEngine",
-    "free_port",
-    "start_engine",
-]
+__all__: list[str] = []  # nothing here is another package's business
 
 # Boot timeout for tests: a cold torch.compile on a busy 2-core box can take minutes; eager boots take ~20-60 s.
 BOOT_TIMEOUT_S = 900.0

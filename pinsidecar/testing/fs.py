@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PAGE", "MountNotPermitted", "fill", "free_pages", "remount", "small_tmpfs"]
+__all__: list[str] = []  # nothing here is another package's business
 
 PAGE = 4096  # tmpfs accounts its size in pages
 

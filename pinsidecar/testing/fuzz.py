@@ -27,7 +27,7 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-__all__ = ["EXAMPLES", "PROFILE", "hostile_values", "mutate", "to_bytes", "toml_values"]
+__all__: list[str] = []  # nothing here is another package's business
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

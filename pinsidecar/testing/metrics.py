@@ -18,8 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from pinsidecar_hook.contract import StatsSnapshot
 
-__all__ = ["VLLM_METRICS_TEXT", "FakeEngineMetrics", "FakeNvml", "LiveValue", "make_stats", "write_cgroup_tree",
-           "write_proc_cgroup"]
+__all__: list[str] = []  # nothing here is another package's business
 
 T = TypeVar("T")
 

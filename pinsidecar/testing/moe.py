@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from pinsidecar_hook.contract import placement_row_map
 
-__all__ = ["experts_by_row", "rehome_weights", "routing_case", "row_map_tensor"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def row_map_tensor(num_experts: int, hot_experts: Sequence[int], cold_experts: Sequence[int],

@@ -22,13 +22,9 @@ from typing import Any
 
 import httpx
 
-from pinsidecar.engine.ports import free_port
-from pinsidecar.testing._loopback_server import PORT_RANGE, LoopbackServer
+from pinsidecar.testing._loopback_server import LoopbackServer
 
-__all__ = ["PORT_RANGE", "PrometheusServer", "free_port", "prometheus_binary", "rules_with_for"]
-
-# ``free_port`` is :func:`pinsidecar.engine.ports.free_port` and ``PORT_RANGE`` the tests' server port range,
-# re-exported here for the tests that import them from this module.
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def prometheus_binary() -> str | None:

@@ -32,8 +32,7 @@ import httpx
 from pinsidecar.demo.sidecar import SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
 from pinsidecar.testing.streaming import LoadResult, load_during
 
-__all__ = ["HOT_ROWS", "LANE_CHANGES", "OTHER_HOT_ROWS", "LaneMap", "RemapLane", "domain_prompts", "dump_toml",
-           "lane_maps", "load_lane_maps"]
+__all__: list[str] = []  # nothing here is another package's business
 
 HOT_ROWS = 48  # the demo's geometry (pinsidecar.demo.loop.DEFAULT_HOT_ROWS)
 OTHER_HOT_ROWS = 56  # another geometry: the hot tensor changes shape, so only a reboot deploys it
@@ -64,7 +63,7 @@ def lane_maps(model_dir: Path, maps: Path, hot_rows: tuple[int, ...] = (HOT_ROWS
     from pinsidecar.demo.model import DOMAINS, load_prompts, routing_counts
     from pinsidecar.placement import build_usage_map
     from pinsidecar.remap.candidates import counts_path_for
-    from pinsidecar.testing import counts_from
+    from pinsidecar.testing.artifacts import counts_from
 
     maps.mkdir(parents=True, exist_ok=True)
     geo = json.loads((model_dir / "config.json").read_text())

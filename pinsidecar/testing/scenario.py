@@ -48,8 +48,7 @@ from pinsidecar.live_stats import StatsReader
 from pinsidecar.testing.remap_lane import EVENT_LIMIT_S, OTHER_HOT_ROWS, LaneMap, RemapLane, _epoch, domain_prompts
 from pinsidecar.testing.streaming import ClientStats, LoadResult, Request, load_during
 
-__all__ = ["FULL", "SHORT", "STAGES", "HealScenario", "Sampler", "ScenarioOptions", "SwitchablePrompts", "checks",
-           "draw_timeline", "recovery", "scenario_overrides"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["load_script"]
+__all__: list[str] = []  # nothing here is another package's business
 
 
 def load_script(path: Path, name: str | None = None) -> ModuleType:

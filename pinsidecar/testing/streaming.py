@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["GAP_RECORD_S", "ClientStats", "Gap", "LoadResult", "Request", "load_during", "stream_client"]
+__all__: list[str] = []  # nothing here is another package's business
 
 PROMPTS = ("def parse(line):", "The river ran", "import os\nfor p in", "Once upon a time")
 # Gaps at least this long are kept with their times (shorter ones only count towards longest_stall_s); 0: all, so
