@@ -75,6 +75,7 @@ def test_the_killed_engine_restarted_and_no_request_was_lost(run: tuple[dict[str
     assert kill["map_hash"] == doc["reboot"]["map_hash"]  # the committed map, the drain-reboot's
     assert reqs["lost"] == 0 and all(s["lost"] == 0 for s in reqs["per_stage"]), reqs
     assert reqs["failed"] <= kill["in_flight_at_kill"], (reqs, kill)
+    assert kill["failed_sent_after_kill"] == 0, kill  # sent to the dying engine, unread: the gate resent them
     assert sum(s["failed"] for s in reqs["per_stage"] if s["stage"] != "kill") == 0, reqs["per_stage"]
     assert reqs["completed"] + reqs["failed"] == reqs["sent"] > 0
     by = {s["stage"]: s for s in reqs["per_stage"]}

@@ -9,10 +9,11 @@ points the gate at it (:meth:`Gate.set_upstream` if its address changed) and cal
 lets the held requests through in arrival order.
 
 The same hold covers an engine that crashed: the supervisor holds the gate the moment the engine exits and
-releases it once the restarted engine serves, and a request that could not reach the engine at all (the connection
-was refused, so the engine never saw it) is held and sent again rather than answered ``502``. Only requests the
-engine had already taken when it died fail, each with a body that says so (in an event stream, a last ``data:``
-event with an ``error`` before the connection is cut). When the supervisor gives up (crash loop) it calls
+releases it once the restarted engine serves, and a request the engine never read (the connection was refused, or
+reset with the request unread: a dying engine's listening socket accepts connections for a moment after SIGKILL) is
+held and sent again rather than answered ``502``. Only requests the engine had already taken when it died fail,
+each with a body that says so (in an event stream, a last ``data:`` event with an ``error`` before the connection
+is cut). When the supervisor gives up (crash loop) it calls
 :meth:`Gate.refuse`, and requests get ``503`` at once instead of waiting for a restart that will not come.
 
 Every wait is bounded: at most ``max_queue`` requests are held, and each waits at the gate (held, or retrying an
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import time
 from dataclasses import dataclass
@@ -80,7 +82,7 @@ DEFAULT_UPSTREAM_IDLE_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class _NotSent:
-    """The engine could not be reached at all, so it never saw the request (safe to send again)."""
+    """The engine never read the request (connect refused, or the connection reset unread): safe to send again."""
 
     upstream: str
     error: str
@@ -352,7 +354,7 @@ class Gate:
                     self._idle.set()
             if not isinstance(answer, _NotSent):
                 return answer
-            # The engine refused the connection: it never saw the request, so it is safe to send it again once
+            # The engine never read the request (refused, or reset unread), so it is safe to send it again once
             # the engine is back. The supervisor notices a dead engine and holds the gate; until then (or when
             # nothing supervises it), retry every RETRY_S, all of it within the request's max_hold_s.
             self.unreachable_retries += 1
@@ -366,8 +368,8 @@ class Gate:
 
     async def _forward(self, request: web.Request, body: bytes, headers: CIMultiDict[str]
                        ) -> web.StreamResponse | _NotSent:
-        """Send the request to the engine once and relay its answer; :class:`_NotSent` when no connection could be
-        made (so the engine never saw it)."""
+        """Send the request to the engine once and relay its answer; :class:`_NotSent` when the engine never read
+        it (no connection, or one reset unread)."""
         upstream = self._upstream
         assert self._session is not None
         try:
@@ -384,13 +386,16 @@ class Gate:
             return _error(504, f"pinsidecar gate: the engine at {upstream} did not answer within "
                           f"{self.upstream_idle_timeout_s:g} s (it may be hung); the request may not have completed",
                           "gateway_timeout")
+        except aiohttp.ClientOSError as exc:
+            if exc.errno != errno.ECONNRESET:
+                return self._lost_before_answer(upstream, exc)
+            # A reset, not an orderly close: the kernel resets a connection whose received bytes nobody read, which
+            # is a connection still in a dying engine's accept queue (its listening socket outlives SIGKILL while
+            # the kernel tears down gigabytes of memory) or one accepted and never read. The engine never had the
+            # whole request, so it cannot have acted on it: send it again like a refused connect.
+            return _NotSent(upstream, f"the engine reset the connection without reading the request ({exc})")
         except (aiohttp.ClientError, OSError) as exc:
-            # connected, then lost before any answer: the engine may have seen the request (it was in flight when
-            # the engine crashed), so it is not replayed behind the client's back
-            self._count("bad_gateway")
-            return _error(502, f"pinsidecar gate: the engine at {upstream} closed the connection before answering "
-                          f"({type(exc).__name__}: {exc}); it crashed or was restarted while this request was in "
-                          "flight; the request did not complete, send it again", "bad_gateway")
+            return self._lost_before_answer(upstream, exc)
         async with up:
             length = up.content_length
             if length is not None and length <= SMALL_RESPONSE_BYTES and "event-stream" not in up.content_type:
@@ -405,6 +410,15 @@ class Gate:
                 return web.Response(status=up.status, reason=up.reason, body=data,
                                     headers=_filter_headers(up.headers, _STRIP_SMALL_RESPONSE))
             return await self._relay(request, up, upstream)
+
+    def _lost_before_answer(self, upstream: str, exc: BaseException) -> web.Response:
+        """Connected, then closed in order before any answer: the engine read the request (it was in flight when
+        the engine crashed), so it is not replayed behind the client's back (a request that crashed the engine would
+        crash the restarted one too)."""
+        self._count("bad_gateway")
+        return _error(502, f"pinsidecar gate: the engine at {upstream} closed the connection before answering "
+                      f"({type(exc).__name__}: {exc}); it crashed or was restarted while this request was in "
+                      "flight; the request did not complete, send it again", "bad_gateway")
 
     async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, upstream: str) -> web.StreamResponse:
         """Relay a streamed (or large) response chunk by chunk as it arrives."""

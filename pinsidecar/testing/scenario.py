@@ -524,6 +524,8 @@ def checks(doc: dict[str, Any]) -> dict[str, bool]:
         "engine_restarted_after_kill": kill.get("new_pid") not in (None, kill.get("pid")),
         "none_lost": reqs["lost"] == 0,
         "failed_at_most_in_flight_at_kill": reqs["failed"] <= kill.get("in_flight_at_kill", 0),
+        # a request sent after the kill reaches the dying engine at most unread: the gate holds and resends it
+        "none_sent_after_kill_failed": kill.get("failed_sent_after_kill", 0) == 0,
         "samples": len(doc["samples"]) > 0,
     }
 
