@@ -58,6 +58,18 @@ def test_cpu_example_loads_with_model_override(model_dir: Path, tmp_path: Path) 
     assert "PINSIDECAR_HOOK_MODE" not in spec.env  # hook off: nothing set
 
 
+def test_the_examples_are_in_the_current_layout(model_dir: Path, token_file: Path) -> None:
+    # operator keys at the top, tuning in [section.advanced], vLLM flags in [engine.vllm]: nothing deprecated
+    for example in ("cpu-demo.toml", "gpu-container.toml"):
+        cfg = load_config(EXAMPLES / example, check_paths=False, warn=False)
+        assert cfg.deprecations == (), [str(d) for d in cfg.deprecations]
+    gpu = load_config(EXAMPLES / "gpu-container.toml", check_paths=False, warn=False)
+    assert (gpu.engine.ready_timeout_s, gpu.engine.max_model_len, gpu.engine.enable_prefix_caching) == (1800, 32768,
+                                                                                                         True)
+    assert gpu.supervisor.crash_loop_limit == 4 and gpu.supervisor.stable_after_s == 600
+    assert gpu.gate.capture_sample_rate == 0.05 and gpu.gate.max_hold_s == 900
+
+
 def test_cpu_example_without_model_names_the_key() -> None:
     if Path("/tmp/pinsidecar-demo/model").exists():
         pytest.skip("the demo model exists at the example's path")

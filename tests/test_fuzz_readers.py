@@ -38,6 +38,7 @@ from pinsidecar_hook.contract.io import MAX_EXPERTS, MAX_LAYERS
 from pinsidecar.daemon.config import _SECTION_TYPES, ConfigError, load_config, parse_config
 from pinsidecar.live_stats import StatsReader, compare
 from pinsidecar.placement.counts import counts_summary, load_counts_files, sum_counts
+from pinsidecar.schema import TABLE, TOML_KEY
 from pinsidecar.testing.artifacts import make_counts, make_map
 from pinsidecar.testing.fuzz import EXAMPLES, hostile_values, mutate, to_bytes, toml_values
 
@@ -243,11 +244,11 @@ SECTIONS = tuple(_SECTION_TYPES)
 
 def _config_doc(tmp: Path) -> dict[str, Any]:
     return {
-        "engine": {"model": str(tmp / "model"), "port": 8251},
+        "engine": {"model": str(tmp / "model"), "port": 8251, "vllm": {"max-num-seqs": 4, "enforce-eager": True}},
         "control": {"token_file": str(tmp / "token"), "port": 8252},
         "gate": {"port": 8250},
         "metrics": {"port": 8253},
-        "supervisor": {"health_interval_s": 2.0, "crash_loop_limit": 5},
+        "supervisor": {"crash_loop_limit": 5, "advanced": {"health_interval_s": 2.0}},
         "daemon": {"state_dir": str(tmp / "state"), "log_level": "info"},
     }
 
@@ -263,11 +264,20 @@ def _named(msg: str, doc: dict[str, Any]) -> bool:
 def test_mutated_configs_load_or_name_the_key(data: st.DataObject, tmp_path_factory: pytest.TempPathFactory) -> None:
     tmp = tmp_path_factory.getbasetemp()
     doc = _config_doc(tmp)
-    # a key that exists in some section, or a random one: a type error on a real key is the likelier mistake
+    # a key that exists in some section, or a random one: a type error on a real key is the likelier mistake; a
+    # key that moved goes at its place, at its old place (deprecated) or at both (an error naming both)
     section = data.draw(st.sampled_from(SECTIONS), label="section")
     if data.draw(st.booleans(), label="real key?"):
-        names = sorted(f.name for f in dataclasses.fields(_SECTION_TYPES[section]))
-        doc.setdefault(section, {})[data.draw(st.sampled_from(names), label="key")] = data.draw(toml_values())
+        fields = {f.name: f for f in dataclasses.fields(_SECTION_TYPES[section])}
+        f = fields[data.draw(st.sampled_from(sorted(fields)), label="key")]
+        table = doc.setdefault(section, {})
+        sub = f.metadata.get(TABLE)
+        places = ["old", "new", "both"] if sub else ["old"]
+        place = data.draw(st.sampled_from(places), label="place")
+        if place in ("old", "both"):
+            table[f.name] = data.draw(toml_values())
+        if place in ("new", "both"):
+            table.setdefault(sub, {})[f.metadata.get(TOML_KEY, f.name)] = data.draw(toml_values())
     doc = mutate(data, doc, toml_values(), max_mutations=2)
     try:
         cfg = parse_config(doc, tmp, check_paths=False)
@@ -275,6 +285,27 @@ def test_mutated_configs_load_or_name_the_key(data: st.DataObject, tmp_path_fact
         assert _named(str(exc), doc), f"message names no key: {exc}"
     else:
         assert cfg.control.token_file is not None
+        assert all(d.key.split(".", 1)[0] in SECTIONS for d in cfg.deprecations)
+
+
+@settings(max_examples=EXAMPLES(200))
+@given(flags=st.dictionaries(st.sampled_from(["max-num-seqs", "max_model_len", "--seed", "port", "dtype",
+                                              "enforce-eager", "no-enforce-eager", "compilation-config", "x y",
+                                              "quantization", "enable_prefix_caching", ""]) | st.text(max_size=8),
+                             toml_values(), max_size=4))
+def test_random_vllm_tables_render_or_name_the_flag(flags: dict[str, Any],
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp = tmp_path_factory.getbasetemp()
+    doc = _config_doc(tmp)
+    doc["engine"]["vllm"] = flags
+    try:
+        cfg = parse_config(doc, tmp, check_paths=False)
+    except ConfigError as exc:
+        assert str(exc).startswith("engine.vllm"), exc
+    else:
+        argv = cfg.engine_spec().argv()
+        assert all(isinstance(a, str) and "\x00" not in a for a in argv)
+        assert argv.count("--port") == 1 and argv.count("--model") == 1  # never a second one from the table
 
 
 @settings(max_examples=EXAMPLES(60))

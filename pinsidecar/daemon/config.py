@@ -15,6 +15,13 @@ with the same rules; the drift watch's table lives with the drift watch
 (:class:`~pinsidecar.remap.config.RemapConfig`). Relative paths are taken relative to the config file's folder.
 ``overrides`` (dotted keys, e.g. ``{"engine.model": "/models/demo"}``) are applied before validation, so a
 command-line override is checked exactly like the file.
+
+Where keys live (``docs/configuration.md``): what an operator sets stays at the top of each table; the tuning keys
+(waits, intervals, sizes, budgets) are in ``[section.advanced]`` and the engine's vLLM flags in ``[engine.vllm]``.
+The dataclasses do not change with the layout (a field keeps its attribute name), so nothing that reads a
+:class:`Config` knows about it. A file of the old layout still loads: each key at its old place is a
+:class:`~pinsidecar.schema.Deprecation` in :attr:`Config.deprecations`, logged as a warning that names the new
+place, and listed by ``pinsidecar check-config``; a key at both places is an error naming both.
 """
 
 from __future__ import annotations
@@ -28,42 +35,54 @@ from typing import Any
 from pinsidecar.daemon.webhook import DEFAULT_REMAP_ALERTS
 from pinsidecar.drift.config import DRIFT_SECTION, DriftConfig, check_drift_config
 from pinsidecar.engine.container import ContainerConfig
-from pinsidecar.engine.spec import ENGINE_SECTION, EngineConfig, EngineSpec, check_engine_config, hooked_spec
+from pinsidecar.engine.spec import (
+    ENGINE_SECTION,
+    EngineConfig,
+    EngineSpec,
+    check_engine_config,
+    hooked_spec,
+    parse_engine_table,
+)
 from pinsidecar.remap.config import REMAP_SECTION, RemapConfig, check_remap_config, resolve_workloads
 from pinsidecar.schema import (
+    ADVANCED,
     CHOICES,
     MIN,
     POSITIVE,
     ConfigError,
+    Deprecation,
     apply_override,
     build_section,
     port_field,
     read_toml,
+    replace_section,
+    warn_deprecations,
+    written_key,
 )
 
-__all__ = ["Config", "ConfigError", "load_config"]
+__all__ = ["ConfigError", "load_config"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/pinsidecar/pinsidecar.toml")
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """Liveness, restarts and the crash-loop limit."""
+    """Liveness, restarts and the crash-loop limit. The limit is the operator's; probes and backoff are tuning."""
 
-    health_interval_s: float = field(default=2.0, metadata={POSITIVE: True})
-    health_timeout_s: float = field(default=5.0, metadata={POSITIVE: True})
+    health_interval_s: float = field(default=2.0, metadata={POSITIVE: True, **ADVANCED})
+    health_timeout_s: float = field(default=5.0, metadata={POSITIVE: True, **ADVANCED})
     # A live process whose /health fails this many checks in a row is restarted (one miss is a GC pause).
-    health_failures: int = field(default=3, metadata={POSITIVE: True})
-    backoff_initial_s: float = field(default=1.0, metadata={POSITIVE: True})
-    backoff_max_s: float = field(default=60.0, metadata={POSITIVE: True})
+    health_failures: int = field(default=3, metadata={POSITIVE: True, **ADVANCED})
+    backoff_initial_s: float = field(default=1.0, metadata={POSITIVE: True, **ADVANCED})
+    backoff_max_s: float = field(default=60.0, metadata={POSITIVE: True, **ADVANCED})
     # After this many failed boots / crashes in a row (without a stable run in between) stop restarting.
     crash_loop_limit: int = field(default=5, metadata={POSITIVE: True})
     # An engine that stays ready this long resets the crash count and the backoff.
-    stable_after_s: float = field(default=120.0, metadata={POSITIVE: True})
+    stable_after_s: float = field(default=120.0, metadata={POSITIVE: True, **ADVANCED})
     # A boot this many times slower than the last one with the same geometry is flagged as a compile-cache miss.
-    cache_miss_factor: float = field(default=2.0, metadata={POSITIVE: True})
+    cache_miss_factor: float = field(default=2.0, metadata={POSITIVE: True, **ADVANCED})
     # ...and at least this many seconds slower (a 3 s boot becoming 7 s is noise, not a recompile).
-    cache_miss_min_s: float = field(default=10.0, metadata={MIN: 0})
+    cache_miss_min_s: float = field(default=10.0, metadata={MIN: 0, **ADVANCED})
 
 
 @dataclass(frozen=True)
@@ -73,14 +92,14 @@ class GateConfig:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = port_field(8080)
-    max_queue: int = field(default=256, metadata={POSITIVE: True})  # requests held during a reboot
-    max_hold_s: float = field(default=300.0, metadata={POSITIVE: True})  # longest a held request waits
-    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={POSITIVE: True})
+    max_queue: int = field(default=256, metadata={POSITIVE: True, **ADVANCED})  # requests held during a reboot
+    max_hold_s: float = field(default=300.0, metadata={POSITIVE: True, **ADVANCED})  # longest a held request waits
+    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={POSITIVE: True, **ADVANCED})
     # an engine that sends nothing (no header, no chunk) for this long is hung: the request gets 504
-    upstream_idle_timeout_s: float = field(default=600.0, metadata={POSITIVE: True})
+    upstream_idle_timeout_s: float = field(default=600.0, metadata={POSITIVE: True, **ADVANCED})
     capture_dir: Path | None = None  # opt-in request capture store; absent = off
-    capture_max_bytes: int = field(default=256 * 1024 * 1024, metadata={MIN: 8192})  # total, over all files
-    capture_max_files: int = field(default=8, metadata={POSITIVE: True})
+    capture_max_bytes: int = field(default=256 * 1024 * 1024, metadata={MIN: 8192, **ADVANCED})  # total, over all files
+    capture_max_files: int = field(default=8, metadata={POSITIVE: True, **ADVANCED})
     capture_sample_rate: float = field(default=1.0, metadata={MIN: 0})
 
 
@@ -93,8 +112,8 @@ class ControlConfig:
     unix_socket: Path | None = None  # when set, listen here instead of host:port
     token_file: Path | None = None  # bearer token for mutating calls; the file must have mode 0600
     create_token: bool = False  # create token_file (random, 0600) when it does not exist
-    max_body_bytes: int = field(default=64 * 1024, metadata={POSITIVE: True})
-    drain_timeout_s: float = field(default=120.0, metadata={POSITIVE: True})  # default for drain-reboot
+    max_body_bytes: int = field(default=64 * 1024, metadata={POSITIVE: True, **ADVANCED})
+    drain_timeout_s: float = field(default=120.0, metadata={POSITIVE: True, **ADVANCED})  # default for drain-reboot
     # Alertmanager alerts that may start a remap through POST /remap (the rules labelled action="remap" in
     # grafana/alerts.yml); a delivery naming any other alert is refused with 422 and does nothing.
     remap_alerts: list[str] = field(default_factory=lambda: list(DEFAULT_REMAP_ALERTS))
@@ -107,7 +126,7 @@ class MetricsConfig:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = port_field(9108)
-    cgroup_root: Path = Path("/sys/fs/cgroup")
+    cgroup_root: Path = field(default=Path("/sys/fs/cgroup"), metadata=ADVANCED)  # where cgroup v2 is mounted
     nvml: bool = True
 
 
@@ -139,6 +158,8 @@ class Config:
     drift: DriftConfig = field(default_factory=DriftConfig)
     remap: RemapConfig = field(default_factory=RemapConfig)
     path: Path | None = None  # the file it came from
+    # Keys the file sets at their old place: they work, and `pinsidecar check-config` lists where they belong.
+    deprecations: tuple[Deprecation, ...] = ()
 
     @property
     def maps_dir(self) -> Path:
@@ -154,7 +175,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name == "path":
+            if f.name in ("path", "deprecations"):
                 continue
             out[f.name] = {k: (str(v) if isinstance(v, Path) else v)
                            for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
@@ -170,15 +191,22 @@ _SECTION_TYPES: dict[str, type] = {
 
 def parse_config(doc: dict[str, Any], base: Path, path: Path | None = None, check_paths: bool = True) -> Config:
     """Validate an already-parsed TOML document (``base``: the folder relative paths are taken from).
-    ``check_paths=False`` skips "does this file exist" checks (for clients of a daemon that runs elsewhere)."""
+    ``check_paths=False`` skips "does this file exist" checks (for clients of a daemon that runs elsewhere).
+    Keys at their old place load and are listed in :attr:`Config.deprecations` (not logged here)."""
     unknown = sorted(set(doc) - set(_SECTION_TYPES))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown section (allowed: {', '.join(_SECTION_TYPES)})")
-    sections = {name: build_section(name, cls, doc.get(name, {}), base, check_paths)
-                for name, cls in _SECTION_TYPES.items()}
+    found: list[Deprecation] = []
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTION_TYPES.items():
+        raw = doc.get(name, {})
+        if name == ENGINE_SECTION:  # [engine.vllm] is the engine's command line: its own reader
+            sections[name] = parse_engine_table(raw, base, check_paths, found)
+        else:
+            sections[name] = build_section(name, cls, raw, base, check_paths, deprecations=found)
     remap = sections[REMAP_SECTION]  # its workload list is relative to the file's folder, like the paths
-    sections[REMAP_SECTION] = dataclasses.replace(remap, workloads=[str(w) for w in resolve_workloads(remap, base)])
-    cfg = Config(**sections, path=path)
+    sections[REMAP_SECTION] = replace_section(remap, workloads=[str(w) for w in resolve_workloads(remap, base)])
+    cfg = Config(**sections, path=path, deprecations=tuple(found))
     _cross_check(cfg, check_paths)
     return cfg
 
@@ -198,8 +226,9 @@ def _cross_check(cfg: Config, check_paths: bool = True) -> None:
         raise ConfigError("control.token_file: required (mutating control calls need a bearer token)")
     s = cfg.supervisor
     if s.backoff_max_s < s.backoff_initial_s:
-        raise ConfigError(f"supervisor.backoff_max_s: must be >= supervisor.backoff_initial_s "
-                          f"({s.backoff_initial_s}), got {s.backoff_max_s}")
+        raise ConfigError(f"{written_key(s, 'backoff_max_s', 'supervisor')}: must be >= "
+                          f"{written_key(s, 'backoff_initial_s', 'supervisor')} ({s.backoff_initial_s}), "
+                          f"got {s.backoff_max_s}")
     g = cfg.gate
     if g.capture_sample_rate > 1:
         raise ConfigError(f"gate.capture_sample_rate: must be between 0 and 1, got {g.capture_sample_rate}")
@@ -207,7 +236,7 @@ def _cross_check(cfg: Config, check_paths: bool = True) -> None:
     listeners = [("engine.port", e.port, e.host, True), ("gate.port", g.port, g.host, g.enabled),
                  ("control.port", c.port, c.host, c.unix_socket is None),
                  ("metrics.port", cfg.metrics.port, cfg.metrics.host, cfg.metrics.enabled),
-                 ("remap.count_boot_port", cfg.remap.count_port(e.port), e.host,
+                 (written_key(cfg.remap, "count_boot_port", REMAP_SECTION), cfg.remap.count_port(e.port), e.host,
                   e.hook_mode == "pin" and cfg.remap.source == "capture")]
     for key, port, _host, used in listeners:
         if not used:
@@ -218,16 +247,22 @@ def _cross_check(cfg: Config, check_paths: bool = True) -> None:
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
-                check_paths: bool = True) -> Config:
+                check_paths: bool = True, *, warn: bool = True) -> Config:
     """Read and validate the config file (default :data:`DEFAULT_CONFIG_PATH`). Raises :class:`ConfigError`.
 
     ``check_paths=False``: everything but file existence (what ``status`` / ``drain-reboot`` use: they only need
-    the control section, and the engine's files belong to the daemon)."""
+    the control section, and the engine's files belong to the daemon). ``overrides`` name a key by its field
+    (``engine.enforce_eager``) and replace the file's value wherever the file keeps it. A key at its old place is
+    logged as a deprecation warning naming its new place (``warn=False``: only listed in
+    :attr:`Config.deprecations`, for a command that reports them itself)."""
     p = Path(path) if path is not None else DEFAULT_CONFIG_PATH
     doc = read_toml(p)
-    for dotted, value in (overrides or {}).items():
-        apply_override(doc, dotted, value)
     try:
-        return parse_config(doc, p.resolve().parent, p, check_paths)
+        for dotted, value in (overrides or {}).items():
+            apply_override(doc, dotted, value, _SECTION_TYPES)
+        cfg = parse_config(doc, p.resolve().parent, p, check_paths)
     except ConfigError as exc:
         raise ConfigError(f"{p}: {exc}") from None
+    if warn:
+        warn_deprecations(cfg.deprecations, p)
+    return cfg

@@ -2,8 +2,11 @@
 
 Every number the detector and the deploy decision compare against lives here, so an operator tunes them in one
 place and ``pinsidecar drift replay --config FILE`` replays recorded windows with exactly what the daemon would
-use. The field metadata (:data:`~pinsidecar.schema.MIN`, :data:`~pinsidecar.schema.POSITIVE`) is the one table
-validator's (:mod:`pinsidecar.schema`), so the daemon can take :class:`DriftConfig` as a section as it is;
+use. The policy (whether the watch may act, the trip level, the deploy margin, the cooldown and the daily cap) is
+in ``[drift]`` itself; how windows are cut and judged (window sizes, hysteresis, the alert thresholds) is tuning,
+in ``[drift.advanced]`` (:data:`~pinsidecar.schema.ADVANCED`). The field metadata
+(:data:`~pinsidecar.schema.MIN`, :data:`~pinsidecar.schema.POSITIVE`) is the one table validator's
+(:mod:`pinsidecar.schema`), so the daemon can take :class:`DriftConfig` as a section as it is;
 :func:`load_drift_config` validates only the ``[drift]`` table of a file, through the same validator.
 
 Gains, margins and cold rates are **absolute fractions of router selections** (0.08 = 8 percentage points of all
@@ -25,7 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pinsidecar.schema import MIN, POSITIVE, ConfigError, build_section, read_toml
+from pinsidecar.schema import (
+    ADVANCED,
+    MIN,
+    POSITIVE,
+    ConfigError,
+    Deprecation,
+    build_section,
+    read_toml,
+    warn_deprecations,
+    written_key,
+)
 
 __all__ = ["DRIFT_SECTION", "DriftConfig", "check_drift_config"]
 
@@ -43,20 +56,20 @@ class DriftConfig:
     auto_remap: bool = True
     # A window closes after this many routed tokens: ~15 demo requests; at the CPU demo's throughput a few seconds
     # to a minute. Below ~500 tokens the out-of-sample gain of a one-window map gets noisy (5 points at 256).
-    window_tokens: int = field(default=1024, metadata={POSITIVE: True})
+    window_tokens: int = field(default=1024, metadata={POSITIVE: True, **ADVANCED})
     # A window with fewer tokens is recorded but never judged (a quiet spell, or cut short by a restart).
-    min_tokens: int = field(default=256, metadata={POSITIVE: True})
+    min_tokens: int = field(default=256, metadata={POSITIVE: True, **ADVANCED})
     # A quiet engine still closes its window this long after the window's first token (monotonic seconds).
-    max_window_s: float = field(default=60.0, metadata={POSITIVE: True})
+    max_window_s: float = field(default=60.0, metadata={POSITIVE: True, **ADVANCED})
     # Trip when the projected gain is at least this (absolute cold-rate fraction) for `consecutive_windows`
     # windows. Stationary demo traffic: <= 3.2 points; a domain shift: >= 42 points.
     trip_gain: float = field(default=0.08, metadata={MIN: 0})
     # Once drifted, stay drifted until the gain falls below this (hysteresis: no flapping around trip_gain).
-    clear_gain: float = field(default=0.04, metadata={MIN: 0})
+    clear_gain: float = field(default=0.04, metadata={MIN: 0, **ADVANCED})
     # Consecutive judged windows at or above trip_gain before a trip: with 2, a shift trips by its third window at
     # the latest (the gain needs one window of the new traffic to build a candidate from, see signals.py); on the
     # demo it trips on the second, since the shift window itself already shows a gain.
-    consecutive_windows: int = field(default=2, metadata={POSITIVE: True})
+    consecutive_windows: int = field(default=2, metadata={POSITIVE: True, **ADVANCED})
     # At least this long between two remaps: longer than one CPU-demo remap (count boot + reboot, ~1-2 min), so
     # the effect of one remap is measured before the next can start.
     cooldown_s: float = field(default=300.0, metadata={MIN: 0})
@@ -68,13 +81,13 @@ class DriftConfig:
     # "No exploitable skew" when the best cold rate reachable with this geometry on the traffic is less than this
     # below the uniform cold fraction (cold_rows / num_experts). Demo: >= 20 points; a uniform router: < 1 point;
     # a reported near-uniform router (top-32 of 512 covering 10 % of selections, uniform 6.25 %): under 4 points.
-    skew_margin: float = field(default=0.05, metadata={MIN: 0})
+    skew_margin: float = field(default=0.05, metadata={MIN: 0, **ADVANCED})
     # Signal a's threshold (explains, never decides): live cold rate minus the map's predicted rate. The demo's
     # code map predicts 1.5 % in sample and sees ~6 % on held-out code, 47 % on prose.
-    cold_rate_alert: float = field(default=0.10, metadata={MIN: 0})
+    cold_rate_alert: float = field(default=0.10, metadata={MIN: 0, **ADVANCED})
     # Signal b's threshold (explains, never decides): largest per-layer Jensen-Shannon divergence, in bits, between
     # a window and the counts the active map was built from. Stationary demo windows: <= 0.05; code vs prose: ~0.45.
-    divergence_alert: float = field(default=0.2, metadata={MIN: 0})
+    divergence_alert: float = field(default=0.2, metadata={MIN: 0, **ADVANCED})
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -86,28 +99,29 @@ class DriftConfig:
 
 
 def check_drift_config(cfg: DriftConfig, section: str = DRIFT_SECTION) -> None:
-    """Cross-field checks the per-field metadata cannot express. Raises :class:`ConfigError` naming the key."""
+    """Cross-field checks the per-field metadata cannot express. Raises :class:`ConfigError` naming each key where
+    the file has it (``[drift]`` or ``[drift.advanced]``)."""
+    def key(name: str) -> str:
+        return written_key(cfg, name, section)
+
     for name in ("trip_gain", "clear_gain", "margin", "skew_margin", "cold_rate_alert"):
         value = getattr(cfg, name)
         if value > 1:
-            raise ConfigError(f"{section}.{name}: a fraction of selections between 0 and 1, got {value!r} "
+            raise ConfigError(f"{key(name)}: a fraction of selections between 0 and 1, got {value!r} "
                               f"(write 8 points as 0.08)")
     if cfg.clear_gain > cfg.trip_gain:
-        raise ConfigError(f"{section}.clear_gain: must be <= {section}.trip_gain ({cfg.trip_gain}) for hysteresis, "
+        raise ConfigError(f"{key('clear_gain')}: must be <= {key('trip_gain')} ({cfg.trip_gain}) for hysteresis, "
                           f"got {cfg.clear_gain}")
     if cfg.min_tokens > cfg.window_tokens:
-        raise ConfigError(f"{section}.min_tokens: must be <= {section}.window_tokens ({cfg.window_tokens}), "
+        raise ConfigError(f"{key('min_tokens')}: must be <= {key('window_tokens')} ({cfg.window_tokens}), "
                           f"got {cfg.min_tokens}")
 
 
-def _build_section(name: str, raw: Any, base: Path) -> DriftConfig:
-    """The one call into the generic table validator (types, ``min``/``positive``, unknown keys)."""
-    return build_section(name, DriftConfig, raw, base)
-
-
-def parse_drift_table(raw: Any, base: Path = Path(".")) -> DriftConfig:
-    """Validate an already-parsed ``[drift]`` table (a dict; absent keys take the defaults)."""
-    cfg = _build_section(DRIFT_SECTION, raw, base)
+def parse_drift_table(raw: Any, base: Path = Path("."), deprecations: list[Deprecation] | None = None,
+                      ) -> DriftConfig:
+    """Validate an already-parsed ``[drift]`` table (a dict; absent keys take the defaults). Keys at their old
+    place go to ``deprecations`` (``None``: logged as warnings)."""
+    cfg = build_section(DRIFT_SECTION, DriftConfig, raw, base, deprecations=deprecations)
     check_drift_config(cfg)
     return cfg
 
@@ -116,13 +130,17 @@ def load_drift_config(path: str | os.PathLike[str] | None) -> DriftConfig:
     """The ``[drift]`` table of a TOML file (the daemon's config, or a file with only that table), validated.
 
     Other tables in the file are ignored here: the daemon validates them when it loads the file. ``None`` gives
-    the defaults. Raises :class:`~pinsidecar.schema.ConfigError` naming the file and the key.
+    the defaults. Raises :class:`~pinsidecar.schema.ConfigError` naming the file and the key; a key at its old
+    place is logged as a deprecation warning naming the file and the key's new place.
     """
     if path is None:
         return DriftConfig()
     p = Path(path)
     doc = read_toml(p)
+    found: list[Deprecation] = []
     try:
-        return parse_drift_table(doc.get(DRIFT_SECTION, {}), p.resolve().parent)
+        cfg = parse_drift_table(doc.get(DRIFT_SECTION, {}), p.resolve().parent, found)
     except ConfigError as exc:
         raise ConfigError(f"{p}: {exc}") from None
+    warn_deprecations(found, p)
+    return cfg

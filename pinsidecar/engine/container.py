@@ -44,7 +44,7 @@ from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineError, EngineSetupE
 from pinsidecar.engine.ports import port_in_use
 from pinsidecar.engine.readiness import log_tail, probe_health, wait_until_ready
 from pinsidecar.engine.spec import EngineSpec
-from pinsidecar.schema import CHOICES
+from pinsidecar.schema import ADVANCED, CHOICES
 
 __all__ = ["ENGINE_LABEL", "ContainerConfig", "ContainerEngine", "container_path", "remove_leftover_containers"]
 
@@ -73,13 +73,14 @@ class ContainerConfig:
     name: str = "pinsidecar-engine"
     gpus: str = "all"  # "all", "0", "0,1" (docker --gpus / podman CDI nvidia.com/gpu=...); "" = no GPU
     python: str = "python3"  # the interpreter inside the image
-    model_mount: str = "/model"  # where engine.model is mounted (read-only) inside the container
-    hook_mount: str = "/opt/pinsidecar/hook"  # where the hook package is mounted and put on PYTHONPATH
-    state_mount: str = "/var/lib/pinsidecar"  # maps (read-only), stats and counts live under here
+    # Where things appear inside the container: tuning ([container.advanced]), for an image whose layout needs it.
+    model_mount: str = field(default="/model", metadata=ADVANCED)  # engine.model, mounted read-only
+    hook_mount: str = field(default="/opt/pinsidecar/hook", metadata=ADVANCED)  # the hook package, on PYTHONPATH
+    state_mount: str = field(default="/var/lib/pinsidecar", metadata=ADVANCED)  # maps (read-only), stats, counts
     cache_dir: Path | None = None  # host folder for compile/autotune caches; default <daemon.state_dir>/cache
-    cache_mount: str = "/root/.cache"
+    cache_mount: str = field(default="/root/.cache", metadata=ADVANCED)  # where cache_dir appears inside
     network: str = field(default="host", metadata={CHOICES: ("host", "bridge")})
-    shm_size: str = "16g"
+    shm_size: str = field(default="16g", metadata=ADVANCED)  # /dev/shm when ipc_host is false
     ipc_host: bool = True
     extra_args: list[str] = field(default_factory=list)  # more `docker run` arguments, before the image
     mounts: list[str] = field(default_factory=list)  # more "host:container[:ro]" bind mounts

@@ -15,7 +15,11 @@ measured by one of them is the engine served by another: same arguments, same en
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,14 +27,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pinsidecar.schema import (
+    ADVANCED,
     CHOICES,
     EXISTS,
     MIN,
     POSITIVE,
+    TABLE,
+    TOML_KEY,
     ConfigError,
+    Deprecation,
     build_section,
+    drop_field,
+    has_field,
     port_field,
     read_toml,
+    replace_section,
+    set_field,
+    warn_deprecations,
+    written_key,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +63,17 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_DTYPE = "float32"
 # A CPU demo boot takes ~15-25 s; a large GPU model several minutes (weights + compile on a cold cache).
 DEFAULT_READY_TIMEOUT_S = 600.0
+# [engine.vllm]: the engine's vLLM command line, one key per flag (`max-num-seqs = 16` is `--max-num-seqs 16`).
+VLLM_TABLE = "vllm"
+# The flags pinsidecar renders from the other [engine] keys: never in [engine.vllm] (two values for one flag, and
+# the daemon's gate, probes and count engine would talk to the wrong port or model name).
+OWNED_FLAGS = {"model": "engine.model", "host": "engine.host", "port": "engine.port",
+               "served-model-name": "engine.served_model_name"}
+
+
+def _vllm_flag(flag: str) -> dict[str, Any]:
+    """Field metadata: this key is the vLLM flag ``--flag``, written ``flag = ...`` in ``[engine.vllm]``."""
+    return {TABLE: VLLM_TABLE, TOML_KEY: flag}
 
 
 def default_cache_root() -> Path:
@@ -70,26 +95,35 @@ class EngineConfig:
     port: int = port_field(8000)
     served_model_name: str = ""
     python: str = ""  # the interpreter that has vLLM; "" = this process's own (process launcher)
-    extra_args: list[str] = field(default_factory=list)  # more vLLM CLI arguments, appended last
+    # More vLLM CLI arguments, appended last. In a file: the flags of [engine.vllm] other than the ones below,
+    # rendered (see parse_engine_table); the file's own `extra_args` key is the deprecated way to say the same.
+    extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # more engine environment; the hook's variables win
-    kv_cache_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES, metadata={MIN: 0})  # 0: vLLM sizes it
-    dtype: str = DEFAULT_DTYPE  # vLLM --dtype; "auto" leaves it to vLLM (see DEFAULT_DTYPE for why not by default)
-    enforce_eager: bool = False  # CUDA graphs / torch.compile on unless asked; the count boot defaults to eager
-    max_model_len: int = field(default=2048, metadata={POSITIVE: True})
-    enable_prefix_caching: bool = False
+    # The vLLM flags pinsidecar reads itself, kept as typed fields (the count boot forces enforce_eager, the
+    # container's stop timeout follows shutdown_timeout_s); in a file they are keys of [engine.vllm].
+    kv_cache_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES,  # --kv-cache-memory-bytes; 0: vLLM sizes it
+                                metadata={MIN: 0, **_vllm_flag("kv-cache-memory-bytes")})
+    # vLLM --dtype; "auto" leaves it to vLLM (see DEFAULT_DTYPE for why not by default)
+    dtype: str = field(default=DEFAULT_DTYPE, metadata=_vllm_flag("dtype"))
+    # CUDA graphs / torch.compile on unless asked; the count boot defaults to eager
+    enforce_eager: bool = field(default=False, metadata=_vllm_flag("enforce-eager"))
+    max_model_len: int = field(default=2048, metadata={POSITIVE: True, **_vllm_flag("max-model-len")})
+    enable_prefix_caching: bool = field(default=False, metadata=_vllm_flag("enable-prefix-caching"))
     # vLLM --shutdown-timeout: on SIGTERM the engine drains in-flight requests this long before aborting them.
-    shutdown_timeout_s: int = field(default=0, metadata={MIN: 0})
+    shutdown_timeout_s: int = field(default=0, metadata={MIN: 0, **_vllm_flag("shutdown-timeout")})
     log_path: Path | None = None  # the serving engine's log; "" / absent: <daemon.state_dir>/engine.log
     # The hook (the engine-side plugin) of the serving engine: off | count | pin; pin needs a map.
     hook_mode: str = field(default="off", metadata={CHOICES: ("off", "count", "pin")})
     map: Path | None = field(default=None, metadata={EXISTS: "file"})  # the map to boot with (pin mode)
-    stats_path: Path | None = None  # pin mode writes live stats here; default <daemon.state_dir>/stats.json
+    # pin mode writes live stats here (only the daemon reads them); default <daemon.state_dir>/stats.json
+    stats_path: Path | None = field(default=None, metadata=ADVANCED)
     counts_path: Path | None = None  # count mode writes counts here; default <daemon.state_dir>/counts.json
     workload: str = ""  # count mode: the label written into the counts
-    pin_backend: str = "auto"  # pin mode's split backend (PINSIDECAR_PIN_BACKEND); checked on load
+    # pin mode's split backend (PINSIDECAR_PIN_BACKEND); checked on load. "auto" picks by device.
+    pin_backend: str = field(default="auto", metadata=ADVANCED)
     # Bounded waits: how long a boot may take until it serves, and a stop until it is killed.
-    ready_timeout_s: float = field(default=DEFAULT_READY_TIMEOUT_S, metadata={POSITIVE: True})
-    stop_timeout_s: float = field(default=60.0, metadata={POSITIVE: True})
+    ready_timeout_s: float = field(default=DEFAULT_READY_TIMEOUT_S, metadata={POSITIVE: True, **ADVANCED})
+    stop_timeout_s: float = field(default=60.0, metadata={POSITIVE: True, **ADVANCED})
 
     def hook_config(self, state_dir: Path, map_path: Path | None = None) -> HookConfig | None:
         """The serving engine's hook (``None`` when ``hook_mode = "off"``), its files under ``state_dir`` unless
@@ -223,11 +257,218 @@ def check_engine_config(engine: EngineConfig, *, need_model: str = "") -> None:
     try:
         pin_backend_name(engine.pin_backend)
     except HookConfigError as exc:
-        raise ConfigError(f"{ENGINE_SECTION}.pin_backend: {exc}") from None
+        raise ConfigError(f"{written_key(engine, 'pin_backend', ENGINE_SECTION)}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------ [engine] from a file
+
+_FLAG_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+
+
+def _typed_flags() -> dict[str, str]:
+    """The flags of [engine.vllm] that are EngineConfig fields: flag -> field name."""
+    return {f.metadata[TOML_KEY]: f.name for f in dataclasses.fields(EngineConfig)
+            if f.metadata.get(TABLE) == VLLM_TABLE}
+
+
+def _normalised(raw: Any) -> Any:
+    """A copy of the ``[engine]`` table, its sub-tables copied too (the caller's document is never changed), with
+    each ``[engine.vllm]`` key in vLLM's own spelling: ``max_model_len`` and ``--max-model-len`` are both
+    ``max-model-len``, as vLLM's parser takes either. Two keys for one flag are an error naming both."""
+    if not isinstance(raw, dict):
+        return raw
+    table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    vllm = table.get(VLLM_TABLE)
+    if not isinstance(vllm, dict):
+        return table
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for key, value in vllm.items():
+        flag = key.lstrip("-").replace("_", "-").lower()
+        where = f"{ENGINE_SECTION}.{VLLM_TABLE}.{key}"
+        if not _FLAG_NAME.fullmatch(flag):
+            raise ConfigError(f"{where}: not a vLLM flag name (write it as vLLM's --help spells it, without the "
+                              "dashes: max-num-seqs = 16)")
+        if flag in out:
+            raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{spelt[flag]} and {where}: the same vLLM flag "
+                              f"--{flag} twice; keep one")
+        out[flag] = value
+        spelt[flag] = key
+    table[VLLM_TABLE] = out
+    return table
+
+
+def _flag_args(flag: str, value: Any) -> list[str]:
+    """``--flag value`` for one ``[engine.vllm]`` key that pinsidecar does not read itself: true is ``--flag``,
+    false ``--no-flag`` (vLLM's boolean flags take both), a list is ``--flag a b``, a table is JSON (vLLM's
+    ``--compilation-config`` and friends take JSON)."""
+    where = f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}"
+    if isinstance(value, bool):
+        return [f"--{flag}"] if value else [f"--no-{flag}"]
+    if isinstance(value, dict):
+        return [f"--{flag}", json.dumps(_json_value(where, value), separators=(",", ":"))]
+    if isinstance(value, list):
+        if not value:
+            raise ConfigError(f"{where}: an empty list gives the flag no value; remove the key")
+        return [f"--{flag}", *(_scalar(f"{where}[{i}]", v) for i, v in enumerate(value))]
+    return [f"--{flag}", _scalar(where, value)]
+
+
+def _scalar(where: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        got = "a table" if isinstance(value, dict) else repr(value)
+        raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {got}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    if isinstance(value, str) and "\x00" in value:
+        raise ConfigError(f"{where}: a command-line argument cannot hold NUL")
+    return str(value)
+
+
+def _json_value(where: str, value: Any) -> Any:
+    """A table's value, checked to be JSON (TOML's dates are not, nor are nan and inf)."""
+    if isinstance(value, dict):
+        return {str(k): _json_value(f"{where}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_value(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    if isinstance(value, str | int | float):
+        return value
+    raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {value!r}")
+
+
+def _arg_flag(arg: str) -> str | None:
+    """The flag an ``extra_args`` element names (``--max-model-len=4`` -> ``max-model-len``), None for a value."""
+    if not arg.startswith("--") or len(arg) == 2:
+        return None
+    return arg[2:].split("=", 1)[0].replace("_", "-").lower()
+
+
+def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any]) -> None:
+    """The deprecated ``extra_args`` may not say what another key says: a flag pinsidecar renders from a key of
+    its own, or one ``[engine.vllm]`` also gives, would reach vLLM twice (and the last one silently wins)."""
+    where = written_key(cfg, "extra_args", ENGINE_SECTION)
+    typed = _typed_flags()
+    for arg in cfg.extra_args:
+        flag = _arg_flag(arg)
+        if flag is None:
+            continue
+        bare = flag.removeprefix("no-")
+        if bare in OWNED_FLAGS:
+            raise ConfigError(f"{where}: {arg} is pinsidecar's to set, from {OWNED_FLAGS[bare]}; remove it here")
+        if bare in typed:
+            raise ConfigError(f"{where}: {arg} is given twice: pinsidecar passes --{bare} from "
+                              f"{written_key(cfg, typed[bare], ENGINE_SECTION)}; set it there only")
+        if flag in flags or bare in flags:
+            raise ConfigError(f"{where}: {arg} is given twice, here and as {ENGINE_SECTION}.{VLLM_TABLE}."
+                              f"{flag if flag in flags else bare}; keep the one in [{ENGINE_SECTION}.{VLLM_TABLE}]")
+
+
+def _check_env(cfg: EngineConfig) -> None:
+    """``engine.env`` may not set the hook's own variables: the hook's mode, map and files come from [engine]
+    keys, and a ``PINSIDECAR_HOOK_MODE`` in the table would turn the hook on in an engine that asked for none."""
+    from pinsidecar_hook.contract.env import ENV
+
+    owner = {"mode": "engine.hook_mode", "map_path": "engine.map", "counts_path": "engine.counts_path",
+             "stats_path": written_key(cfg, "stats_path", ENGINE_SECTION), "workload": "engine.workload",
+             "backend": written_key(cfg, "pin_backend", ENGINE_SECTION),
+             "flush_interval_s": "pinsidecar itself", "histogram": "pinsidecar itself"}
+    for name, var in ENV.items():
+        if var in cfg.env and name in owner:
+            raise ConfigError(f"{ENGINE_SECTION}.env.{var}: the hook's variable is set from {owner[name]}; "
+                              "remove it here")
+
+
+def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
+                       deprecations: list[Deprecation] | None = None) -> EngineConfig:
+    """The ``[engine]`` table of a parsed file (``raw``) as an :class:`EngineConfig`: the one reader of it, for
+    the daemon and for :func:`load_engine_config`.
+
+    ``[engine.vllm]`` is the engine's vLLM command line, one key per flag. The flags pinsidecar reads itself
+    (``dtype``, ``max-model-len``, ``enforce-eager``, ``enable-prefix-caching``, ``kv-cache-memory-bytes``,
+    ``shutdown-timeout``) become their typed fields; every other flag is rendered into ``extra_args`` in the
+    file's order. A flag pinsidecar sets from another key (``--port``, ``--model``, ...) is refused, as is a flag
+    given twice. The old ways still load, reported to ``deprecations`` (``None``: logged): those flags as
+    ``[engine]`` keys, and ``extra_args``, whose arguments are appended after the table's."""
+    table = _normalised(raw)
+    flags: dict[str, Any] = {}
+    if isinstance(table, dict) and isinstance(table.get(VLLM_TABLE), dict):
+        typed = _typed_flags()
+        vllm: dict[str, Any] = {}
+        for flag, value in table[VLLM_TABLE].items():
+            bare = flag.removeprefix("no-")
+            if bare in OWNED_FLAGS:
+                raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}: pinsidecar passes --{bare} from "
+                                  f"{OWNED_FLAGS[bare]}; set it there")
+            if flag != bare and bare in typed:
+                raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}: write {bare} = false instead")
+            (vllm if flag in typed else flags)[flag] = value
+        table = {**table, VLLM_TABLE: vllm}
+    found: list[Deprecation] = []
+    cfg = build_section(ENGINE_SECTION, EngineConfig, table, base, check_paths, deprecations=found,
+                        notes={VLLM_TABLE: ", and any other vLLM flag"})
+    args = [a for flag, value in flags.items() for a in _flag_args(flag, value)]
+    if isinstance(raw, dict) and "extra_args" in raw:
+        _check_extra_args(cfg, flags)
+        found.append(Deprecation(f"{ENGINE_SECTION}.extra_args", f"{ENGINE_SECTION}.{VLLM_TABLE}",
+                                 f"{ENGINE_SECTION}.extra_args is deprecated: write its flags in "
+                                 f"[{ENGINE_SECTION}.{VLLM_TABLE}], one key per flag "
+                                 f"({_suggest(cfg.extra_args)})"))
+    _check_env(cfg)
+    if args:
+        cfg = replace_section(cfg, extra_args=[*args, *cfg.extra_args])
+    if deprecations is None:
+        warn_deprecations(found)
+    else:
+        deprecations.extend(found)
+    return cfg
+
+
+def _suggest(args: Sequence[str]) -> str:
+    """``extra_args`` as the ``[engine.vllm]`` lines that say the same, for the deprecation message."""
+    lines: list[str] = []
+    i = 0
+    while i < len(args):
+        flag = _arg_flag(args[i])
+        if flag is None:
+            return 'e.g. "--max-num-seqs", "16" is max-num-seqs = 16'
+        inline = "=" in args[i]
+        values: list[str] = [args[i].split("=", 1)[1]] if inline else []
+        i += 1
+        while not inline and i < len(args) and _arg_flag(args[i]) is None:
+            values.append(args[i])
+            i += 1
+        if not values:
+            lines.append(f"{flag} = true")
+        elif len(values) == 1:
+            v = values[0]
+            lines.append(f"{flag} = {v}" if re.fullmatch(r"-?\d+(\.\d+)?", v) else f"{flag} = {json.dumps(v)}")
+        else:
+            lines.append(f"{flag} = {json.dumps(values)}")
+    return "; ".join(lines) if lines else "nothing to move: remove it"
 
 
 def _plain(value: Any) -> Any:
     return str(value) if isinstance(value, os.PathLike) else value  # a Path given in code reads like the file's
+
+
+def _set(table: dict[str, Any], key: str, value: Any) -> None:
+    """One default or override, by field name (set at the key's place, replacing the file's value wherever the
+    file has it) or as a dotted key under [engine] (``vllm.max-num-seqs``)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    if key in names:
+        set_field(table, EngineConfig, key, _plain(value))
+        return
+    *path, last = key.split(".")
+    for part in path:
+        nxt = table.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            return  # not a table: left for the validator to refuse, naming it
+        table = nxt
+    table[last] = _plain(value)
 
 
 def load_engine_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None, *,
@@ -237,24 +478,34 @@ def load_engine_config(path: str | os.PathLike[str] | None = None, overrides: Ma
 
     Other tables of the file are not read (the daemon's config can be passed as is). ``defaults`` are a command's
     own defaults for keys the file does not set; ``overrides`` (the command line: ``{"model": DIR}``, or the
-    daemon's dotted ``{"engine.model": DIR}``) replace the file's values. Both are validated exactly like the file.
+    daemon's dotted ``{"engine.model": DIR}``) replace the file's values. Both name keys by their field name
+    (``enforce_eager``), wherever the file keeps them, and are validated exactly like the file.
     ``path=None``: no file, the defaults and overrides alone. Relative paths are relative to the file's folder
     (to the working directory without a file). ``unused``: keys the caller does not use, dropped before validation
     (the count boot ignores the serving engine's ``map``, which need not exist yet: the count boot is how an
     operator makes it). Raises :class:`ConfigError` naming the file and the key, also when no model is set anywhere.
+    Keys at their old place load and are logged as deprecation warnings naming their new place.
     """
     doc = read_toml(path) if path is not None else {}
-    table = doc.get(ENGINE_SECTION, {})
-    if isinstance(table, dict):
-        table = {**{k: _plain(v) for k, v in (defaults or {}).items()},
-                 **{k: v for k, v in table.items() if k not in unused}}
-        for key, value in (overrides or {}).items():
-            table[key.removeprefix(f"{ENGINE_SECTION}.")] = _plain(value)
     base = Path(path).resolve().parent if path is not None else Path.cwd()
+    found: list[Deprecation] = []
     try:
-        cfg = build_section(ENGINE_SECTION, EngineConfig, table, base, check_paths)
+        table = _normalised(doc.get(ENGINE_SECTION, {}))
+        if isinstance(table, dict):
+            names = {f.name for f in dataclasses.fields(EngineConfig)}
+            for key in unused:
+                if key in names:
+                    drop_field(table, EngineConfig, key)
+                else:
+                    table.pop(key, None)
+            for key, value in (defaults or {}).items():
+                if key not in names or not has_field(table, EngineConfig, key):
+                    _set(table, key, value)
+            for key, value in (overrides or {}).items():
+                _set(table, key.removeprefix(f"{ENGINE_SECTION}."), value)
+        cfg = parse_engine_table(table, base, check_paths, found)
         check_engine_config(cfg, need_model=": set engine.model in the config file, or pass --model")
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+    warn_deprecations(found, path)
     return cfg
-

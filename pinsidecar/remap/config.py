@@ -2,9 +2,12 @@
 
 The thresholds that decide *whether* to remap live in ``[drift]`` (:class:`~pinsidecar.drift.config.DriftConfig`:
 trip levels, margin, cooldown, daily cap); this table says *how* a remap runs: where its traffic comes from, how
-much is enough, where the count engine listens, and how a reboot is verified before it is committed. The field
-metadata is the one table validator's (:mod:`pinsidecar.schema`), so the daemon takes :class:`RemapConfig` as a
-section as it is; :func:`check_remap_config` adds the checks across keys.
+much is enough, where the count engine listens, and how a reboot is verified before it is committed. The choices
+an operator makes (the traffic source, fixtures, the count engine's port and environment, parity prompts, in place
+or not, whether verification needs traffic) are in ``[remap]`` itself; the amounts, waits and timeouts are tuning,
+in ``[remap.advanced]`` (:data:`~pinsidecar.schema.ADVANCED`). The field metadata is the one table validator's
+(:mod:`pinsidecar.schema`), so the daemon takes :class:`RemapConfig` as a section as it is;
+:func:`check_remap_config` adds the checks across keys.
 
 Where the defaults come from: the CPU demo (the demo MoE model, requests of 50-90 routed tokens, a 15-25 s eager
 boot). 64 captured requests are ~4,000 routed tokens, about four drift windows, which is what the demo's count
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pinsidecar.schema import CHOICES, MIN, POSITIVE, ConfigError
+from pinsidecar.schema import ADVANCED, CHOICES, MIN, POSITIVE, ConfigError, written_key
 
 __all__ = ["REMAP_SECTION", "RemapConfig", "check_remap_config", "resolve_workloads"]
 
@@ -45,17 +48,17 @@ class RemapConfig:
     # beside the serving one: use "live" there.
     source: str = field(default="capture", metadata={CHOICES: SOURCES})
     # capture: the newest this many captured requests (needs gate.capture_dir), newest first.
-    capture_requests: int = field(default=64, metadata={POSITIVE: True})
+    capture_requests: int = field(default=64, metadata={POSITIVE: True, **ADVANCED})
     # capture: JSONL workload files replayed with the captured requests (fixtures of the traffic you expect);
     # relative paths are relative to the config file's folder.
     workloads: list[str] = field(default_factory=list)
     # Fewer requests than this (captured plus fixtures) is too little traffic to count: the remap is aborted.
-    min_requests: int = field(default=8, metadata={POSITIVE: True})
+    min_requests: int = field(default=8, metadata={POSITIVE: True, **ADVANCED})
     # A count boot (or, live, the windows a candidate is built from) with fewer routed tokens is aborted.
-    min_count_tokens: int = field(default=512, metadata={POSITIVE: True})
+    min_count_tokens: int = field(default=512, metadata={POSITIVE: True, **ADVANCED})
     # The count engine's port; 0: engine.port + 100. It runs beside the serving engine.
     count_boot_port: int = field(default=0, metadata={MIN: 0})
-    count_boot_concurrency: int = field(default=4, metadata={POSITIVE: True})
+    count_boot_concurrency: int = field(default=4, metadata={POSITIVE: True, **ADVANCED})
     # More environment for the count engine, over engine.env. On the CPU lane give it its own cores, e.g.
     # {VLLM_CPU_OMP_THREADS_BIND = "1"}: vLLM CPU binds every engine's OpenMP threads to the same first cores by
     # default, and a serving engine under traffic then starves the count engine's boot (measured: no progress in
@@ -63,22 +66,22 @@ class RemapConfig:
     count_boot_env: dict[str, str] = field(default_factory=dict)
     # live: at most this many windows of the current drift streak build the candidate (never older traffic:
     # a map of a blend of traffic classes serves each class worse than its own map).
-    live_windows: int = field(default=2, metadata={POSITIVE: True})
+    live_windows: int = field(default=2, metadata={POSITIVE: True, **ADVANCED})
     # capture: how long evaluation waits for a drift window that began after the capture was cut (one that does
     # not overlap the counted traffic); after that the newest window is used and the decision says so.
-    held_out_wait_s: float = field(default=60.0, metadata={MIN: 0})
+    held_out_wait_s: float = field(default=60.0, metadata={MIN: 0, **ADVANCED})
     # Greedy prompts whose outputs must match token for token across the reboot; absent: the shipped fixture.
     parity_prompts: Path | None = None
     # After the reboot, the live cold rate over this many routed tokens must be at most the candidate's predicted
     # rate on the held-out window plus verify_tolerance (absolute fraction of selections).
-    verify_tokens: int = field(default=512, metadata={POSITIVE: True})
-    verify_tolerance: float = field(default=0.05, metadata={MIN: 0})
-    verify_timeout_s: float = field(default=300.0, metadata={POSITIVE: True})
+    verify_tokens: int = field(default=512, metadata={POSITIVE: True, **ADVANCED})
+    verify_tolerance: float = field(default=0.05, metadata={MIN: 0, **ADVANCED})
+    verify_timeout_s: float = field(default=300.0, metadata={POSITIVE: True, **ADVANCED})
     # Too little traffic to verify within verify_timeout_s: roll back (true) or commit as "unverified" (false;
     # parity has passed and the decision was out of sample).
     verify_requires_traffic: bool = False
     # How often the daemon reads the live stats into the drift watch (seconds). The hook writes every 5 s.
-    watch_interval_s: float = field(default=2.0, metadata={POSITIVE: True})
+    watch_interval_s: float = field(default=2.0, metadata={POSITIVE: True, **ADVANCED})
     # Deploy by applying the candidate in place first (the hook swaps the rows that change between the two maps
     # while the engine keeps serving: no drain, no boot); the drain-reboot is the fallback when the hook refuses,
     # fails, does not answer, or the candidate has another geometry. false: always drain and reboot.
@@ -86,7 +89,7 @@ class RemapConfig:
     # How long the daemon waits for the hook's answer to one apply request. The hook holds the engine's step for
     # the whole apply, so this also bounds how long serving may stand still before the remap falls back to a
     # reboot. A demo-model apply takes milliseconds; a large model's host <-> HBM copies take seconds.
-    apply_timeout_s: float = field(default=60.0, metadata={POSITIVE: True})
+    apply_timeout_s: float = field(default=60.0, metadata={POSITIVE: True, **ADVANCED})
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
@@ -110,20 +113,23 @@ def resolve_workloads(cfg: RemapConfig, base: Path | None) -> list[Path]:
 
 def check_remap_config(cfg: RemapConfig, *, base: Path | None, engine_port: int, check_paths: bool = True,
                        section: str = REMAP_SECTION) -> None:
-    """Cross-field checks. Raises :class:`ConfigError` naming the key."""
+    """Cross-field checks. Raises :class:`ConfigError` naming the key where the file has it."""
+    def key(name: str) -> str:
+        return written_key(cfg, name, section)
+
     if cfg.count_boot_port and not 1 <= cfg.count_boot_port <= 65535:
-        raise ConfigError(f"{section}.count_boot_port: expected an integer 1-65535 (or 0: engine.port + "
+        raise ConfigError(f"{key('count_boot_port')}: expected an integer 1-65535 (or 0: engine.port + "
                           f"{COUNT_BOOT_PORT_OFFSET}), got {cfg.count_boot_port}")
     port = cfg.count_port(engine_port)
     if not 1 <= port <= 65535:
-        raise ConfigError(f"{section}.count_boot_port: engine.port + {COUNT_BOOT_PORT_OFFSET} = {port} is not a "
-                          "port; set remap.count_boot_port")
+        raise ConfigError(f"{key('count_boot_port')}: engine.port + {COUNT_BOOT_PORT_OFFSET} = {port} is not a "
+                          f"port; set {key('count_boot_port')}")
     if cfg.verify_tolerance > 1:
-        raise ConfigError(f"{section}.verify_tolerance: a fraction of selections between 0 and 1, got "
+        raise ConfigError(f"{key('verify_tolerance')}: a fraction of selections between 0 and 1, got "
                           f"{cfg.verify_tolerance} (write 5 points as 0.05)")
     if check_paths:
         for w in resolve_workloads(cfg, base):
             if not w.is_file():
-                raise ConfigError(f"{section}.workloads: {w} is not a file (a JSONL workload of requests)")
+                raise ConfigError(f"{key('workloads')}: {w} is not a file (a JSONL workload of requests)")
         if cfg.parity_prompts is not None and not cfg.parity_prompts.is_file():
-            raise ConfigError(f"{section}.parity_prompts: {cfg.parity_prompts} is not a file (JSONL completions)")
+            raise ConfigError(f"{key('parity_prompts')}: {cfg.parity_prompts} is not a file (JSONL completions)")
