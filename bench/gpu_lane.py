@@ -1246,8 +1246,8 @@ def report(lane: Lane, command: str, extra: dict[str, Any]) -> dict[str, Any]:
     hash_hit: dict[str, Any] = {}
     a, b = results.get("u23"), results.get("u23b")
     if a and b and "boot_s" in a and "boot_s" in b:
+        from pinsidecar.daemon.boots import is_cache_miss
         from pinsidecar.daemon.config import SupervisorConfig
-        from pinsidecar.daemon.supervisor import is_cache_miss
 
         cfg = SupervisorConfig()
         first = _boot_record(a["boot_s"], a.get("live", {}).get("map_hash", ""))
@@ -1258,7 +1258,7 @@ def report(lane: Lane, command: str, extra: dict[str, Any]) -> dict[str, Any]:
                     "vllm_compile_cache_hit": vllm_hit, "is_cache_miss_flag": flagged,
                     "flag_agrees_with_vllm_log": flagged == (not vllm_hit),
                     "cache_miss_rule": f"boot > {cfg.cache_miss_factor} x previous and >= {cfg.cache_miss_min_s} s "
-                                       "longer (pinsidecar.daemon.supervisor.is_cache_miss)"}
+                                       "longer (pinsidecar.daemon.boots.is_cache_miss)"}
         cold = results.get("count", {})
         if cold.get("boot_s") and off and off.get("boot_s"):
             hash_hit["a_real_miss_for_contrast"] = {
@@ -1349,7 +1349,7 @@ def _identity_figures(engines: dict[str, Any]) -> dict[str, Any]:
 
 def _boot_record(seconds: float, map_hash: str) -> Any:
     """A successful boot as the supervisor records it (only ``ok`` and ``seconds`` enter ``is_cache_miss``)."""
-    from pinsidecar.daemon.supervisor import BootRecord
+    from pinsidecar.daemon.boots import BootRecord
 
     return BootRecord(reason="start", started_at="", ok=True, seconds=seconds, map_path=None, map_hash=map_hash,
                       geometry="")

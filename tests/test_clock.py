@@ -106,7 +106,7 @@ def test_a_remaps_step_seconds_are_monotonic_when_the_wall_clock_steps_back(cloc
 def test_a_remap_recorded_before_a_restart_keeps_its_cooldown_even_if_the_clock_was_set_back(
         clocks: Clocks, age_s: float, counted: bool) -> None:
     """age_s < 0: the record's start stamp is in the future (the clock was set back 10 min after the remap)."""
-    rec = RemapRecord.new("manual")
+    rec = RemapRecord.new("manual", state="verifying")
     rec.started_at = utc_stamp(clocks.wall - age_s)
     rec.finish("committed")
     det = DriftDetector(DriftConfig(cooldown_s=300), clock=clocks.monotonic)

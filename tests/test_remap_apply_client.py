@@ -28,8 +28,9 @@ from pinsidecar_hook.contract.swap import ApplyResult, plan_swap
 from pinsidecar_hook.flusher import Flusher, WriteInfo
 
 from pinsidecar.placement import build_usage_map
-from pinsidecar.remap.apply import classify_answer, request_apply, token_parity, withdraw_apply_request
-from pinsidecar.runs.parity import PromptOutput
+from pinsidecar.remap.apply import classify_answer, request_apply, withdraw_apply_request
+from pinsidecar.remap.parity import compare_outputs
+from pinsidecar.runs.parity import ParityRef, PromptOutput, compare
 from pinsidecar.testing.artifacts import make_counts
 
 
@@ -147,15 +148,30 @@ def test_an_answer_from_another_engine_life_or_that_the_stats_contradict_is_not_
     assert failed.result == "failed" and "the stats report map" in failed.reason
 
 
-def test_token_parity_compares_tokens_and_reports_logprobs() -> None:
+def test_parity_across_an_apply_compares_tokens_and_reports_logprobs() -> None:
     want = [PromptOutput("p:1", [1, 2, 3], [-0.5, -0.25, -0.125]), PromptOutput("p:2", [4, 5], [-1.0, -2.0])]
     same_tokens = [PromptOutput("p:1", [1, 2, 3], [-0.5, -0.2500001, -0.125]), PromptOutput("p:2", [4, 5],
                                                                                          [-1.0, -2.0])]
-    ok, why, fig = token_parity(want, same_tokens)
-    assert ok and fig["differing_prompts"] == 0 and 0 < fig["max_logprob_diff"] < 1e-6 and "5 tokens" in why
-    ok, why, fig = token_parity(want, [want[0], PromptOutput("p:2", [4, 6], [-1.0, -2.0])])
-    assert not ok and why == "prompt 'p:2': token 1 was 5, now 6" and fig["differing_prompts"] == 1
-    ok, why, _ = token_parity(want, [want[0], PromptOutput("p:2", [4], [-1.0])])
-    assert not ok and "token 1 was 5, now None" in why
-    ok, why, _ = token_parity(want, want[:1])
-    assert not ok and "2 prompts recorded, 1 answered" in why
+    v = compare_outputs(want, same_tokens, logprobs=False)
+    assert v.ok and v.figures["differing_prompts"] == 0 and 0 < v.figures["max_logprob_diff"] < 1e-6
+    assert "5 tokens" in v.reason and v.figures["compared"] == "token ids"
+    v = compare_outputs(want, [want[0], PromptOutput("p:2", [4, 6], [-1.0, -2.0])], logprobs=False)
+    assert not v.ok and v.reason == "p:2: token 1 is 6, reference 5" and v.figures["differing_prompts"] == 1
+    assert v.figures["first_diff"] == v.reason
+    v = compare_outputs(want, [want[0], PromptOutput("p:2", [4], [-1.0])], logprobs=False)
+    assert not v.ok and "length differs at token 1 (reference 5, this run ends)" in v.reason
+    v = compare_outputs(want, want[:1], logprobs=False)
+    assert not v.ok and "2 prompts recorded, 1 answered" in v.reason
+
+
+def test_parity_across_a_reboot_is_bitwise_and_the_same_helper() -> None:
+    """The reboot's check (the gate holds: nothing but placement can differ) compares logprobs bitwise too, with the
+    same vocabulary as ``pinsidecar parity check`` (runs.parity.compare), and one answer short is a difference."""
+    want = [PromptOutput("p:1", [1, 2, 3], [-0.5, -0.25, -0.125])]
+    close = [PromptOutput("p:1", [1, 2, 3], [-0.5, -0.2500001, -0.125])]
+    v = compare_outputs(want, close, logprobs=True)
+    assert not v.ok and v.figures["compared"] == "token ids and logprobs"
+    ref = ParityRef("m", "pin", "", "", want)
+    assert v.reason == compare(ref, close).diffs[0].describe()
+    assert compare_outputs(want, list(want), logprobs=True).ok
+    assert not compare_outputs(want, [], logprobs=True).ok  # runs.parity.compare would raise on the count

@@ -10,7 +10,9 @@ parity and (where a test says so) the cold-rate probe are fakes; everything else
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,10 +26,11 @@ from pinsidecar_hook.contract.requests import apply_args, request_path, write_ho
 
 from pinsidecar.daemon.config import load_config
 from pinsidecar.daemon.control import ControlError
-from pinsidecar.daemon.service import ACTIVE_MAP_FILE, Daemon
+from pinsidecar.daemon.service import Daemon
 from pinsidecar.engine import free_port
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for
+from pinsidecar.remap.commit import ACTIVE_MAP_FILE, write_active_map
 from pinsidecar.remap.record import PRE_REBOOT_STATES, STATES, RecordStore, RemapRecord
 from pinsidecar.runs.count_boot import ProfileError
 from pinsidecar.testing.artifacts import make_counts
@@ -910,6 +913,90 @@ def test_the_apply_request_names_the_map_as_the_engine_sees_it(tmp_path: Path, l
             daemon.engine_map_path(tmp_path / "elsewhere.json")
 
 
+# ---------------------------------------------------------------------------------------------------- commit
+
+
+def disk_full(calls: list[Path]) -> Callable[[Path, Path, str | None], None]:
+    """A commit writer whose disk is full: what ``write_active_map`` raises on ENOSPC (the real one on a full
+    tmpfs: tests/test_remap_commit.py), and nothing written."""
+    def write(file: Path, map_path: Path, map_hash: str | None) -> None:
+        calls.append(file)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+    return write
+
+
+@pytest.mark.parametrize("deploy", ["reboot", "in_place"])
+def test_a_commit_that_cannot_write_active_map_ends_commit_failed_and_the_old_map_serves(tmp_path: Path,
+                                                                                      deploy: str) -> None:
+    """Verified, then the disk is full at the commit: the record never says committed (active-map.json was never
+    written), the old map is put back the way the candidate came (in place, or a reboot), the remap ends
+    commit_failed saying why and what to do, and once the disk has room the next remap commits."""
+    calls: list[Path] = []
+    tools = FakeTools(make_counts(tokens=3000, domain=PROSE, seed=42))
+    tools.write_active_map = disk_full(calls)
+
+    async def scenario() -> None:
+        async with running(tmp_path, tools, drift=MANUAL_ONLY, remap=IN_PLACE if deploy == "in_place" else "",
+                           metrics=True, library=(PROSE,)) as h:
+            h.domain = PROSE
+            await h.windows(1)
+            boots, before = InstantEngine.boots, served_hash(h)
+            res = await h.daemon.request_remap(trigger="manual", map_ref=f"class{PROSE}")
+            rec = await h.wait_for_end(res["remap_id"])
+            assert rec["state"] == rec["outcome"] == "commit_failed", rec
+            file = h.state_dir / ACTIVE_MAP_FILE
+            assert calls == [file] and active_map_record(h) is None  # never written, so never "committed"
+            assert "committed" not in states(rec)
+            assert rec["error"] == (f"commit failed: cannot write {file}: [Errno {errno.ENOSPC}] No space left on "
+                                    f"device; free space on {h.state_dir} and run `pinsidecar remap` again")
+            assert rec["verify"]["commit"] == {"ok": False, "file": str(file), "errno": errno.ENOSPC,
+                                               "error": rec["error"].split("; free space")[0]}
+            assert rec["verify"]["cold_rate"]["status"] == "verified"  # the map was fine; the disk was not
+            reason = rec["outcome_reason"]
+            assert reason.endswith(f"free space on {h.state_dir} and run `pinsidecar remap` again")
+            if deploy == "in_place":
+                assert states(rec) == ["evaluating", "applying", "verifying"]
+                assert "rolled back in place: the old map serves" in reason
+                assert InstantEngine.boots == boots and rec["apply"]["outcome"] == "rolled_back"
+                assert [r["purpose"] for r in rec["apply"]["requests"]] == ["candidate", "rollback"]
+            else:
+                assert states(rec) == ["evaluating", "rebooting", "verifying"]
+                assert "rolled back: the old map serves" in reason and rec["verify"]["rollback"]["ok"]
+                assert InstantEngine.boots == boots + 2 and boot_hashes(h)[-1] == before
+            # the old map serves, and is what a restart boots; the watch judges against it
+            assert served_hash(h) == before
+            sup = h.daemon.supervisor
+            assert sup is not None and sup.restart_map is None
+            assert h.daemon.watch is not None and h.daemon.watch.active.content_hash == before
+            assert not h.daemon.watch.detector.remap_running
+            st = h.daemon.status()
+            assert st["remap"]["last"]["outcome"] == "commit_failed" and st["remap"]["current"] is None
+            text = h.daemon.exporter.render().decode()  # type: ignore[union-attr]
+            assert metric(text, 'pinsidecar_remaps_total{outcome="commit_failed"} 1.0')
+            assert metric(text, 'pinsidecar_remaps_total{outcome="committed"} 0.0')
+            # the disk has room again: the next remap commits, and active-map.json names the candidate
+            tools.write_active_map = write_active_map
+            rec = await h.wait_for_end((await h.daemon.request_remap(trigger="manual",
+                                                                     map_ref=f"class{PROSE}"))["remap_id"])
+            assert rec["outcome"] == "committed", rec
+            assert rec["verify"]["commit"] == {"ok": True, "file": str(h.state_dir / ACTIVE_MAP_FILE)}
+            assert active_map_record(h)["hash"] == rec["candidate"]["hash"] == served_hash(h)  # type: ignore[index]
+
+    asyncio.run(scenario())
+
+
+def test_the_daemon_is_the_pipelines_host_and_the_host_stays_narrow(tmp_path: Path) -> None:
+    """Everything :class:`RemapHost` names, the daemon has; and the protocol stays what the pipeline needs (it was
+    20 members with the daemon's whole config, the drain flag, the map resolver and three metric callbacks)."""
+    from pinsidecar.remap.host import RemapHost, RemapSettings
+
+    daemon = Daemon(load_config(write_config(tmp_path, code_map(tmp_path))), launcher_factory=InstantEngine)
+    members = [n for n in vars(RemapHost) if not n.startswith("_")]
+    assert len(members) <= 15, members
+    assert [n for n in members if not hasattr(daemon, n)] == []
+    assert all(hasattr(daemon.cfg, n) for n in vars(RemapSettings) if not n.startswith("_"))
+
+
 # ---------------------------------------------------------------------------------------------------- recovery
 
 
@@ -987,7 +1074,7 @@ def test_a_restart_keeps_the_cooldown(tmp_path: Path) -> None:
     async def scenario() -> None:
         boot_map = code_map(tmp_path)
         store = RecordStore(tmp_path / "state" / "remaps")
-        rec = RemapRecord.new("manual")
+        rec = RemapRecord.new("manual", state="evaluating")
         rec.finish("refused", reason="test")
         store.save(rec)
         daemon = Daemon(load_config(write_config(tmp_path, boot_map, drift="")), launcher_factory=InstantEngine)
@@ -1059,7 +1146,7 @@ def test_the_record_store_keeps_the_newest_records_and_their_files(tmp_path: Pat
     store = RecordStore(tmp_path)
     ids = []
     for i in range(5):
-        rec = RemapRecord.new("manual")
+        rec = RemapRecord.new("manual", state="evaluating")
         rec.id = f"2026010{i}T000000Z-00000{i}"
         rec.finish("refused", reason="test")
         store.save(rec)

@@ -7,9 +7,11 @@ logprobs) and, in pin mode, writes the hook's live stats file from the prompts i
 "prose" routes like domain 1, anything else like domain 0, the domain the boot map was built from). It boots in a
 second, and it lives in its own process group like vLLM, so a SIGKILLed sidecar leaves it running and holding its
 port, as it would leave vLLM. Prose traffic through the gate trips the drift detector; the remap is caught in a
-state (a count boot whose fake count engine never answers the hook's reset, an apply the fake engine holds, the
-pipeline's test hook ``PINSIDECAR_TEST_REMAP_PAUSE_AT``, or a verification waiting for traffic that never comes),
-the sidecar is SIGKILLed, and a new one is started on the same state folder. The fake engine answers the hook's
+state (a count boot whose fake count engine never answers the hook's reset, an apply the fake engine holds, a
+verification waiting for traffic that never comes, or, for the states that pass in a moment, the daemon started as
+``python -m pinsidecar.testing.paused_daemon --pause-at STATE``: ``pinsidecar run`` with remap tools that stop the
+remap there; nothing on the live path reads such a switch), the sidecar is SIGKILLed, and a new one, a plain
+``pinsidecar run``, is started on the same state folder. The fake engine answers the hook's
 requests beside its stats file as the hook does (``apply`` swaps its map; ``PINSIDECAR_TEST_APPLY_STALL_S`` makes
 it hold the apply first, like the hook's test hook), so the in-place deploy runs as in production.
 
@@ -38,7 +40,6 @@ from pinsidecar_hook.contract import load_map
 from pinsidecar.engine import free_port, port_in_use
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for
-from pinsidecar.remap.pipeline import PAUSE_ENV
 from pinsidecar.remap.record import PRE_REBOOT_STATES, STATES
 from pinsidecar.testing.artifacts import make_counts
 
@@ -61,7 +62,7 @@ hot = None
 if mode == "pin":
     import numpy as np
     from pinsidecar_hook.contract import StatsSnapshot, load_map
-    from pinsidecar.testing import make_counts
+    from pinsidecar.testing.artifacts import make_counts
     emap = load_map(os.environ["PINSIDECAR_MAP_PATH"])
     hot = emap.hot_mask()
     state["hist"] = np.zeros((emap.num_layers, emap.num_experts), dtype=np.int64)
@@ -153,15 +154,17 @@ ThreadingHTTPServer((host, port), H).serve_forever()
 
 
 class Sidecar:
-    """One ``pinsidecar run`` process and what the test reads from it."""
+    """One ``pinsidecar run`` process (or, with ``pause_at``, the same daemon stopping its remap in that state) and
+    what the test reads from it."""
 
-    def __init__(self, cfg: Path, tmp: Path, env: dict[str, str], n: int) -> None:
+    def __init__(self, cfg: Path, tmp: Path, env: dict[str, str], n: int, pause_at: str | None = None) -> None:
         self.cfg, self.tmp = cfg, tmp
         self.ports = json.loads((tmp / "ports.json").read_text())
         self.log = tmp / f"daemon-{n}.log"
+        argv = [PINSIDECAR, "run", "--config", str(cfg)] if pause_at is None else \
+            [sys.executable, "-m", "pinsidecar.testing.paused_daemon", "--pause-at", pause_at, str(cfg)]
         with open(self.log, "wb") as fh:
-            self.proc = subprocess.Popen([PINSIDECAR, "run", "--config", str(cfg)], env=env, stdout=fh,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
     def status(self) -> dict[str, Any]:
         return httpx.get(f"http://127.0.0.1:{self.ports['control']}/status", timeout=10).json()
@@ -293,11 +296,11 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
     cfg, boot_map = _setup(tmp_path, remap, engine_env)
     code_hash = load_map(boot_map).content_hash
     # count_boot waits on its count engine, applying on the engine and verifying on traffic by themselves; the
-    # others pause by the pipeline's test hook
+    # others pause where the paused daemon's remap tools say
     waits = ("count_boot", "applying", "verifying")
-    env = {**os.environ, **({PAUSE_ENV: state} if state not in waits else {})}
+    env = dict(os.environ)
     env.pop("NOTIFY_SOCKET", None)
-    first = Sidecar(cfg, tmp_path, env, 1)
+    first = Sidecar(cfg, tmp_path, env, 1, pause_at=None if state in waits else state)
     sidecars.append(first)
     first.wait(lambda st: st["engine"]["state"] == "ready", "the engine ready")
     st = first.status()
@@ -335,8 +338,7 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
     assert old_engine.is_running()  # orphaned, as a killed sidecar leaves vLLM
     assert port_in_use("127.0.0.1", first.ports["engine"])
 
-    env.pop(PAUSE_ENV, None)
-    second = Sidecar(cfg, tmp_path, env, 2)
+    second = Sidecar(cfg, tmp_path, env, 2)  # pinsidecar run: nothing pauses
     sidecars.append(second)
     st = second.wait(lambda s: s["engine"]["state"] == "ready", "the engine ready after the restart")
     # the leftover engines were stopped (the one whose start time matched), the new one serves the old map

@@ -25,17 +25,11 @@ import aiohttp
 import psutil
 import pytest
 
+from pinsidecar.daemon.boots import BootRecord, compile_cache_evidence, geometry_key, is_cache_miss
 from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.daemon.gate import Gate
-from pinsidecar.daemon.supervisor import (
-    BootObserver,
-    BootRecord,
-    EngineState,
-    Supervisor,
-    compile_cache_evidence,
-    geometry_key,
-    is_cache_miss,
-)
+from pinsidecar.daemon.peers import BootObserver
+from pinsidecar.daemon.supervisor import EngineState, Supervisor
 from pinsidecar.engine import EngineProcess, EngineSpec, Launcher
 from pinsidecar.metrics import Exporter
 from pinsidecar.testing.artifacts import make_map, write_map

@@ -21,6 +21,7 @@ import click
 
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
 from pinsidecar.cli.daemon import _control_token, _load, _request, config_option
+from pinsidecar.remap.record import TERMINAL_STATES
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -28,7 +29,6 @@ __all__: list[str] = []  # nothing here is another package's business
 EXIT_REFUSED = 3
 # How often --wait asks the daemon for the remap's state.
 WAIT_POLL_S = 2.0
-TERMINAL = ("committed", "rolled_back", "refused", "aborted")
 
 
 def _pct(x: Any) -> str:
@@ -95,7 +95,7 @@ def _wait(cfg: Any, remap_id: str, timeout_s: float) -> dict[str, Any]:
     while True:
         code, st = _request(cfg, "GET", "/status", timeout=10.0)
         rec = _find(st, remap_id) if code == 200 else None
-        if rec is not None and rec.get("state") in TERMINAL:
+        if rec is not None and rec.get("state") in TERMINAL_STATES:
             return rec
         if time.monotonic() > deadline:
             raise UserError(f"remap {remap_id} did not end within {timeout_s:.0f} s "

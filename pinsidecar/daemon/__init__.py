@@ -2,7 +2,10 @@
 
 - :mod:`~pinsidecar.daemon.config` — the TOML config, validated completely on load;
 - :mod:`~pinsidecar.daemon.service` — the daemon itself (start order, drain-reboot, stop);
-- :mod:`~pinsidecar.daemon.supervisor` — boot, readiness, liveness, restarts, boot records;
+- :mod:`~pinsidecar.daemon.supervisor` — boot, readiness, restarts with backoff, the crash loop;
+- :mod:`~pinsidecar.daemon.liveness` — the engine's exit watch and health probe;
+- :mod:`~pinsidecar.daemon.boots` — boot records, and what a boot's engine log says (cache miss, pin refusal);
+- :mod:`~pinsidecar.daemon.peers` — the supervisor's observer and gate protocols;
 - :mod:`~pinsidecar.daemon.gate` — the reverse proxy that holds requests during a reboot;
 - :mod:`~pinsidecar.daemon.control` — the control API (status, drain-reboot, remap);
 - :mod:`~pinsidecar.daemon.map_library` — the watched folder of maps;

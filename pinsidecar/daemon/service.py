@@ -17,15 +17,9 @@
    ``WATCHDOG_USEC`` and ``STATUS=`` on every state change.
 
 **Drain-reboot** (:meth:`Daemon.drain_reboot` from the control API, and every remap's reboot: one
-implementation): the gate holds new requests, in-flight ones get up to ``timeout_s`` to finish, the engine is
-stopped and started again (with the new map if one is given, validated first), and once it serves, the gate
-releases what it held. A map of a different geometry (``hash_hit`` false: another hot-row count) is allowed and
-logged; vLLM keeps the expert tensors out of its compiled graph (the fused-MoE call is one custom op that finds
-the layer's weights by name), so its compile cache hits anyway: on the H200 (vLLM 0.26, 2026-12-02) a drain-reboot
-from 99 to 92 hot rows loaded the compiled graph from the cache and booted in 87 s against 150 s cold. The boot
-record's ``cache_miss`` says whether a boot hit. If the engine does not come up with the new map, or a remap's
-check on the new engine fails before the gate releases, the daemon boots the old one again and says so
-(``rolled_back``).
+implementation, :mod:`pinsidecar.daemon.drain`): the gate holds new requests, in-flight ones drain (bounded), the
+engine reboots (with the new map if one is given), and once it serves the gate releases what it held; a boot that
+fails, or a remap's check on the new engine, boots the old map again inside the hold (``rolled_back``).
 
 **Remaps** (:meth:`Daemon.request_remap`, every trigger's one entry): one at a time, through the drift config's
 cooldown and daily cap, run by :class:`~pinsidecar.remap.pipeline.RemapPipeline` in the background. A remap
@@ -33,29 +27,27 @@ deploys in place first (the hook swaps the candidate into the serving engine, th
 :mod:`pinsidecar.remap.apply`) and drain-reboots when it cannot.
 
 **SIGTERM / SIGINT**: ``STOPPING=1``, the gate holds, in-flight requests drain (bounded), the engine stops, exit 0.
-
-The active map survives daemon restarts: after a successful switch it is recorded in
-``<state_dir>/active-map.json`` and preferred over ``engine.map`` at the next start while it still validates.
+The active map survives restarts: ``<state_dir>/active-map.json`` (:mod:`pinsidecar.remap.commit`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from pinsidecar_hook.contract import ArtifactError, ExpertMap, atomic_write_json, load_map, utc_now
+from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map
 
 from pinsidecar import __version__
 from pinsidecar.daemon.config import Config
 from pinsidecar.daemon.control import ControlError, ControlServer, read_token
+from pinsidecar.daemon.drain import DrainReboot
 from pinsidecar.daemon.map_library import MapLibrary, MapNotFound
 from pinsidecar.daemon.sdnotify import Notifier
 from pinsidecar.daemon.supervisor import EngineState, Supervisor
@@ -65,10 +57,11 @@ from pinsidecar.engine.ports import check_ports_free
 from pinsidecar.engine.process import stop_recorded_engine
 from pinsidecar.live_stats import StatsReader, load_newest_stats
 from pinsidecar.remap import admission
-from pinsidecar.remap.apply import ApplyAnswer, withdraw_apply_request
-from pinsidecar.remap.candidates import reference_counts
-from pinsidecar.remap.pipeline import COUNT_ENGINE_PID_FILE, KEEP_RECORDS, RemapPipeline, RemapTools
-from pinsidecar.remap.recovery import close_open_records
+from pinsidecar.remap.candidates import find_by_label, reference_counts
+from pinsidecar.remap.commit import committed_map
+from pinsidecar.remap.host import RebootHook
+from pinsidecar.remap.pipeline import COUNT_ENGINE_PID_FILE, RemapPipeline
+from pinsidecar.remap.tools import RemapTools
 
 if TYPE_CHECKING:
     from pinsidecar.metrics import Exporter
@@ -77,11 +70,7 @@ __all__ = ["run_daemon"]
 
 log = structlog.get_logger(__name__)
 
-ACTIVE_MAP_FILE = "active-map.json"
 ENGINE_PID_FILE = "engine.pid"
-
-# A hook (BeforeStop / AfterBoot) run inside a drain-reboot while the gate holds: returns None to go on, or why not.
-RebootHook = Callable[[dict[str, Any]], Awaitable[str | None]]
 
 
 def make_launcher_factory(cfg: Config) -> Any:
@@ -110,14 +99,13 @@ class Daemon:
         self.control: ControlServer | None = None
         self.maps = MapLibrary(cfg.maps_dir, watch=cfg.maps.watch)
         self.supervisor: Supervisor | None = None
-        self.last_drain_reboot: dict[str, Any] | None = None
-        self.capture_store: Any = None
+        self.drains = DrainReboot(self.state_dir, lambda: self.supervisor, lambda: self.gate, self._follow_map)
+        self.capture: Any = None  # the gate's CaptureStore (gate.capture_dir), which a remap counts
         self.watch: DriftWatch | None = None
         self._stats_reader: StatsReader | None = None
         self.remaps = RemapPipeline(self, remap_tools)
         self._stop = asyncio.Event()
         self._ready_sent = False
-        self._drain_busy = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._token = ""
 
@@ -127,27 +115,9 @@ class Daemon:
         return self.cfg.engine_spec(map_path)
 
     def _initial_map(self) -> Path | None:
-        configured = self.cfg.engine.map
         if self.cfg.engine.hook_mode != "pin":
             return None
-        record = self.state_dir / ACTIVE_MAP_FILE
-        try:
-            doc = json.loads(record.read_text())
-            path, want = Path(doc["path"]), doc["hash"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return configured
-        try:
-            emap = load_map(path)
-        except (ArtifactError, OSError) as exc:
-            log.warning("active_map_unusable", path=str(path), reason=str(exc), using=str(configured))
-            return configured
-        if emap.content_hash != want:
-            log.warning("active_map_changed", path=str(path), recorded=want, now=emap.content_hash,
-                        using=str(configured))
-            return configured
-        if path != configured:
-            log.info("active_map_from_state", path=str(path), hash=want, configured=str(configured))
-        return path
+        return committed_map(self.state_dir, self.cfg.engine.map)  # active-map.json, else engine.map
 
     # What the exporter reads at every scrape: the engine the supervisor runs now, so a restarted engine (a new
     # pid, container or URL) is followed without telling the exporter anything.
@@ -201,7 +171,7 @@ class Daemon:
 
             capture = None
             if cfg.gate.capture_dir is not None:
-                capture = self.capture_store = self._capture_store()
+                capture = self.capture = self._capture_store()
             self.gate = Gate(cfg.gate.host, cfg.gate.port, spec.base_url, max_queue=cfg.gate.max_queue,
                              max_hold_s=cfg.gate.max_hold_s, max_body_bytes=cfg.gate.max_body_bytes,
                              capture=capture, upstream_idle_timeout_s=cfg.gate.upstream_idle_timeout_s)
@@ -248,11 +218,7 @@ class Daemon:
             except EngineError as exc:  # the runtime is missing or down: the supervisor's boot says so, in status
                 log.warning("container_leftover_check_failed", error=str(exc))
         stats = self._spec_for(None).env.get("PINSIDECAR_STATS_PATH")
-        if stats and withdraw_apply_request(Path(stats)):  # the engine we boot must not apply a dead remap's map
-            log.warning("apply_request_left_over_withdrawn", stats=stats)
-        for rec in close_open_records(self.remaps.store, self.state_dir / ACTIVE_MAP_FILE):
-            self.remaps.last = rec
-        self.remaps.store.prune(KEEP_RECORDS)
+        self.remaps.recover(Path(stats) if stats else None)  # before the engine boots: see remap.recovery
 
     def _start_drift_watch(self, spec: EngineSpec) -> None:
         """Pin mode: watch the served map's live stats (one reader of our own, not the exporter's)."""
@@ -315,16 +281,8 @@ class Daemon:
         """Drain and stop everything (SIGTERM path)."""
         self.notifier.stopping("stopping: draining requests")
         log.info("daemon_stopping")
-        task = self.remaps.task
-        if task is not None and not task.done():  # before the gate and the engine go: it closes its record
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if self.gate is not None:
-            self.gate.hold()
-            remaining = await self.gate.drain(self.cfg.control.drain_timeout_s)
-            if remaining:
-                log.warning("shutdown_drain_incomplete", in_flight=remaining)
+        await self.remaps.stop()  # before the gate and the engine go: it closes its record
+        await self.drains.hold_and_drain(self.cfg.control.drain_timeout_s)
         if self.supervisor is not None:
             await self.supervisor.close()
         for task in self._tasks:
@@ -428,14 +386,31 @@ class Daemon:
         starting). A dry run changes nothing and returns the decision with its figures."""
         if self.supervisor is None:
             raise ControlError(503, "the daemon is still starting")
-        return await self.remaps.request(trigger=trigger, dry_run=dry_run, map_ref=map_ref, reason=reason,
-                                         detail=detail)
+        map_path = self._remap_candidate(map_ref) if map_ref else None
+        busy = "a drain-reboot is running; try again when it has ended" if self.drains.busy else None
+        return await self.remaps.request(trigger=trigger, dry_run=dry_run, map_path=map_path, reason=reason,
+                                         detail=detail, blocked=busy)
 
-    # What the remap pipeline reads and calls (its RemapHost protocol).
+    def _remap_candidate(self, ref: str) -> Path:
+        """A map an operator names for a remap: as a drain-reboot resolves it, or a label in the maps folder."""
+        try:
+            return self.resolve_map(ref)
+        except ControlError:
+            by_label = find_by_label(self.maps.entries(), ref)
+            if by_label is None:
+                raise
+            return by_label
 
     @property
-    def capture(self) -> Any:
-        return self.capture_store
+    def last_drain_reboot(self) -> dict[str, Any] | None:
+        return self.drains.last
+
+    def _follow_map(self, path: Path, emap: ExpertMap) -> None:
+        """The engine serves ``emap`` now (a switch or an apply in place): the drift watch judges against it."""
+        if self.watch is not None:
+            self.watch.set_active_map(emap, reference_counts(path, emap))
+
+    # What the remap pipeline reads and calls (its RemapHost protocol).
 
     @property
     def served_map(self) -> tuple[Path | None, ExpertMap | None]:
@@ -455,28 +430,13 @@ class Daemon:
     def stats_path(self) -> Path | None:
         return self._stats_reader.path if self._stats_reader is not None else None
 
-    @property
-    def drain_busy(self) -> bool:
-        return self._drain_busy
-
-    @property
-    def active_map_file(self) -> Path:
-        return self.state_dir / ACTIVE_MAP_FILE
-
     def library_entries(self) -> list[Any]:
         return self.maps.entries()
 
-    def resolve_map(self, ref: str) -> Path:
-        return self._resolve_map(ref)
-
-    def commit_active_map(self, path: Path, map_hash: str) -> None:
-        self._record_active_map(path, map_hash)
-        if self.supervisor is not None:  # a map applied in place is what a restart boots from now on
+    def committed(self, path: Path, map_hash: str) -> None:
+        """A remap wrote ``active-map.json`` for ``map_hash``: a map applied in place is what a restart boots now."""
+        if self.supervisor is not None:
             self.supervisor.committed(map_hash)
-
-    def record_remap_metric(self, outcome: str, seconds: float | None) -> None:
-        if self.exporter is not None:
-            self.exporter.record_remap(outcome, seconds)
 
     def engine_map_path(self, path: Path) -> str:
         """``path`` as the engine sees it: the same file through the container's mount of the state folder, or
@@ -501,25 +461,15 @@ class Daemon:
         (through it) and the drift watch follow."""
         if self.supervisor is not None:
             self.supervisor.applied_in_place(path, emap)
-        if self.watch is not None:
-            self.watch.set_active_map(emap, reference_counts(path, emap))
-
-    def record_apply_request(self, answer: ApplyAnswer) -> None:
-        if self.exporter is not None:
-            self.exporter.record_apply_request(answer.result, seconds=answer.seconds if answer.applied else None,
-                                               rows=answer.rows, bytes_moved=answer.bytes_moved)
-
-    def record_apply_outcome(self, outcome: str) -> None:
-        if self.exporter is not None:
-            self.exporter.record_apply_outcome(outcome)
+        self._follow_map(path, emap)
 
     async def reboot_with(self, map_path: Path, *, reason: str, before_stop: RebootHook | None = None,
                           after_boot: RebootHook | None = None) -> dict[str, Any]:
         """A remap's drain-reboot onto ``map_path`` (``active-map.json`` is left to the commit)."""
-        return await self._drain_reboot(map_path, self.cfg.control.drain_timeout_s, reason=reason,
-                                        record_active=False, before_stop=before_stop, after_boot=after_boot)
+        return await self.drains.run(map_path, self.cfg.control.drain_timeout_s, reason=reason,
+                                     record_active=False, before_stop=before_stop, after_boot=after_boot)
 
-    def _resolve_map(self, ref: str) -> Path:
+    def resolve_map(self, ref: str) -> Path:
         try:
             path = self.maps.resolve(ref)
         except MapNotFound as exc:
@@ -534,130 +484,13 @@ class Daemon:
         return path
 
     async def drain_reboot(self, map_ref: str | None, timeout_s: float | None) -> dict[str, Any]:
-        """The control API's drain-reboot: hold, drain (bounded), reboot (optionally with a new map, rolling back
-        on failure), release. Refused while a remap runs (it owns the engine until it ends)."""
-        if self.supervisor is None:
-            raise ControlError(503, "the daemon is still starting")
-        if self._drain_busy:
-            raise ControlError(409, "a drain-reboot is already running")
-        running = self.remaps.current
-        if running is not None:
-            raise ControlError(409, f"remap {running.id} (state {running.state}, trigger {running.trigger}) is "
-                               "running; drain-reboot when it has ended")
-        new_map = self._resolve_map(map_ref) if map_ref else None
-        timeout = timeout_s if timeout_s is not None else self.cfg.control.drain_timeout_s
-        return await self._drain_reboot(new_map, timeout)
-
-    async def _drain_reboot(self, new_map: Path | None, timeout: float, *, reason: str = "drain-reboot",
-                            record_active: bool = True, before_stop: RebootHook | None = None,
-                            after_boot: RebootHook | None = None) -> dict[str, Any]:
-        """The one drain-reboot (control API and remaps). While the gate holds: ``before_stop`` runs on the drained
-        old engine (a reason returned: nothing is rebooted, ``skipped``), ``after_boot`` on the new one (a reason
-        returned: roll back to the old map before anyone is served). ``record_active``: a successful switch is
-        written to ``active-map.json`` now (a remap writes it at its commit instead)."""
-        sup = self.supervisor
-        if sup is None:
-            raise ControlError(503, "the daemon is still starting")
-        if self._drain_busy:
-            raise ControlError(409, "a drain-reboot is already running")
-        self._drain_busy = True
-        t0 = time.monotonic()
-        result: dict[str, Any] = {"ok": False, "started_at": utc_now(), "map": str(new_map) if new_map else None,
-                                  "rolled_back": False, "reason": reason}
-        try:
-            hash_hit = True
-            emap: ExpertMap | None = None
-            if new_map is not None:
-                emap = load_map(new_map)
-                result["map_hash"] = emap.content_hash
-                if sup.map is not None and not emap.same_geometry(sup.map):
-                    hash_hit = False
-                    log.info("drain_reboot_geometry_change", map=str(new_map), old=sup.map.geometry(),
-                             new=emap.geometry(), note="another geometry: the expert tensors change shape, which "
-                             "vLLM's compile cache does not key on (the boot record's cache_miss says if it hit)")
-            result["hash_hit"] = hash_hit
-            log.info("drain_reboot_begin", map=str(new_map) if new_map else None, timeout_s=timeout, reason=reason)
-            async with sup.lock:
-                sup._set_state(EngineState.DRAINING, "holding new requests, draining in-flight ones")
-                hold_t0 = time.monotonic()
-                if self.gate is not None:
-                    self.gate.hold()
-                try:
-                    if self.gate is not None:
-                        remaining = await self.gate.drain(timeout)
-                        result["in_flight_cut"] = remaining
-                    result["drain_s"] = round(time.monotonic() - t0, 3)
-                    old_map = sup.map_path
-                    why_not = await before_stop(result) if before_stop is not None else None
-                    if why_not is not None:
-                        result.update(skipped=True, error=why_not)
-                        sup._set_state(EngineState.READY)
-                    else:
-                        await self._reboot_locked(sup, new_map, emap, old_map, reason, record_active, after_boot,
-                                                  result)
-                finally:
-                    if self.gate is not None:
-                        result["held_at_release"] = self.gate.held  # requests that waited out the reboot
-                        if sup.launcher is not None and sup.state == EngineState.READY:
-                            self.gate.set_upstream(sup.launcher.base_url)
-                            self.gate.release()
-                        # else no engine serves: the gate keeps holding until the supervisor's own restart
-                        # serves (or refuses, once the supervisor has given up)
-                        result["hold_s"] = round(time.monotonic() - hold_t0, 3)
-        finally:
-            self._drain_busy = False
-            result["seconds"] = round(time.monotonic() - t0, 3)
-            self.last_drain_reboot = result
-            log.info("drain_reboot_end", **{k: v for k, v in result.items() if k != "engine_log"})
-        return result
-
-    async def _reboot_locked(self, sup: Supervisor, new_map: Path | None, emap: ExpertMap | None,
-                             old_map: Path | None, reason: str, record_active: bool,
-                             after_boot: RebootHook | None, result: dict[str, Any]) -> None:
-        try:
-            rec = await sup.reboot(reason, new_map, use_map=new_map is not None)
-        except (EngineError, ArtifactError) as exc:
-            result["error"] = str(exc).splitlines()[0]
-            result["engine_log"] = getattr(exc, "log_tail", [])[-10:]
-            await self._after_failed_reboot(sup, new_map, old_map, result)
-            return
-        result.update(boot_s=rec.seconds, cache_miss=rec.cache_miss)
-        why_not = await after_boot(result) if after_boot is not None else None
-        if why_not is not None:
-            result["error"] = why_not
-            await sup.stop_engine(EngineState.DRAINING)
-            await self._after_failed_reboot(sup, new_map, old_map, result)
-            return
-        result["ok"] = True
-        if new_map is not None and emap is not None:
-            if record_active:
-                self._record_active_map(new_map, rec.map_hash)
-            if self.watch is not None:
-                self.watch.set_active_map(emap, reference_counts(new_map, emap))
-
-    async def _after_failed_reboot(self, sup: Supervisor, new_map: Path | None, old_map: Path | None,
-                                   result: dict[str, Any]) -> None:
-        if new_map is None:
-            sup.note_failure(f"drain-reboot boot failed: {result['error']}")
-            return
-        log.error("drain_reboot_rollback", failed_map=str(new_map), back_to=str(old_map))
-        try:
-            await sup.boot("rollback", old_map, use_map=True)
-            result["rolled_back"] = True
-            result["error"] += f" (rolled back to {old_map or 'no map'}; the engine serves the old map)"
-        except (EngineError, ArtifactError) as exc:
-            result["rollback_error"] = str(exc).splitlines()[0]
-            sup.note_failure(f"rollback failed: {result['rollback_error']}")
-
-    def _record_active_map(self, path: Path, map_hash: str | None) -> None:
-        try:
-            atomic_write_json(self.state_dir / ACTIVE_MAP_FILE, {"path": str(path), "hash": map_hash,
-                                                                 "activated_at": utc_now()})
-        except OSError as exc:
-            log.warning("active_map_not_recorded", error=str(exc))
+        """The control API's drain-reboot (:meth:`~pinsidecar.daemon.drain.DrainReboot.request`)."""
+        return await self.drains.request(map_ref, timeout_s if timeout_s is not None else
+                                         self.cfg.control.drain_timeout_s, remap=self.remaps.current,
+                                         resolve=self.resolve_map)
 
 
-def run_daemon(cfg: Config) -> int:
-    """Entry point for ``pinsidecar run``."""
-    return asyncio.run(Daemon(cfg).run())
+def run_daemon(cfg: Config, remap_tools: RemapTools | None = None) -> int:
+    """Entry point for ``pinsidecar run`` (``remap_tools``: a test's, :mod:`pinsidecar.testing.paused_daemon`)."""
+    return asyncio.run(Daemon(cfg, remap_tools=remap_tools).run())
 

@@ -1,63 +1,61 @@
 """Keep one engine running: boot, wait for readiness (bounded), watch liveness, restart with backoff, give up.
 
 The supervisor owns the engine's lifecycle and nothing else; the daemon drives drain-reboots through
-:meth:`Supervisor.reboot` and reads :meth:`Supervisor.snapshot` for status. Why it works the way it does:
+:meth:`Supervisor.reboot` and reads :meth:`Supervisor.snapshot` for status. What it leans on lives beside it: how
+it knows the engine is alive (:mod:`~pinsidecar.daemon.liveness`), what a boot records and what the engine's log
+says about it (:mod:`~pinsidecar.daemon.boots`), and whom it tells (:mod:`~pinsidecar.daemon.peers`). Why it works
+the way it does:
 
 - **Blocking launcher calls run in threads.** :class:`~pinsidecar.engine.Launcher` is synchronous (it is shared
   with the CLI tools), and a boot waits minutes; the daemon's event loop must keep feeding the systemd watchdog
   and answering the control API meanwhile.
-- **Liveness** is the process (or container) alive *and* ``/health`` answering (within ``health_timeout_s``).
-  A local engine process that exits is noticed at once: the event loop watches a pidfd of it (:class:`_ExitWatch`,
-  no thread, no poll), so the state leaves ``ready`` and the gate holds in the same moment; a container's exit
-  is noticed at the next check (every ``health_interval_s``). A live engine must fail ``health_failures`` checks
-  in a row (one missed probe is a GC pause, not a hang), so a hung one is restarted within
-  ``health_failures x (health_interval_s + health_timeout_s)``.
-- **The gate follows the engine** (:class:`EngineGate`, the daemon's gate): the supervisor holds it the moment
-  it loses the engine (crash or hang), points it at the restarted engine and releases it once that serves, and
-  makes it refuse (503 at once) when it gives up. Requests that arrive meanwhile wait, bounded, exactly as during
-  a drain-reboot; only those the engine had taken when it died fail. A drain-reboot holds the supervisor's lock
-  and drives the gate itself.
+- **A hang is several misses.** A local engine's exit is noticed at once (an exit watch), a container's at the
+  next check. A live engine must fail ``health_failures`` checks in a row (one missed probe is a GC pause, not a
+  hang), so a hung one is restarted within ``health_failures x (health_interval_s + health_timeout_s)``.
+- **The gate follows the engine**: the supervisor holds it the moment it loses the engine (crash or hang), points
+  it at the restarted engine and releases it once that serves, and makes it refuse (503 at once) when it gives
+  up. Requests that arrive meanwhile wait, bounded, exactly as during a drain-reboot; only those the engine had
+  taken when it died fail. A drain-reboot holds the supervisor's lock and drives the gate itself.
 - **Backoff and the crash loop.** Each failed boot or crash in a row doubles the wait before the next boot
   (``backoff_initial_s`` .. ``backoff_max_s``); ``crash_loop_limit`` of them in a row puts the supervisor in the
   ``failed`` state: it stops restarting, the daemon stays up, and status and metrics say why. An engine that
   stays ready ``stable_after_s`` resets the count. A drain-reboot (an operator asking) clears ``failed``. A boot
-  that pin mode refused (its ``pinsidecar pin refused:`` line in the engine log: a map that does not fit the
-  model, a quantization no split backend supports) is ``failed`` at once with the hook's reason: the same boot
-  would refuse again (:func:`pin_refusal`).
-- **Every boot is recorded**: reason, seconds from start to ready, the map hash and its geometry, and whether the
-  compile cache missed. A remap keeps the map's geometry and so the kernel shapes, so a miss means something fed
-  the compile caches' key that should not have. The engine's own log says it best (vLLM logs "Directly load the
-  compiled graph(s)" on a hit and "Compiling a graph for compile range" on a miss: :func:`compile_cache_evidence`);
-  an engine that compiles nothing (eager) says neither, and then a boot much slower than the last successful one
-  with the same geometry (``cache_miss_factor`` times and at least ``cache_miss_min_s`` longer) is flagged. Timing
-  alone is weak: on the H200 a full recompile took 1.7x a cache-hit boot (98.7 s against 57.2 s), under the
-  factor, which is why the log comes first.
+  that pin mode refused is ``failed`` at once with the hook's reason: the same boot would refuse again.
+- **Every boot is recorded** (:class:`~pinsidecar.daemon.boots.BootRecord`), with whether the compile cache
+  missed: a remap keeps the map's geometry and so the kernel shapes, so a miss means something fed the compile
+  caches' key that should not have.
 - **A map applied in place is not what a restart boots.** A remap may swap the serving engine onto a candidate
   without a boot (:meth:`Supervisor.applied_in_place`); until the daemon commits it (:meth:`Supervisor.committed`),
   a crash restart boots the map the engine was booted with, the committed one, so a candidate that was never
   verified cannot come back on its own.
-- **Observers** hear every state change and every boot that reached ready through :class:`BootObserver` (the
-  exporter implements it): typed calls, so a renamed method fails the type check and the tests, not a log line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
-import aiohttp
 import structlog
 from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
-from pinsidecar_hook.contract.env import PIN_REFUSED_MARKER
 
+from pinsidecar.daemon.boots import (
+    BootRecord,
+    PinRefusedError,
+    compile_cache_evidence,
+    geometry_key,
+    is_cache_miss,
+    pin_refusal,
+    rotate_log,
+)
 from pinsidecar.daemon.config import SupervisorConfig
+from pinsidecar.daemon.liveness import ExitWatch, HealthProbe
+from pinsidecar.daemon.peers import BootObserver, EngineGate
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 
 __all__: list[str] = []  # nothing here is another package's business
@@ -81,156 +79,6 @@ class EngineState:
     # The exporter's state set (pinsidecar.metrics.ENGINE_STATES) has no separate unhealthy/stopping: an
     # unhealthy engine is about to be restarted, a stopping one is about to be stopped.
     EXPORTED: ClassVar[dict[str, str]] = {UNHEALTHY: BACKOFF, STOPPING: STOPPED}
-
-
-@runtime_checkable
-class BootObserver(Protocol):
-    """Who hears what the supervisor does to the engine (:class:`pinsidecar.metrics.Exporter` implements it).
-
-    Called on the daemon's event loop: return at once. An exception is logged and ignored: metrics must never take
-    the supervisor down. The engine's pid, container and URL are not pushed: the observer reads them when it needs
-    them (the exporter at scrape time, from :attr:`Supervisor.launcher`).
-    """
-
-    def on_state(self, state: str) -> None:
-        """The engine's state changed; ``state`` is an exported one (:attr:`EngineState.EXPORTED` applied)."""
-
-    def on_boot(self, *, reason: str, seconds: float, map_hash: str, cache_miss: bool) -> None:
-        """A boot reached ready after ``seconds`` (``cache_miss``: much slower than the last like it)."""
-
-    def on_map(self, emap: ExpertMap) -> None:
-        """The engine that just booted serves ``emap``."""
-
-
-@runtime_checkable
-class EngineGate(Protocol):
-    """What the supervisor does to the gate in front of the engine (:class:`pinsidecar.daemon.gate.Gate`)."""
-
-    def hold(self) -> None:
-        """New requests wait (bounded) instead of reaching the engine."""
-
-    def release(self) -> None:
-        """Let held and new requests through."""
-
-    def refuse(self, why: str) -> None:
-        """Answer every request 503 at once: no engine is coming back."""
-
-    def set_upstream(self, url: str) -> None:
-        """Send requests to ``url`` from now on."""
-
-
-class _ExitWatch:
-    """Calls ``on_exit`` on the event loop the moment process ``pid`` exits: a pidfd (Linux >= 5.3) becomes readable
-    then. The process must be our child and not yet reaped (Popen reaps only when asked), so the pid cannot have
-    been reused. Without pidfd support nothing is watched and the liveness check finds the exit instead."""
-
-    def __init__(self, pid: int, on_exit: Callable[[], None]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._on_exit = on_exit
-        self._fd: int | None = None
-        try:
-            self._fd = os.pidfd_open(pid)
-        except (OSError, AttributeError) as exc:
-            log.info("engine_exit_watch_unavailable", pid=pid, error=str(exc), fallback="liveness check")
-            return
-        self._loop.add_reader(self._fd, self._fire)
-
-    def _fire(self) -> None:
-        self.close()
-        self._on_exit()
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            self._loop.remove_reader(fd)
-            os.close(fd)
-
-
-@dataclass(frozen=True)
-class BootRecord:
-    reason: str  # start | crash | unhealthy | drain-reboot | rollback | retry
-    started_at: str
-    ok: bool
-    seconds: float  # start -> ready (or -> failure)
-    map_path: str | None
-    map_hash: str | None
-    geometry: str
-    cache_miss: bool = False
-    error: str = ""
-    log_tail: tuple[str, ...] = ()  # the engine's last log lines when the boot failed
-
-
-# vLLM's compile-cache log lines (vllm/compilation/backends.py, 0.26 to 0.33): a hit loads, a miss compiles.
-_CACHE_HIT_MARK = "Directly load the compiled graph"
-_CACHE_MISS_MARK = "Compiling a graph for"
-
-
-def compile_cache_evidence(log_path: Path | None) -> bool | None:
-    """What the engine's boot log (rotated per boot, so all of it is this boot's) says about its compile cache:
-    True (it compiled: a miss), False (it loaded compiled graphs: a hit), None (it says nothing, e.g. an eager
-    engine, or no log). Read line by line: a GPU boot log with CUDA-graph capture progress runs to megabytes."""
-    hit = False
-    try:
-        with open(log_path, "rb") if log_path is not None else contextlib.nullcontext(None) as fh:
-            if fh is None:
-                return None
-            for raw in fh:
-                if _CACHE_MISS_MARK.encode() in raw:
-                    return True
-                hit = hit or _CACHE_HIT_MARK.encode() in raw
-    except OSError:
-        return None
-    return False if hit else None
-
-
-class PinRefusedError(EngineError):
-    """Pin mode refused to boot the engine (the hook's message is in ``str``): permanent, like a missing image."""
-
-    permanent = True
-
-
-def pin_refusal(log_path: Path | None) -> str | None:
-    """Pin mode's refusal in the engine's boot log (the hook's ``PIN_REFUSED_MARKER`` line: a map that does not
-    fit the model, a layer no split backend supports), or None. A refusal is permanent: the same engine with the
-    same map refuses again, so the supervisor reports it instead of restarting into it."""
-    found: str | None = None
-    marker = PIN_REFUSED_MARKER.encode()
-    try:
-        with open(log_path, "rb") if log_path is not None else contextlib.nullcontext(None) as fh:
-            if fh is None:
-                return None
-            for raw in fh:
-                at = raw.find(marker)
-                if at >= 0:
-                    found = raw[at + len(marker):].decode("utf-8", "replace").strip()[:2000]
-    except OSError:
-        return None
-    return found
-
-
-def is_cache_miss(seconds: float, previous: BootRecord | None, cfg: SupervisorConfig) -> bool:
-    """A boot much slower than the last successful one with the same geometry: ``cache_miss_factor`` times as
-    long and at least ``cache_miss_min_s`` longer (a 3 s boot becoming 7 s is noise, not a recompile)."""
-    if previous is None or not previous.ok:
-        return False
-    return seconds > previous.seconds * cfg.cache_miss_factor and seconds - previous.seconds >= cfg.cache_miss_min_s
-
-
-def geometry_key(emap: ExpertMap | None) -> str:
-    """What the compile caches may depend on: the map's geometry (or ``none`` without a map)."""
-    if emap is None:
-        return "none"
-    g = emap.geometry()
-    return ",".join(f"{k}={g[k]}" for k in sorted(g)) + f",layers={'-'.join(map(str, emap.layer_ids))}"
-
-
-def _rotate_log(path: Path | None) -> None:
-    """Keep the previous boot's engine log as ``<log>.1``, so a boot's error shows only its own last lines."""
-    if path is None:
-        return
-    with contextlib.suppress(OSError):
-        if path.stat().st_size > 0:
-            path.replace(path.with_name(path.name + ".1"))
 
 
 class Supervisor:
@@ -263,8 +111,8 @@ class Supervisor:
         self.lock = asyncio.Lock()  # held for every boot/stop; the daemon holds it across a drain-reboot
         self._closing = False
         self._wake = asyncio.Event()
-        self._session: aiohttp.ClientSession | None = None
-        self._exit_watch: _ExitWatch | None = None
+        self._probe = HealthProbe()
+        self._exit_watch: ExitWatch | None = None
         self._exited: Launcher | None = None  # the serving engine's process exited; the loop has not acted yet
 
     # ------------------------------------------------------------------------------------------------ observer
@@ -312,7 +160,7 @@ class Supervisor:
             mp, emap = self.map_path, self.map
         geometry = geometry_key(emap)
         spec = self.spec_for(mp)
-        _rotate_log(spec.log_path)
+        rotate_log(spec.log_path)
         launcher = self.make_launcher(spec)
         self._set_state(EngineState.STARTING, reason)
         t0 = time.monotonic()
@@ -383,7 +231,7 @@ class Supervisor:
             self._exit_watch.close()
             self._exit_watch = None
         if isinstance(launcher, EngineProcess) and launcher.pid is not None:
-            self._exit_watch = _ExitWatch(launcher.pid, lambda: self._engine_exited(launcher))
+            self._exit_watch = ExitWatch(launcher.pid, lambda: self._engine_exited(launcher))
 
     def _engine_exited(self, launcher: Launcher) -> None:
         """The serving engine's process just exited (called by the exit watch on the event loop)."""
@@ -466,28 +314,11 @@ class Supervisor:
         if wait is not None:
             await self._sleep(wait)
 
-    async def _alive(self, launcher: Launcher) -> bool:
-        if isinstance(launcher, EngineProcess):
-            return launcher.alive()  # a waitpid(WNOHANG): no thread needed
-        return await asyncio.to_thread(launcher.alive)  # e.g. `docker inspect`
-
-    async def _health(self, launcher: Launcher) -> bool:
-        """``GET /health`` on one kept-alive connection. Same check as ``launcher.health()``, without a thread
-        hop and a fresh HTTP client (and TLS context) every few seconds: the idle daemon's CPU budget is 1 %."""
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s))
-        try:
-            async with self._session.get(f"{launcher.base_url}/health") as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
-
     async def _check(self, launcher: Launcher, misses: int) -> tuple[str | None, int]:
         """One liveness check. Returns (reason to restart or None, consecutive health misses)."""
-        if not await self._alive(launcher):
+        if not await self._probe.alive(launcher):
             return "crash", misses
-        if await self._health(launcher):
+        if await self._probe.healthy(launcher, self.cfg.health_timeout_s):
             if self.state == EngineState.UNHEALTHY:
                 self._set_state(EngineState.READY)
             return None, 0
@@ -568,9 +399,7 @@ class Supervisor:
             await asyncio.to_thread(launcher.stop, self.stop_timeout_s)
         async with self.lock:
             await self.stop_engine(EngineState.STOPPED)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._probe.close()
 
     # ------------------------------------------------------------------------------------------------ status
 

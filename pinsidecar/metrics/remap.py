@@ -37,12 +37,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 __all__: list[str] = []  # nothing here is another package's business
 
-# How a remap ends (the label values of pinsidecar_remaps_total); "dry_run" is a decision that changed nothing.
-REMAP_OUTCOMES = ("committed", "rolled_back", "refused", "aborted", "dry_run")
+# How a remap ends (the label values of pinsidecar_remaps_total); "dry_run" is a decision that changed nothing,
+# "commit_failed" a verified map whose active-map.json could not be written (the old map was put back).
+REMAP_OUTCOMES = ("committed", "rolled_back", "refused", "aborted", "commit_failed", "dry_run")
 # The pipeline's non-terminal states, in order, and the terminal ones (the remap record's "state").
 REMAP_STATES = ("choosing_workload", "library_check", "count_boot", "building", "evaluating", "applying",
                 "rebooting", "verifying")
-REMAP_TERMINAL_STATES = ("committed", "rolled_back", "refused", "aborted")
+REMAP_TERMINAL_STATES = ("committed", "rolled_back", "refused", "aborted", "commit_failed")
 # Start-to-end seconds: a dry run or a library hit takes seconds, a CPU-demo remap (count boot + reboot) 1-2 min,
 # a GPU remap of a large MoE model (count boot, cache-hit reboot, verification) 5-30 min.
 REMAP_DURATION_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)

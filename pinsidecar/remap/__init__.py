@@ -8,8 +8,16 @@ disk. The rooms, one idea each:
 - :mod:`~pinsidecar.remap.admission` — one remap at a time, every trigger through the same cooldown and cap;
 - :mod:`~pinsidecar.remap.workload` — what the candidate is built from: captured traffic, or the live windows;
 - :mod:`~pinsidecar.remap.candidates` — the map library (checked first) and how a candidate lands in it;
-- :mod:`~pinsidecar.remap.verify` — parity across the reboot, and the live cold rate after it;
+- :mod:`~pinsidecar.remap.deploy` — the deploy contract (deploy, verify, roll back) and the shared verify-commit
+  tail; :mod:`~pinsidecar.remap.in_place` and :mod:`~pinsidecar.remap.reboot` — its two deploys;
+- :mod:`~pinsidecar.remap.apply` — the hook's apply request and its answer (the in-place deploy's client);
+- :mod:`~pinsidecar.remap.parity` — parity across either deploy; :mod:`~pinsidecar.remap.verify` — the parity
+  prompts and the live cold-rate probe;
+- :mod:`~pinsidecar.remap.commit` — ``active-map.json``, the commit point, written durably before ``committed``;
 - :mod:`~pinsidecar.remap.recovery` — closing the records a killed sidecar left open;
+- :mod:`~pinsidecar.remap.dry_run` — the decision a remap would reach now, changing nothing;
+- :mod:`~pinsidecar.remap.run`, :mod:`~pinsidecar.remap.host`, :mod:`~pinsidecar.remap.tools` — one remap's working
+  state, what the pipeline asks of the daemon (it never imports it), and its blocking actions;
 - :mod:`~pinsidecar.remap.pipeline` — the steps in order;
 - :mod:`~pinsidecar.remap.config` — the ``[remap]`` table.
 
@@ -26,9 +34,5 @@ Why it is shaped this way:
   against its own map, so a candidate is built from the traffic served now only, and each class keeps its map.
 """
 
-from pinsidecar.remap.config import REMAP_SECTION, RemapConfig, check_remap_config
-from pinsidecar.remap.pipeline import PAUSE_ENV, RemapHost, RemapPipeline, RemapTools
-from pinsidecar.remap.record import OUTCOMES, STATES, TERMINAL_STATES, TRIGGERS, RecordStore, RemapRecord
-from pinsidecar.remap.recovery import close_open_records
 
 __all__: list[str] = []  # nothing here is another package's business

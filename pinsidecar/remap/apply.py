@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,7 @@ from pinsidecar_hook.contract import StatsSnapshot, load_stats
 from pinsidecar_hook.contract.requests import apply_args, request_and_wait, request_path
 from pinsidecar_hook.contract.swap import ApplyResult
 
-from pinsidecar.runs.parity import PromptOutput
-
-__all__ = ["ApplyAnswer", "withdraw_apply_request"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 
@@ -148,37 +146,6 @@ def classify_answer(result: ApplyResult, stats: StatsSnapshot, *, map_hash: str,
                                f"not {map_hash!r}", **base)
         return ApplyAnswer("applied", result.reason, rows=result.rows, bytes_moved=result.bytes_moved, **base)
     return ApplyAnswer(result.outcome, result.reason or f"the hook answered {result.outcome}", **base)
-
-
-def token_parity(want: Sequence[PromptOutput], got: Sequence[PromptOutput]) -> tuple[bool, str, dict[str, Any]]:
-    """Parity across an in-place apply: greedy token ids must match one for one; logprobs are reported, not
-    compared. The gate does not hold during an apply, so the parity prompts are batched with live traffic both
-    times, and a batch of another size may change a logprob's last bits (the kernels' reduction order follows
-    the batch), which says nothing about placement. A misplaced expert changes tokens."""
-    figures: dict[str, Any] = {"prompts": len(got), "tokens": sum(len(o.token_ids) for o in got),
-                               "differing_prompts": 0, "compared": "token ids", "max_logprob_diff": 0.0}
-    first = ""
-    for w, g in zip(want, got, strict=False):  # a length mismatch is counted below
-        n = min(len(w.token_ids), len(g.token_ids))
-        diffs = [abs(a - b) for a, b in zip(w.logprobs[:n], g.logprobs[:n], strict=False)
-                 if a is not None and b is not None]
-        figures["max_logprob_diff"] = max([figures["max_logprob_diff"], *diffs])
-        at = next((i for i in range(n) if w.token_ids[i] != g.token_ids[i]), None)
-        if at is None and len(w.token_ids) != len(g.token_ids):
-            at = n
-        if at is not None:
-            figures["differing_prompts"] += 1
-            if not first:
-                a = w.token_ids[at] if at < len(w.token_ids) else None
-                b = g.token_ids[at] if at < len(g.token_ids) else None
-                first = f"prompt {g.source!r}: token {at} was {a}, now {b}"
-    if len(want) != len(got):
-        figures["differing_prompts"] += abs(len(want) - len(got))
-        first = first or f"{len(want)} prompts recorded, {len(got)} answered"
-    if first:
-        figures["first_diff"] = first
-        return False, first, figures
-    return True, f"{figures['tokens']} tokens of {len(got)} prompts match", figures
 
 
 def apply_summary(remap_id: str, state: str, apply: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, load_counts
 
-__all__ = ["COUNTS_SUFFIX", "counts_path_for", "reference_counts"]
+__all__ = ["COUNTS_SUFFIX", "counts_path_for", "find_by_label", "reference_counts"]
 
 log = structlog.get_logger(__name__)
 

@@ -10,12 +10,19 @@ States, in the order a remap runs them (a library hit skips ``count_boot`` and `
 the operator skips everything before ``evaluating``):
 
 ``choosing_workload`` -> ``library_check`` -> ``count_boot`` -> ``building`` -> ``evaluating`` -> ``applying`` ->
-``rebooting`` -> ``verifying``, then one terminal state: ``committed``, ``rolled_back``, ``refused`` or ``aborted``.
+``rebooting`` -> ``verifying``, then one terminal state: ``committed``, ``rolled_back``, ``refused``, ``aborted``
+or ``commit_failed`` (verified, but ``active-map.json`` could not be written: the old map was put back).
 
 The deploy step is ``applying`` (the hook swaps the candidate in place while the engine serves) or ``rebooting``
 (drain and reboot); a remap that applied in place goes straight on to ``verifying``, one whose apply could not be
 done falls back from ``applying`` to ``rebooting``, and one with ``remap.in_place = false`` (or a candidate of
 another geometry) goes from ``evaluating`` to ``rebooting``. What the apply did is the record's ``apply``.
+
+Which state may follow which is :data:`TRANSITIONS`, checked by :meth:`RemapRecord.enter` and
+:meth:`RemapRecord.finish` on every change: a record is what recovery and the operator trust about the engine
+(``rolled_back`` says the old map serves, ``committed`` that ``active-map.json`` names the candidate), so a step
+the pipeline never meant to take is a bug that must stop the remap there (the pipeline then closes it as an
+unforeseen failure, the old map serving), never a record that says it happened.
 
 Every finished state appends one step (``state``, when it began, its seconds, a ``detail`` dict), so the steps
 are the remap's timeline.
@@ -36,7 +43,7 @@ from typing import Any
 import structlog
 from pinsidecar_hook.contract import atomic_write_json
 
-__all__: list[str] = []  # nothing here is another package's business
+__all__ = ["STATES", "TERMINAL_STATES"]
 
 log = structlog.get_logger(__name__)
 
@@ -47,10 +54,45 @@ STATES = ("choosing_workload", "library_check", "count_boot", "building", "evalu
 PRE_REBOOT_STATES = STATES[:5]
 # The deploy states: the engine may serve the candidate (wholly or, mid-apply, partly) from here on.
 DEPLOY_STATES = ("applying", "rebooting")
-TERMINAL_STATES = ("committed", "rolled_back", "refused", "aborted")
+# commit_failed: verified, then active-map.json could not be written (a full or read-only state folder); the old
+# map was put back, because a map that a restart would not boot must not stay serving.
+TERMINAL_STATES = ("committed", "rolled_back", "refused", "aborted", "commit_failed")
 # How a remap ended, as the metrics label it ("dry_run": a decision that changed nothing, never a record).
-OUTCOMES = ("committed", "rolled_back", "refused", "aborted", "dry_run")
+OUTCOMES = ("committed", "rolled_back", "refused", "aborted", "commit_failed", "dry_run")
 TRIGGERS = ("drift", "alert", "manual", "timer")
+
+# The allowed transitions: state -> the states that may follow it (terminal states end a remap: none follow).
+# "aborted" is open to every step that has not yet changed what the engine serves, and to the deploy states
+# (their own prerequisites, the parity prompts, can still fail before anything moved); "rolled_back" to every
+# state in which the engine may serve the candidate. "committed" follows "verifying" in the pipeline; recovery may
+# also close a record found in a deploy state as committed, because a record save that fails is logged and the
+# remap goes on (the serving map never depends on the record), so the record on disk can lag the commit.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "choosing_workload": frozenset({"library_check", "aborted"}),
+    "library_check": frozenset({"count_boot", "building", "evaluating", "aborted"}),
+    "count_boot": frozenset({"building", "aborted"}),
+    "building": frozenset({"evaluating", "aborted"}),
+    "evaluating": frozenset({"applying", "rebooting", "refused", "aborted"}),
+    "applying": frozenset({"rebooting", "verifying", "rolled_back", "aborted", "committed"}),
+    "rebooting": frozenset({"verifying", "rolled_back", "aborted", "committed"}),
+    "verifying": frozenset({"committed", "commit_failed", "rolled_back"}),
+    **{t: frozenset() for t in TERMINAL_STATES},
+}
+
+
+class IllegalTransition(ValueError):
+    """A state change :data:`TRANSITIONS` does not allow (a bug in whoever asked for it)."""
+
+    def __init__(self, remap_id: str, frm: str, to: str) -> None:
+        allowed = ", ".join(sorted(TRANSITIONS.get(frm, ()))) or "none: it is terminal"
+        super().__init__(f"remap {remap_id}: illegal transition {frm!r} -> {to!r} (allowed after {frm!r}: {allowed})")
+        self.frm, self.to = frm, to
+
+
+def check_transition(remap_id: str, frm: str, to: str) -> None:
+    """Raise :class:`IllegalTransition` unless ``to`` may follow ``frm``."""
+    if to not in TRANSITIONS.get(frm, frozenset()):
+        raise IllegalTransition(remap_id, frm, to)
 
 
 def utc_stamp(t: float | None = None) -> str:
@@ -122,8 +164,7 @@ class RemapRecord:
         """Close the current state (its step gets ``detail``) and move to ``state``. Returns the closed step."""
         if state not in STATES:
             raise ValueError(f"unknown remap state {state!r}")
-        if self.terminal:
-            raise ValueError(f"remap {self.id} already ended ({self.state})")
+        check_transition(self.id, self.state, state)
         step = self._close_step(detail)
         self.state = state
         return step
@@ -133,6 +174,7 @@ class RemapRecord:
         """Close the current state and end the remap in terminal ``state`` (the outcome has the same name)."""
         if state not in TERMINAL_STATES:
             raise ValueError(f"not a terminal remap state: {state!r}")
+        check_transition(self.id, self.state, state)
         step = self._close_step(detail)
         self.state, self.outcome = state, state
         self.ended_at = utc_stamp()

@@ -28,7 +28,7 @@ import structlog
 
 from pinsidecar.remap.record import PRE_REBOOT_STATES, RecordStore, RemapRecord
 
-__all__ = ["close_open_records"]
+__all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
 

@@ -2,11 +2,11 @@
 
 Two checks, each a plain function the pipeline calls (and a test can replace):
 
-- **Parity** (:func:`parity_outputs`, then :func:`~pinsidecar.runs.parity.compare`): a few short prompts, greedy,
-  token ids and logprobs as serialized, recorded from the serving engine right before it is stopped and checked
-  on the new one right after it is ready. Placement must never change a result. Both runs happen while the gate
-  holds client traffic (the engine is idle, every prompt is sent alone), so batching cannot make them differ: a
-  difference is a real one, and the remap is rolled back before any client is served by the new engine.
+- **Parity** (:func:`parity_outputs`, compared by :mod:`~pinsidecar.remap.parity` for both deploys): a few short
+  prompts, greedy, token ids and logprobs as serialized, recorded from the engine serving the old map and checked
+  on the one serving the candidate. Placement must never change a result; across a reboot both runs happen while
+  the gate holds client traffic, so a difference is a real one, and the remap is rolled back before any client is
+  served by the new engine.
 - **Cold rate** (:class:`ColdRateProbe`): after the gate releases, the live cold-selection rate over
   ``verify_tokens`` routed tokens served under the new map, from the hook's stats, must be at most what the
   candidate predicted on the held-out window plus ``verify_tolerance``. One-sided on purpose: doing better than

@@ -8,7 +8,7 @@ models; booting vLLM for each of them would make every case a minute. These stan
 - :class:`FakeHookStats` — writes the pin-mode hook's live stats file the way the hook does (cumulative counters
   since boot, the full histogram, cold selections under the map the daemon serves; a new boot id whenever the
   daemon boots an engine), from synthetic traffic of a chosen domain (:func:`~pinsidecar.testing.make_counts`);
-- :class:`FakeTools` — :class:`~pinsidecar.remap.pipeline.RemapTools` whose count boot returns synthetic counts,
+- :class:`FakeTools` — :class:`~pinsidecar.remap.tools.RemapTools` whose count boot returns synthetic counts,
   whose parity answers a fixed greedy output (or a different one, to fail parity), whose cold-rate probe is the
   real one or a fixed figure, and whose apply client is a :class:`FakeApplyClient`;
 - :class:`FakeApplyClient` — the hook's answers to apply requests, scripted per request (applied, refused, failed,
@@ -34,7 +34,7 @@ from pinsidecar_hook.contract.requests import HookRequestError
 from pinsidecar_hook.contract.swap import ApplyResult
 
 from pinsidecar.engine import EngineSpec
-from pinsidecar.remap.pipeline import RemapTools
+from pinsidecar.remap.tools import RemapTools
 from pinsidecar.remap.verify import ColdRateProbe, ColdRateResult
 from pinsidecar.runs.parity import PromptOutput
 from pinsidecar.runs.workload import WorkloadRequest
