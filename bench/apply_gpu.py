@@ -35,6 +35,7 @@ import itertools
 import json
 import math
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -43,11 +44,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_lane import spread
 from pinsidecar_hook import swap
 from pinsidecar_hook.contract import ExpertMap, apply_args
 from pinsidecar_hook.pin import PinState
-from swap_gpu import (
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repo root on the path, so that the
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # siblings import as the `bench` package
+from bench.gpu_lane import spread
+from bench.swap_gpu import (
     Step,
     bench_parser,
     build_state,

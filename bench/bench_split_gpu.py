@@ -27,12 +27,15 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from gpu_timing import eager_time_us, graph_time_us, kernels_launched, pinned_view
 from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.kernels import finalize_triton, partition_torch, partition_triton
 from pinsidecar_hook.rehome import device_view_of_pinned
 
 from pinsidecar.testing import moe
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repo root on the path, so that the
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # siblings import as the `bench` package
+from bench.gpu_timing import eager_time_us, graph_time_us, kernels_launched, pinned_view
 
 __all__ = ["main"]
 

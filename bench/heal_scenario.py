@@ -40,7 +40,8 @@ from typing import Any
 from pinsidecar_hook.contract import atomic_write_json
 
 from pinsidecar.testing.remap_lane import HOT_ROWS, OTHER_HOT_ROWS, lane_maps, load_lane_maps
-from pinsidecar.testing.scenario import FULL, SHORT, HealScenario, draw_timeline
+from pinsidecar.testing.scenario import FULL, SHORT, HealScenario
+from pinsidecar.testing.scenario_plot import draw_timeline
 
 __all__ = ["main"]
 

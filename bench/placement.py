@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_timing import eager_time_us, graph_time_us, kernels_launched
 from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.contract import CountsArtifact
 from pinsidecar_hook.contract.io import atomic_write_bytes
@@ -61,6 +60,10 @@ from pinsidecar_hook.rehome import device_view_of_pinned
 from pinsidecar.placement import build_usage_map, evaluate
 from pinsidecar.placement.build import positional_mask
 from pinsidecar.testing import moe
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repo root on the path, so that the
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # siblings import as the `bench` package
+from bench.gpu_timing import eager_time_us, graph_time_us, kernels_launched
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_ROUTING = REPO / "tests" / "data" / "drift" / "demo_routing.json"

@@ -50,13 +50,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_timing import eager_time_us
 from pinsidecar_hook import swap
 from pinsidecar_hook.backends import torch_ref
 from pinsidecar_hook.contract import ExpertMap, HookConfig, LayerPlacement, apply_args, plan_swap
 from pinsidecar_hook.contract.io import atomic_write_bytes
 from pinsidecar_hook.pin import LayerPin, ModelFacts, PinState
 from pinsidecar_hook.rehome import MemoryLedger, rehome_layer
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repo root on the path, so that the
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # siblings import as the `bench` package
+from bench.gpu_timing import eager_time_us
 
 GEOMETRY = {"experts": 384, "top_k": 6, "hidden": 5120, "intermediate": 2304, "layers": 2, "cold": 89}
 SMALL_GEOMETRY = {"experts": 32, "top_k": 6, "hidden": 256, "intermediate": 128, "layers": 2, "cold": 12}

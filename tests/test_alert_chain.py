@@ -25,26 +25,21 @@ from __future__ import annotations
 import calendar
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 import pytest
 
-from pinsidecar.engine.ports import free_port
 from pinsidecar.placement import build_usage_map
 from pinsidecar.testing.alertmanager import AlertmanagerServer, alertmanager_binary, example_config
 from pinsidecar.testing.artifacts import counts_from, model_geometry
+from pinsidecar.testing.daemon import BOOT_LIMIT_S, DaemonUnderTest
+from pinsidecar.testing.figures import record_figure
 from pinsidecar.testing.prometheus import PrometheusServer, prometheus_binary, rules_with_for
 
 pytestmark = [
@@ -59,10 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
 ROUTING = Path(__file__).parent / "data" / "drift" / "demo_routing.json"
 PROSE = [ROOT / "pinsidecar" / "demo" / "fixtures" / n for n in ("prose.jsonl", "prose_heldout.jsonl")]
-PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 ALERT = "PinsidecarDriftGain"
 HOT_ROWS = 48  # the demo's geometry: 48 of 64 experts hot
-BOOT_LIMIT_S = 900.0  # a loaded 2-core CI box can take minutes to boot vLLM
 CHAIN_LIMIT_S = 900.0  # first prose request to a committed remap
 CLIENTS = 3
 
@@ -100,124 +93,19 @@ def code_map(model_dir: Path, out: Path) -> Path:
     return out
 
 
-@dataclass
-class Chain:
-    tmp: Path
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    ports: dict[str, int]
-    token_file: Path
-    status_log: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
-
-    def status(self) -> dict[str, Any]:
-        return httpx.get(f"http://127.0.0.1:{self.ports['control']}/status", timeout=10).json()
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _wait(cond: Callable[[], Any], what: str, limit_s: float, chain: Chain | None = None,
-          step_s: float = 0.2) -> Any:
-    t0 = time.monotonic()
-    while True:
-        got = cond()
-        if got:
-            return got
-        if chain is not None and chain.proc.poll() is not None:
-            raise AssertionError(f"daemon exited ({chain.proc.returncode}) waiting for {what}:\n"
-                                 + chain.log_text()[-4000:])
-        if time.monotonic() - t0 > limit_s:
-            tail = chain.log_text()[-4000:] if chain is not None else ""
-            raise AssertionError(f"not reached within {limit_s} s: {what}\n{tail}")
-        time.sleep(step_s)
-
-
 @pytest.fixture(scope="module")
-def model_dir(request: pytest.FixtureRequest) -> Path:
-    if os.environ.get("PINSIDECAR_TEST_MODEL_DIR"):
-        return Path(os.environ["PINSIDECAR_TEST_MODEL_DIR"])
-    return request.getfixturevalue("demo_model_dir")
-
-
-@pytest.fixture(scope="module")
-def chain(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
+def chain(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonUnderTest]:
     tmp = tmp_path_factory.mktemp("chain")
-    ports: dict[str, int] = {}
-    lo = None
-    for name in ("gate", "control", "metrics", "engine"):  # distinct even when $PINSIDECAR_TEST_PORTS is set
-        ports[name] = lo = free_port(lo)
-        lo += 1
-    maps = tmp / "maps"
-    code = code_map(model_dir, maps / "code.json")
-    cfg = tmp / "pinsidecar.toml"
-    cfg.write_text(f"""
-[engine]
-model = "{model_dir}"
-served_model_name = "demo"
-port = {ports['engine']}
-enforce_eager = true
-hook_mode = "pin"
-map = "{code}"
-shutdown_timeout_s = 5
-ready_timeout_s = {BOOT_LIMIT_S}
-stop_timeout_s = 30
-[gate]
-port = {ports['gate']}
-max_hold_s = {BOOT_LIMIT_S}
-[control]
-port = {ports['control']}
-token_file = "{tmp}/control.token"
-create_token = true
-[metrics]
-port = {ports['metrics']}
-nvml = false
-[maps]
-dir = "{maps}"
-[daemon]
-state_dir = "{tmp}/state"
-[drift]
-# small windows: a few seconds of CPU traffic each (the hook writes its stats every 5 s)
-window_tokens = 512
-min_tokens = 256
-max_window_s = 30
-# the daemon's own detector must not start this remap: Alertmanager does
-auto_remap = false
-cooldown_s = 0
-[remap]
-source = "live"
-min_count_tokens = 256
-verify_tokens = 256
-verify_timeout_s = 180
-watch_interval_s = 1
-""")
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
-    env.pop("NOTIFY_SOCKET", None)
-    log_path = tmp / "daemon.log"
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen([PINSIDECAR, "run", "--config", str(cfg)], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    c = Chain(tmp, proc, log_path, ports, tmp / "control.token")
-    try:
-        def ready() -> bool:
-            try:
-                return c.status()["engine"]["state"] == "ready"
-            except (httpx.HTTPError, KeyError, ValueError):
-                return False
-
-        _wait(ready, "the engine ready behind the daemon", BOOT_LIMIT_S, c, step_s=1.0)
-        yield c
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for p in psutil.process_iter(["cmdline"]):  # an engine a failed test left behind holds its port
-            cmd = " ".join(p.info.get("cmdline") or [])
-            if "vllm.entrypoints.openai.api_server" in cmd and f"--port {ports['engine']}" in cmd:
-                p.kill()
+    overrides = {
+        # small windows: a few seconds of CPU traffic each (the hook writes its stats every 5 s); the daemon's own
+        # detector must not start this remap (auto_remap off): Alertmanager does
+        "drift": {"window_tokens": 512, "min_tokens": 256, "max_window_s": 30, "auto_remap": False, "cooldown_s": 0},
+        "remap": {"source": "live", "min_count_tokens": 256, "verify_tokens": 256, "verify_timeout_s": 180,
+                  "watch_interval_s": 1},
+    }
+    with DaemonUnderTest(tmp, demo_model_dir, code_map(demo_model_dir, tmp / "maps" / "code.json"),
+                         overrides=overrides) as d:
+        yield d
 
 
 class ProseTraffic:
@@ -266,7 +154,7 @@ class ProseTraffic:
 class StatusPoller:
     """Polls the daemon's status in a thread: when the alert's remap first showed up, and when it ended."""
 
-    def __init__(self, chain: Chain) -> None:
+    def __init__(self, chain: DaemonUnderTest) -> None:
         self.chain = chain
         self.remap_seen: float | None = None
         self.remap_ended: float | None = None
@@ -278,9 +166,8 @@ class StatusPoller:
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            try:
-                st = self.chain.status()
-            except (httpx.HTTPError, ValueError):
+            st = self.chain.status_or_none()
+            if st is None:
                 time.sleep(0.2)
                 continue
             now = time.time()
@@ -314,33 +201,33 @@ def _epoch(stamp: str) -> float:
     return calendar.timegm(time.strptime(base, "%Y-%m-%dT%H:%M:%S")) + float(f"0.{frac or 0}")
 
 
-def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(chain: Chain, tmp_path: Path) -> None:
+def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(chain: DaemonUnderTest,
+                                                                                tmp_path: Path) -> None:
     rules = rules_with_for(GRAFANA / "alerts.yml", tmp_path / "alerts.yml", {ALERT: "2s"})
     am_cfg = example_config(GRAFANA / "alertmanager.yml",
-                            webhook_url=f"http://127.0.0.1:{chain.ports['control']}/remap",
+                            webhook_url=f"{chain.control_url}/remap",
                             token_file=chain.token_file, group_wait="0s", group_interval="1s", repeat_interval="1h")
     timeline: dict[str, float | None] = {}
     with AlertmanagerServer(am_cfg) as am, \
-            PrometheusServer([f"127.0.0.1:{chain.ports['metrics']}"], rule_files=[rules],
+            PrometheusServer([f"127.0.0.1:{chain.ports.metrics}"], rule_files=[rules],
                              alertmanagers=[am.address]) as prom:
         prom.wait_for_target_up()
         boots_before_remap = chain.status()["engine"]["boots"]
         run_start = time.time()
-        traffic = ProseTraffic(chain.ports["gate"])
+        traffic = ProseTraffic(chain.ports.gate)
         poller = StatusPoller(chain)
         traffic.start()
         try:
-            alert = _wait(lambda: _firing(prom), f"{ALERT} firing in Prometheus", CHAIN_LIMIT_S, chain)
+            alert = chain.wait_for(lambda: _firing(prom), f"{ALERT} firing in Prometheus", CHAIN_LIMIT_S)
             # pending from activeAt; firing once `for:` (2 s) has passed, at the next evaluation (1 s)
             timeline["alert_pending"] = _epoch(alert["activeAt"].replace("+00:00", "Z")[:23] + "Z")
-            _wait(lambda: poller.remap_seen, "the alert's remap in the daemon (webhook)", 120, chain)
-            _wait(lambda: poller.remap_ended, "the alert's remap ended", CHAIN_LIMIT_S, chain, step_s=1.0)
+            chain.wait_for(lambda: poller.remap_seen, "the alert's remap in the daemon (webhook)", 120)
+            chain.wait_for(lambda: poller.remap_ended, "the alert's remap ended", CHAIN_LIMIT_S, step_s=1.0)
             boots_after_remap = chain.status()["engine"]["boots"]
             # The remap applied in place, so nothing booted; the dashboard's boot panels and annotation need a boot
             # in the run, and the committed map must be what a boot serves: a drain-reboot, under the same traffic.
-            token = chain.token_file.read_text().strip()
-            dr = httpx.post(f"http://127.0.0.1:{chain.ports['control']}/drain-reboot", json={"timeout_s": 300},
-                            headers={"Authorization": f"Bearer {token}"}, timeout=BOOT_LIMIT_S)
+            with chain.control() as control:
+                dr = control.post("/drain-reboot", json={"timeout_s": 300})
             assert dr.status_code == 200 and dr.json().get("ok"), dr.text
             # the dashboard's queries are checked on data that includes a whole remap, a boot and traffic after
             time.sleep(5)
@@ -363,11 +250,7 @@ def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(
             "remap_steps": [(s.get("state"), s.get("seconds")) for s in rec.get("steps") or []],
             "requests": {"sent": traffic.sent, "ok": traffic.ok, "failed": traffic.failed},
         }
-        print("alert chain timeline:", json.dumps(figures))
-        if os.environ.get("PINSIDECAR_FIGURES_DIR"):
-            out = Path(os.environ["PINSIDECAR_FIGURES_DIR"]) / "alert_chain.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(figures, indent=2) + "\n")
+        record_figure("alert_chain", figures, title="alert chain timeline")
 
         # the chain: alert -> Alertmanager -> webhook -> the pipeline, and nothing else started a remap
         assert rec["trigger"] == "alert", rec
@@ -389,12 +272,10 @@ def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(
         _check_dashboard(prom, run_start, run_end)
 
     # the operator's side of the same daemon: status names the alert's remap; a dry run changes nothing
-    cfg = str(chain.tmp / "pinsidecar.toml")
-    human = subprocess.run([PINSIDECAR, "status", "--config", cfg], capture_output=True, text=True, timeout=60)
+    human = chain.cli("status", timeout=60)
     assert human.returncode == 0 and f"remap    last {rec['id']} (alert): committed" in human.stdout, human.stdout
     assert "drift    " in human.stdout
-    dry = subprocess.run([PINSIDECAR, "remap", "--dry-run", "--config", cfg, "--json"], capture_output=True,
-                         text=True, timeout=300)
+    dry = chain.cli("remap", "--dry-run", "--json", timeout=300)
     assert dry.returncode == 0, dry.stderr
     answer = json.loads(dry.stdout)
     assert answer["dry_run"] is True and answer["remap_id"] is None

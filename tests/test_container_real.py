@@ -19,14 +19,12 @@ Faults that need no engine (a missing image, a taken port, a permanent error not
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,27 +44,16 @@ from pinsidecar.placement import build_usage_map
 from pinsidecar.runs.count_boot import request_counts
 from pinsidecar.testing.artifacts import write_map
 from pinsidecar.testing.container import PodmanLane
+from pinsidecar.testing.daemon import DaemonUnderTest, drain_reboot_figure
+from pinsidecar.testing.figures import record_figure
 from pinsidecar.testing.streaming import load_during
+from pinsidecar.testing.wait import wait_until, wait_until_async
 
-PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 BOOT_LIMIT_S = 900.0
 STOP_TIMEOUT_S = 40.0
 SHUTDOWN_TIMEOUT_S = 5
 NAME = f"pinsidecar-test-{os.getpid()}"
-GATE, ENGINE, CONTROL, METRICS = (free_port() for _ in range(4))
-
-
-def _wait(cond: Callable[[], Any], what: str, limit_s: float = BOOT_LIMIT_S, proc: subprocess.Popen[bytes] | None
-          = None, log: Path | None = None) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"daemon exited ({proc.returncode}) waiting for {what}:\n"
-                                 + (log.read_text(errors="replace")[-3000:] if log else ""))
-        if time.monotonic() - t0 > limit_s:
-            raise AssertionError(f"not reached within {limit_s} s: {what}")
-        time.sleep(0.2)
-    return time.monotonic() - t0
+ENGINE = free_port()  # the count-mode container's
 
 
 def _conmons(container_id: str) -> list[psutil.Process]:
@@ -128,9 +115,7 @@ def test_a_setup_error_fails_at_once_without_retrying(podman_lane: PodmanLane, d
 
     async def scenario() -> None:
         task = asyncio.create_task(sup.run())
-        t0 = time.monotonic()
-        while sup.state != EngineState.FAILED and time.monotonic() - t0 < 60:
-            await asyncio.sleep(0.1)
+        await wait_until_async(lambda: sup.state == EngineState.FAILED, "the supervisor giving up", 60.0, step_s=0.1)
         await asyncio.sleep(1.0)  # a retry (backoff 0.1 s) would have happened by now
         seen.update(state=sup.state, detail=sup.detail)
         await sup.close()
@@ -197,57 +182,16 @@ def test_count_mode_in_a_container_counts_exactly(counted: dict[str, Any], podma
 
 
 @dataclass
-class Sidecar:
-    proc: subprocess.Popen[bytes]
-    config: Path
-    log: Path
-    started: float
-
-    def status(self) -> dict[str, Any]:
-        return httpx.get(f"http://127.0.0.1:{CONTROL}/status", timeout=10).json()
-
-    def engine_state(self) -> str | None:
-        try:
-            return self.status()["engine"]["state"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return None
-
-    def metrics(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{METRICS}/metrics", timeout=30).text
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, what: str) -> float:
-        def ready() -> bool:
-            state = self.engine_state()
-            if state == "failed":
-                raise AssertionError(f"engine failed waiting for {what}: {self.status()['engine']['detail']}")
-            return state == "ready"
-
-        return _wait(ready, what, BOOT_LIMIT_S, self.proc, self.log)
-
-
-def _start_sidecar(cfg: Path, lane: PodmanLane, n: int) -> Sidecar:
-    env = {**os.environ, **lane.env}
-    env.pop("NOTIFY_SOCKET", None)
-    log = cfg.parent / f"daemon-{n}.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([PINSIDECAR, "run", "--config", str(cfg)], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return Sidecar(proc, cfg, log, time.monotonic())
-
-
-@dataclass
 class Lane:
-    sidecars: list[Sidecar]
+    """The daemon under test with its podman lane, and the count boot's maps."""
+
+    d: DaemonUnderTest
     lane: PodmanLane
     counted: dict[str, Any]
-    state: Path
 
     @property
-    def current(self) -> Sidecar:
-        return self.sidecars[-1]
+    def state(self) -> Path:
+        return self.d.state_dir
 
     def container(self) -> dict[str, Any]:
         found = self.lane.containers(NAME)
@@ -258,62 +202,21 @@ class Lane:
 @pytest.fixture(scope="module")
 def daemon(counted: dict[str, Any], podman_lane: PodmanLane, demo_model_dir: Path) -> Iterator[Lane]:
     tmp = counted["tmp"]
-    cfg = tmp / "pinsidecar.toml"
-    cfg.write_text(f"""
-[engine]
-launcher = "container"
-model = "{demo_model_dir}"
-served_model_name = "demo"
-port = {ENGINE}
-enforce_eager = true
-hook_mode = "pin"
-map = "{counted['a']}"
-shutdown_timeout_s = {SHUTDOWN_TIMEOUT_S}
-ready_timeout_s = {BOOT_LIMIT_S}
-stop_timeout_s = {STOP_TIMEOUT_S}
-{podman_lane.config_toml(NAME)}
-[supervisor]
-health_interval_s = 1
-health_failures = 3
-backoff_initial_s = 1
-backoff_max_s = 5
-crash_loop_limit = 3
-[gate]
-port = {GATE}
-max_queue = 64
-max_hold_s = {BOOT_LIMIT_S}
-[control]
-port = {CONTROL}
-token_file = "{tmp}/control.token"
-create_token = true
-drain_timeout_s = 120
-[metrics]
-port = {METRICS}
-nvml = false
-[maps]
-dir = "{counted['maps']}"
-[daemon]
-state_dir = "{tmp}/daemon-state"
-""")
-    lane = Lane([_start_sidecar(cfg, podman_lane, 1)], podman_lane, counted, tmp / "daemon-state")
+    overrides = {
+        "engine": {"launcher": "container", "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
+                   "stop_timeout_s": STOP_TIMEOUT_S},
+        "container": podman_lane.config_table(NAME),
+        "daemon": {"state_dir": str(tmp / "daemon-state")},  # the maps are under it: the container sees only that
+    }
+    d = DaemonUnderTest(tmp, demo_model_dir, counted["a"], overrides=overrides, env=podman_lane.env,
+                        own_compile_cache=False)  # the engine runs in the container: no host cache folder there
     try:
-        lane.current.wait_ready("the daemon's first container boot")
-        yield lane
+        d.start(wait=False)
+        d.wait_ready("the daemon's first container boot")
+        yield Lane(d, podman_lane, counted)
     finally:
-        for s in lane.sidecars:
-            if s.proc.poll() is None:
-                os.killpg(s.proc.pid, signal.SIGTERM)
-                try:
-                    s.proc.wait(120)
-                except subprocess.TimeoutExpired:
-                    os.killpg(s.proc.pid, signal.SIGKILL)
-                    s.proc.wait()
+        d.stop()
         podman_lane.podman("rm", "--force", "--time", "0", NAME, check=False)
-
-
-def _complete(prompt: str = "def f(x):", max_tokens: int = 4) -> int:
-    return httpx.post(f"http://127.0.0.1:{GATE}/v1/completions", timeout=300,
-                      json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens}).status_code
 
 
 def _cgroup(text: str) -> tuple[dict[str, str], int]:
@@ -333,17 +236,18 @@ def _cgroup(text: str) -> tuple[dict[str, str], int]:
 
 @pytest.mark.vllm
 def test_daemon_serves_pin_mode_from_a_container(daemon: Lane) -> None:
-    st = daemon.current.status()["engine"]
+    st = daemon.d.engine()
     box = daemon.container()
     assert box["State"] == "running" and box["Labels"]["org.pinsidecar.state_dir"] == str(daemon.state)
     assert st["state"] == "ready" and st["last_boot"]["reason"] == "start"
     assert st["pid"] == box["Pid"]  # the container's init pid, as the host sees it
     emap = load_map(daemon.counted["a"])
     assert st["map"]["hash"] == emap.content_hash
-    assert _complete() == 200
+    assert daemon.d.complete("def f(x):", timeout=300).status_code == 200
     # the hook's live stats, written inside the container, read from the host side
     stats_path = daemon.state / "stats.json"
-    _wait(lambda: load_stats(stats_path).tokens > 0, "the hook's periodic stats write after a request", 60)
+    wait_until(lambda: load_stats(stats_path).tokens > 0, "the hook's periodic stats write after a request", 60.0,
+               ignore=(FileNotFoundError,))
     assert load_stats(stats_path).map_hash == emap.content_hash
     # the hook was loaded from the overlay mounted into the container
     assert (daemon.state / "hook" / "pinsidecar_hook-0.1.0.dist-info" / "entry_points.txt").is_file()
@@ -352,7 +256,7 @@ def test_daemon_serves_pin_mode_from_a_container(daemon: Lane) -> None:
 @pytest.mark.vllm
 def test_exporter_reads_the_container_cgroup_memory(daemon: Lane) -> None:
     box = daemon.container()
-    info, before = _cgroup(daemon.current.metrics())
+    info, before = _cgroup(daemon.d.metrics())
     assert info["container_id"] == box["Id"]
     assert box["Id"] in info["path"]  # v1: /libpod_parent/libpod-<id>; v2: .../libpod-<id>.scope
     assert before > 50 * 2**20  # an engine with a model loaded, not an empty cgroup
@@ -363,64 +267,55 @@ def test_exporter_reads_the_container_cgroup_memory(daemon: Lane) -> None:
                              env={**os.environ, **daemon.lane.env}, stdout=subprocess.PIPE, text=True)
     try:
         assert alloc.stdout is not None and alloc.stdout.readline().strip() == "held"
-        _, during = _cgroup(daemon.current.metrics())
+        _, during = _cgroup(daemon.d.metrics())
     finally:
         alloc.wait(30)
     assert during - before > 200 * 2**20, (before, during)
-    _wait(lambda: _cgroup(daemon.current.metrics())[1] < during - 200 * 2**20, "memory released", 30)
+    wait_until(lambda: _cgroup(daemon.d.metrics())[1] < during - 200 * 2**20, "memory released", 30.0)
 
 
 @pytest.mark.vllm
 def test_drain_reboot_to_another_map_under_8_streaming_clients(daemon: Lane) -> None:
-    before = daemon.current.status()["engine"]
+    before = daemon.d.engine()
     old_id = daemon.container()["Id"]
 
     async def reboot() -> dict[str, Any]:
-        proc = await asyncio.create_subprocess_exec(
-            PINSIDECAR, "drain-reboot", "--config", str(daemon.current.config), "--map", str(daemon.counted["b"]),
-            "--timeout", "120", "--json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await proc.communicate()
-        assert proc.returncode == 0, (out.decode(), err.decode())
-        return json.loads(out)
+        return await daemon.d.drain_reboot_cli("--map", str(daemon.counted["b"]))
 
-    res = asyncio.run(load_during(f"http://127.0.0.1:{GATE}", "demo", reboot, clients=8))
+    res = asyncio.run(load_during(daemon.d.gate_url, "demo", reboot, clients=8))
     result = res.action
     figure = {**res.figure(), "max_tokens": 32, "launcher": "container (podman)",
-              "drain_reboot": {k: result.get(k) for k in ("seconds", "drain_s", "boot_s", "in_flight_cut",
-                                                           "hold_s", "held_at_release", "hash_hit")}}
-    print("\nCONTAINER DRAIN-REBOOT FIGURE:", json.dumps(figure, indent=1))
-    if os.environ.get("PINSIDECAR_FIGURES_DIR"):
-        out = Path(os.environ["PINSIDECAR_FIGURES_DIR"]) / "container_drain_reboot.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(figure, indent=1) + "\n")
+              "drain_reboot": drain_reboot_figure(result)}
+    record_figure("container_drain_reboot", figure)
     assert result["ok"] is True and result["in_flight_cut"] == 0 and not result["rolled_back"]
     assert figure["failed"] == 0, figure["errors"]
     assert figure["lost"] == 0 and figure["completed"] >= 32
-    after = daemon.current.status()["engine"]
+    after = daemon.d.engine()
     assert after["last_boot"]["reason"] == "drain-reboot" and after["pid"] != before["pid"]
     assert daemon.container()["Id"] != old_id  # a new container, the old one removed
     b_hash = load_map(daemon.counted["b"]).content_hash
     assert after["map"]["hash"] == b_hash
-    assert _complete() == 200
+    assert daemon.d.complete("def f(x):", timeout=300).status_code == 200
     stats_path = daemon.state / "stats.json"  # the new engine's stats, on the host
-    _wait(lambda: load_stats(stats_path).map_hash == b_hash and load_stats(stats_path).tokens > 0,
-          "the new engine's stats", 60)
+    wait_until(lambda: load_stats(stats_path).map_hash == b_hash and load_stats(stats_path).tokens > 0,
+               "the new engine's stats", 60.0, ignore=(FileNotFoundError,))
     assert result["held_at_release"] > 0
 
 
 @pytest.mark.vllm
 def test_podman_kill_is_noticed_and_restarted(daemon: Lane) -> None:
-    sidecar = daemon.current
+    sidecar = daemon.d
     old = daemon.container()
     daemon.lane.podman("kill", NAME)
-    noticed = _wait(lambda: sidecar.engine_state() != "ready", "the daemon noticing the kill", 20)
+    noticed = sidecar.seconds_until_status(lambda s: s["engine"]["state"] != "ready", "the daemon noticing the kill",
+                                           20.0)
     print(f"\npodman kill noticed after {noticed:.2f} s")
     sidecar.wait_ready("the restart after podman kill")
-    after = sidecar.status()["engine"]
+    after = sidecar.engine()
     assert after["last_boot"]["reason"] == "crash" and after["restarts_total"] >= 1
     new = daemon.container()
     assert new["Id"] != old["Id"] and new["State"] == "running"
-    assert _complete() == 200
+    assert daemon.d.complete("def f(x):", timeout=300).status_code == 200
     text = sidecar.metrics()
     assert 'pinsidecar_engine_boots_total{reason="crash"} 1.0' in text
     assert 'pinsidecar_engine_state{state="ready"} 1.0' in text
@@ -429,24 +324,22 @@ def test_podman_kill_is_noticed_and_restarted(daemon: Lane) -> None:
 
 @pytest.mark.vllm
 def test_sidecar_sigkilled_then_restarted_removes_the_container_left_behind(daemon: Lane) -> None:
-    first = daemon.current
     left = daemon.container()
-    os.kill(first.proc.pid, signal.SIGKILL)  # the sidecar alone; conmon and the container live on
-    first.proc.wait(30)
+    daemon.d.kill()  # the sidecar alone; conmon and the container live on
     assert daemon.container()["Id"] == left["Id"] and daemon.container()["State"] == "running"
-    second = _start_sidecar(first.config, daemon.lane, len(daemon.sidecars) + 1)
-    daemon.sidecars.append(second)
-    second.wait_ready("the restarted sidecar's boot")
+    daemon.d.start(wait=False)  # the same config, a new process and log
+    daemon.d.wait_ready("the restarted sidecar's boot")
+    second = daemon.d
     now = daemon.container()  # exactly one engine container: no name conflict, no orphan
     assert now["Id"] != left["Id"]
     assert _conmons(left["Id"]) == []
     assert "container_leftover_removed" in second.log_text() and left["Id"][:12] in second.log_text()
-    assert _complete() == 200
+    assert daemon.d.complete("def f(x):", timeout=300).status_code == 200
 
 
 @pytest.mark.vllm
 def test_sigterm_drains_then_stops_the_container_within_its_timeout(daemon: Lane) -> None:
-    sidecar = daemon.current
+    sidecar = daemon.d
     box = daemon.container()
     t0 = time.monotonic()
     sidecar.proc.send_signal(signal.SIGTERM)

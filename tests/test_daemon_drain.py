@@ -21,11 +21,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +31,14 @@ import httpx
 import psutil
 import pytest
 
+from pinsidecar.testing.daemon import DaemonUnderTest, drain_reboot_figure
+from pinsidecar.testing.figures import record_figure
 from pinsidecar.testing.streaming import load_during
 
 pytestmark = pytest.mark.vllm
 
-GATE, ENGINE, CONTROL, METRICS = 8284, 8285, 8286, 8287
 CLIENTS = 8
 MAX_TOKENS = 32
-BOOT_LIMIT_S = 900.0  # a loaded 2-core CI box can take minutes to boot vLLM
-PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 
 
 class NotifyListener:
@@ -77,160 +74,60 @@ class NotifyListener:
         self.sock.close()
 
 
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[bytes]
-    config: Path
-    notify: NotifyListener
-    log_path: Path
-    token: str = ""
-    started: float = field(default_factory=time.monotonic)
-
-    def status(self) -> dict[str, Any]:
-        return httpx.get(f"http://127.0.0.1:{CONTROL}/status", timeout=10).json()
-
-    def cli(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([PINSIDECAR, *args, "--config", str(self.config)], capture_output=True, text=True,
-                              timeout=timeout)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _wait(cond: Callable[[], bool], what: str, limit_s: float, daemon: Daemon | None = None) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if daemon is not None and daemon.proc.poll() is not None:
-            raise AssertionError(f"daemon exited ({daemon.proc.returncode}) waiting for {what}:\n"
-                                 + daemon.log_text()[-3000:])
-        if time.monotonic() - t0 > limit_s:
-            raise AssertionError(f"not reached within {limit_s} s: {what}")
-        time.sleep(0.2)
-    return time.monotonic() - t0
+@pytest.fixture(scope="module")
+def notify(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifyListener]:
+    listener = NotifyListener(tmp_path_factory.mktemp("notify") / "notify.sock")
+    yield listener
+    listener.close()
 
 
 @pytest.fixture(scope="module")
-def model_dir(request: pytest.FixtureRequest) -> Path:
-    """The demo model; ``$PINSIDECAR_TEST_MODEL_DIR`` names another model folder to serve instead."""
-    if os.environ.get("PINSIDECAR_TEST_MODEL_DIR"):
-        return Path(os.environ["PINSIDECAR_TEST_MODEL_DIR"])
-    return request.getfixturevalue("demo_model_dir")
-
-
-@pytest.fixture(scope="module")
-def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    tmp = tmp_path_factory.mktemp("daemon")
-    cfg = tmp / "pinsidecar.toml"
-    cfg.write_text(f"""
-[engine]
-model = "{model_dir}"
-served_model_name = "demo"
-port = {ENGINE}
-enforce_eager = true
-shutdown_timeout_s = 5
-ready_timeout_s = {BOOT_LIMIT_S}
-stop_timeout_s = 30
-[supervisor]
-health_interval_s = 1
-health_failures = 3
-backoff_initial_s = 1
-backoff_max_s = 5
-crash_loop_limit = 3
-[gate]
-port = {GATE}
-max_queue = 64
-max_hold_s = {BOOT_LIMIT_S}
-[control]
-port = {CONTROL}
-token_file = "{tmp}/control.token"
-create_token = true
-drain_timeout_s = 120
-[metrics]
-port = {METRICS}
-nvml = false
-[maps]
-dir = "{tmp}/maps"
-[daemon]
-state_dir = "{tmp}/state"
-""")
-    notify = NotifyListener(tmp / "notify.sock")
-    env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "4000000",
-           "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
-    env.pop("WATCHDOG_PID", None)
-    log_path = tmp / "daemon.log"
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen([PINSIDECAR, "run", "--config", str(cfg)], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    d = Daemon(proc, cfg, notify, log_path)
+def daemon(demo_model_dir: Path, notify: NotifyListener, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[DaemonUnderTest]:
+    """The daemon as systemd runs it: ``$NOTIFY_SOCKET`` and a 4 s ``$WATCHDOG_USEC``; ready once it says READY."""
+    d = DaemonUnderTest(tmp_path_factory.mktemp("daemon"), demo_model_dir,
+                        env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "4000000"})
     try:
-        _wait(lambda: bool(notify.seen("READY")), "READY=1 from the daemon", BOOT_LIMIT_S, d)
-        d.token = (tmp / "control.token").read_text().strip()
+        d.start(wait=False)
+        d.wait_for(lambda: notify.seen("READY"), "READY=1 from the daemon")
         yield d
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        _kill_engine_leftovers(tmp)
-        notify.close()
+        d.stop()
 
 
-def _kill_engine_leftovers(tmp: Path) -> None:
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info.get("cmdline") or [])
-        if "vllm.entrypoints.openai.api_server" in cmd and f"--port {ENGINE}" in cmd:
-            p.kill()
-
-
-def test_ready_notify_status_and_watchdog(daemon: Daemon) -> None:
-    ready_t, ready = daemon.notify.seen("READY")[0]
+def test_ready_notify_status_and_watchdog(daemon: DaemonUnderTest, notify: NotifyListener) -> None:
+    ready_t, ready = notify.seen("READY")[0]
     assert ready["READY"] == "1" and ready["STATUS"].startswith("engine ready")
     # WATCHDOG=1 kept coming while the engine booted: the event loop was never blocked by the boot
-    pings = [t for t, _ in daemon.notify.seen("WATCHDOG")]
-    boot_s = ready_t - daemon.started
+    pings = [t for t, _ in notify.seen("WATCHDOG")]
+    boot_s = ready_t - daemon.started_at
     if boot_s > 8:
         assert len([t for t in pings if t <= ready_t]) >= int(boot_s / 2.0) // 2
     st = daemon.status()
     assert st["engine"]["state"] == "ready"
     assert st["engine"]["last_boot"]["reason"] == "start" and st["engine"]["last_boot"]["ok"]
-    assert st["gate"]["upstream"] == f"http://127.0.0.1:{ENGINE}"
+    assert st["gate"]["upstream"] == f"http://127.0.0.1:{daemon.ports.engine}"
     human = daemon.cli("status")
     assert human.returncode == 0, human.stderr
     assert human.stdout.startswith("engine   ready")
     assert json.loads(daemon.cli("status", "--json").stdout)["engine"]["state"] == "ready"
 
 
-def test_drain_reboot_under_load_loses_nothing(daemon: Daemon, tmp_path: Path) -> None:
+def test_drain_reboot_under_load_loses_nothing(daemon: DaemonUnderTest, tmp_path: Path) -> None:
     before = daemon.status()["engine"]
 
-    async def drain_reboot() -> dict[str, Any]:
-        """The drain-reboot, through the real CLI, while all 8 clients stream."""
-        proc = await asyncio.create_subprocess_exec(
-            PINSIDECAR, "drain-reboot", "--config", str(daemon.config), "--timeout", "120", "--json",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await proc.communicate()
-        assert proc.returncode == 0, (out.decode(), err.decode())
-        return json.loads(out)
-
-    load = asyncio.run(load_during(f"http://127.0.0.1:{GATE}", "demo", drain_reboot, clients=CLIENTS,
+    # the drain-reboot, through the real CLI, while all 8 clients stream
+    load = asyncio.run(load_during(daemon.gate_url, "demo", daemon.drain_reboot_cli, clients=CLIENTS,
                                    max_tokens=MAX_TOKENS))
     result: dict[str, Any] = load.action
     after = daemon.status()
     figure = {
         **load.figure(), "max_tokens": MAX_TOKENS,
-        "drain_reboot": {k: result.get(k) for k in ("seconds", "drain_s", "boot_s", "in_flight_cut",
-                                                     "hold_s", "held_at_release", "hash_hit")},
+        "drain_reboot": drain_reboot_figure(result),
         "gate_counters": after["gate"]["counters"],
     }
     failed, lost, completed = figure["failed"], figure["lost"], figure["completed"]
-    print("\nDRAIN-REBOOT FIGURE:", json.dumps(figure, indent=1))
-    if os.environ.get("PINSIDECAR_FIGURES_DIR"):
-        out = Path(os.environ["PINSIDECAR_FIGURES_DIR"]) / "drain_reboot.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(figure, indent=1) + "\n")
+    record_figure("drain_reboot", figure)
     assert result["ok"] is True and result["in_flight_cut"] == 0 and not result["rolled_back"]
     assert failed == 0, figure["errors"]
     assert lost == 0
@@ -245,30 +142,28 @@ def test_drain_reboot_under_load_loses_nothing(daemon: Daemon, tmp_path: Path) -
     assert after["gate"]["counters"].get("rejected_hold_timeout", 0) == 0
 
 
-def test_engine_killed_from_outside_is_restarted(daemon: Daemon) -> None:
+def test_engine_killed_from_outside_is_restarted(daemon: DaemonUnderTest) -> None:
     st = daemon.status()["engine"]
     assert st["state"] == "ready"
     pid = st["pid"]
     killed_at = time.monotonic()
     os.killpg(pid, signal.SIGKILL)  # the engine's whole process group, as an OOM killer or an operator might
-    noticed = _wait(lambda: daemon.status()["engine"]["state"] != "ready", "the daemon noticing the kill", 15.0,
-                    daemon)
+    noticed = daemon.seconds_until_status(lambda s: s["engine"]["state"] != "ready", "the daemon noticing the kill",
+                                          15.0)
     print(f"\nengine SIGKILL noticed after {noticed:.2f} s")
-    _wait(lambda: daemon.status()["engine"]["state"] == "ready", "the engine restarted", BOOT_LIMIT_S, daemon)
+    daemon.wait_ready("the engine restarted")
     after = daemon.status()["engine"]
     assert after["pid"] != pid
     assert after["last_boot"]["reason"] == "crash"
     assert after["restarts_total"] >= 1
     assert "restarting" in daemon.log_text()
     # served again through the gate
-    r = httpx.post(f"http://127.0.0.1:{GATE}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 4},
-                   timeout=120)
-    assert r.status_code == 200
+    assert daemon.complete("x", timeout=120).status_code == 200
     assert time.monotonic() - killed_at > noticed
 
 
-def test_metrics_scrape_cleanly(daemon: Daemon, tmp_path: Path) -> None:
-    text = httpx.get(f"http://127.0.0.1:{METRICS}/metrics", timeout=30).text
+def test_metrics_scrape_cleanly(daemon: DaemonUnderTest, tmp_path: Path) -> None:
+    text = daemon.metrics()
     assert 'pinsidecar_engine_state{state="ready"} 1.0' in text
     assert 'pinsidecar_engine_boots_total{reason="drain-reboot"}' in text
     assert 'pinsidecar_engine_boots_total{reason="crash"}' in text
@@ -279,13 +174,14 @@ def test_metrics_scrape_cleanly(daemon: Daemon, tmp_path: Path) -> None:
     assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr
 
 
-def test_api_refuses_without_token_and_sigterm_stops_cleanly(daemon: Daemon) -> None:
+def test_api_refuses_without_token_and_sigterm_stops_cleanly(daemon: DaemonUnderTest,
+                                                                notify: NotifyListener) -> None:
     pid_before = daemon.status()["engine"]["pid"]
-    r = httpx.post(f"http://127.0.0.1:{CONTROL}/drain-reboot", json={}, timeout=10)
+    r = httpx.post(f"{daemon.control_url}/drain-reboot", json={}, timeout=10)
     assert r.status_code == 401
     assert daemon.status()["engine"]["pid"] == pid_before  # nothing happened
     engine = psutil.Process(pid_before)
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(180) == 0
-    assert daemon.notify.seen("STOPPING")
+    assert notify.seen("STOPPING")
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE

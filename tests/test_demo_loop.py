@@ -16,7 +16,6 @@ by the daemon's own loader), its ports and its terminal indicator.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from pinsidecar.demo.sidecar import DemoPorts, demo_config
 from pinsidecar.engine.ports import free_port
 from pinsidecar.remap.candidates import counts_path_for
 from pinsidecar.testing.artifacts import write_counts, write_map
+from pinsidecar.testing.figures import record_figure
 
 
 def _one_json_document(text: str) -> Any:
@@ -179,11 +179,7 @@ def test_demo_runs_the_whole_loop_on_vllm_cpu(tmp_path: Path) -> None:
     # requests leave no httpx line in either stream.
     summary = _one_json_document(result.stdout)
     figure = {k: summary.get(k) for k in ("error", "cold_rate", "timeline", "requests", "remap")}
-    print("\nDEMO LOOP FIGURE:", json.dumps(figure, indent=1))
-    if os.environ.get("PINSIDECAR_FIGURES_DIR"):
-        out = Path(os.environ["PINSIDECAR_FIGURES_DIR"]) / "demo_loop.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=1) + "\n")
+    record_figure("demo_loop", figure, doc=summary)
     assert result.exit_code == 0, (result.stderr, figure)
     assert "HTTP Request:" not in result.stdout + result.stderr and "==>" not in result.stdout
     assert summary == json.loads((work / "demo-summary.json").read_text())

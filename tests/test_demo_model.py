@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,10 @@ SKEW_GEN_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return dm.build_demo_model(tmp_path_factory.mktemp("demo") / "model", seed=0)
+def model_dir(demo_model_factory: Callable[..., Path]) -> Path:
+    """The demo model as the generator writes it with seed 0 (never ``$PINSIDECAR_TEST_MODEL_DIR``: these tests
+    check the generator's own output)."""
+    return demo_model_factory(seed=0)
 
 
 def _tensor_names(model: Path) -> dict[str, str]:

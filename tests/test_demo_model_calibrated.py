@@ -10,6 +10,7 @@ domains still route differently enough for drift to show, and that nothing but t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +42,8 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("calibrated")
-    return {router: dm.build_demo_model(root / router, router=router) for router in dm.ROUTERS}
+def models(demo_model_factory: Callable[..., Path]) -> dict[str, Path]:
+    return {router: demo_model_factory(router=router) for router in dm.ROUTERS}
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ bf16 twin with only the routed experts replaced: everything else byte for byte t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,9 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def twins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("quant")
-    geo = dm.Geometry.scaled(**GEO)
-    return {q: dm.build_demo_model(root / q, geometry=geo, quant=None if q == "bf16" else q)
+def twins(demo_model_factory: Callable[..., Path]) -> dict[str, Path]:
+    """The bf16 model and its quantized twins, one geometry (the factory's: shared with the other twin tests)."""
+    return {q: demo_model_factory(geometry=GEO, quant=None if q == "bf16" else q)
             for q in ("bf16", "fp8-block", "gptq-int4")}
 
 

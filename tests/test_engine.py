@@ -13,7 +13,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -33,6 +32,7 @@ from pinsidecar.engine import (
     port_in_use,
 )
 from pinsidecar.engine.ports import PORT_RANGE_ENV
+from pinsidecar.testing.wait import wait_until
 
 
 def model_dir(tmp_path: Path) -> Path:
@@ -110,9 +110,7 @@ def test_stop_terminates_the_whole_process_group(tmp_path: Path) -> None:
                                "print('serving', flush=True)\ntime.sleep(600)")
     with EngineProcess(EngineSpec(model=model_dir(tmp_path), port=free_port(), python=py)) as eng:
         assert isinstance(eng, Launcher)
-        deadline = time.monotonic() + 30
-        while not psutil.Process(eng.pid).children() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: psutil.Process(eng.pid).children(), "the fake engine's child", 30.0, step_s=0.05)
         children = psutil.Process(eng.pid).children(recursive=True)
         assert children and eng.alive()
         code = eng.stop(timeout_s=10)

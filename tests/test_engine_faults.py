@@ -17,7 +17,6 @@ when that is set.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -35,59 +34,23 @@ import psutil
 import pytest
 
 from pinsidecar.testing.artifacts import model_geometry, write_map
+from pinsidecar.testing.daemon import BOOT_LIMIT_S, DaemonUnderTest
+from pinsidecar.testing.figures import record_figure
 from pinsidecar.testing.streaming import load_during
+from pinsidecar.testing.wait import wait_until
 
 pytestmark = pytest.mark.vllm
 
-GATE, ENGINE, CONTROL, METRICS, COUNT_ENGINE = 8240, 8241, 8242, 8243, 8244
 CLIENTS = 8
-BOOT_LIMIT_S = 900.0  # a loaded 2-core CI box can take minutes to boot vLLM
 IDLE_TIMEOUT_S = 20.0  # gate.upstream_idle_timeout_s: a hung engine's stream is cut after this
 HEALTH = {"interval": 1.0, "timeout": 2.0, "failures": 3}
 PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 READY_LINE = 'pinsidecar_engine_state{state="ready"} 1.0'
 
 
-@dataclass
-class Lane:
-    proc: subprocess.Popen[bytes]
-    config: Path
-    tmp: Path
-    maps: dict[str, Path]
-    log_path: Path
-
-    def status(self) -> dict[str, Any]:
-        return httpx.get(f"http://127.0.0.1:{CONTROL}/status", timeout=10).json()
-
-    def engine(self) -> dict[str, Any]:
-        return self.status()["engine"]
-
-    def metrics(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{METRICS}/metrics", timeout=10).text
-
-    def wait(self, cond: Callable[[], bool], what: str, limit_s: float = BOOT_LIMIT_S) -> float:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if cond():
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited waiting for {what}:\n{self.log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-                engine = self.engine()
-                if engine["state"] == "failed":  # the supervisor gave up: nothing will change, say why now
-                    raise AssertionError(f"the engine failed waiting for {what}: {engine.get('detail')}")
-            if time.monotonic() - t0 > limit_s:
-                raise AssertionError(f"not reached within {limit_s} s: {what}")
-            time.sleep(0.1)
-
-    def ready_with_new_pid(self, old_pid: int) -> Callable[[], bool]:
-        def cond() -> bool:
-            e = self.engine()
-            return e["state"] == "ready" and e["pid"] not in (None, old_pid)
-        return cond
+def ready_with_new_pid(old_pid: int) -> Callable[[dict[str, Any]], bool]:
+    """A status predicate: the engine serves again, on another process than ``old_pid``."""
+    return lambda s: s["engine"]["state"] == "ready" and s["engine"]["pid"] not in (None, old_pid)
 
 
 @dataclass
@@ -95,7 +58,7 @@ class Watcher:
     """Samples status and metrics every 0.1 s until stopped: (seconds since start at which the status request was
     sent, state, pid, metrics say ready)."""
 
-    lane: Lane
+    lane: DaemonUnderTest
     samples: list[tuple[float, str, int | None, bool]] = field(default_factory=list)
     t0: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -119,8 +82,8 @@ class Watcher:
                 try:
                     # metrics first: a "ready" there is then older than the status read after it, so the moment
                     # the new engine becomes ready between the two reads is not mistaken for a lie
-                    ready_metric = READY_LINE in c.get(f"http://127.0.0.1:{METRICS}/metrics").text
-                    e = c.get(f"http://127.0.0.1:{CONTROL}/status").json()["engine"]
+                    ready_metric = READY_LINE in c.get(self.lane.metrics_url).text
+                    e = c.get(f"{self.lane.control_url}/status").json()["engine"]
                     self.samples.append((sent, e["state"], e["pid"], ready_metric))
                 except httpx.HTTPError:
                     pass
@@ -163,97 +126,35 @@ class Watcher:
 
 
 @pytest.fixture(scope="module")
-def model_dir(request: pytest.FixtureRequest) -> Path:
-    if os.environ.get("PINSIDECAR_TEST_MODEL_DIR"):
-        return Path(os.environ["PINSIDECAR_TEST_MODEL_DIR"])
-    return request.getfixturevalue("demo_model_dir")
+def maps(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    maps_dir = tmp_path_factory.mktemp("faults") / "maps"
+    maps_dir.mkdir()
+    geometry = model_geometry(demo_model_dir)
+    return {name: write_map(maps_dir / f"{name}.json", **geometry, hot_rows=40, seed=seed, label=name)
+            for name, seed in (("A", 1), ("B", 2))}
 
 
 @pytest.fixture(scope="module")
-def lane(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lane]:
-    tmp = tmp_path_factory.mktemp("faults")
-    maps_dir = tmp / "maps"
-    maps_dir.mkdir()
-    geometry = model_geometry(model_dir)
-    maps = {name: write_map(maps_dir / f"{name}.json", **geometry, hot_rows=40, seed=seed, label=name)
-            for name, seed in (("A", 1), ("B", 2))}
-    cfg = tmp / "pinsidecar.toml"
-    cfg.write_text(f"""
-[engine]
-model = "{model_dir}"
-served_model_name = "demo"
-port = {ENGINE}
-enforce_eager = true
-hook_mode = "pin"
-map = "{maps['A']}"
-shutdown_timeout_s = 5
-ready_timeout_s = {BOOT_LIMIT_S}
-stop_timeout_s = 30
-[supervisor]
-health_interval_s = {HEALTH['interval']}
-health_timeout_s = {HEALTH['timeout']}
-health_failures = {HEALTH['failures']}
-backoff_initial_s = 1
-backoff_max_s = 2
-# Several faults land here within stable_after_s of each other (a kill in service, a kill while booting, a
-# hang): each one counts towards the crash loop, and the limit is not what these tests are about
-# (tests/test_supervisor.py covers it), so it must not end the lane between them.
-crash_loop_limit = 50
-[gate]
-port = {GATE}
-max_queue = 64
-max_hold_s = {BOOT_LIMIT_S}
-upstream_idle_timeout_s = {IDLE_TIMEOUT_S}
-[control]
-port = {CONTROL}
-token_file = "{tmp}/control.token"
-create_token = true
-drain_timeout_s = 120
-[metrics]
-port = {METRICS}
-nvml = false
-[drift]
-auto_remap = false  # the random map drifts at once; these tests are about the engine, not remaps
-[maps]
-dir = "{maps_dir}"
-[daemon]
-state_dir = "{tmp}/state"
-""")
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
-    env.pop("NOTIFY_SOCKET", None)
-    log_path = tmp / "daemon.log"
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen([PINSIDECAR, "run", "--config", str(cfg)], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    ln = Lane(proc, cfg, tmp, maps, log_path)
-    try:
-        ln.wait(lambda: ln.engine()["state"] == "ready", "the first boot")
-        yield ln
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(p.info.get("cmdline") or [])
-            if "vllm.entrypoints.openai.api_server" in cmd and any(f"--port {x}" in cmd
-                                                                    for x in (ENGINE, COUNT_ENGINE)):
-                p.kill()
+def lane(demo_model_dir: Path, maps: dict[str, Path]) -> Iterator[DaemonUnderTest]:
+    overrides = {
+        "supervisor": {"health_interval_s": HEALTH["interval"], "health_timeout_s": HEALTH["timeout"],
+                       "health_failures": HEALTH["failures"], "backoff_max_s": 2,
+                       # Several faults land here within stable_after_s of each other (a kill in service, a kill
+                       # while booting, a hang): each one counts towards the crash loop, and the limit is not what
+                       # these tests are about (tests/test_supervisor.py covers it), so it must not end the lane.
+                       "crash_loop_limit": 50},
+        "gate": {"upstream_idle_timeout_s": IDLE_TIMEOUT_S},
+        "drift": {"auto_remap": False},  # the random map drifts at once; these tests are about the engine
+    }
+    with DaemonUnderTest(maps["A"].parent.parent, demo_model_dir, maps["A"], overrides=overrides) as d:
+        yield d
 
 
-def _complete(prompt: str = "def f(", timeout: float = BOOT_LIMIT_S) -> httpx.Response:
-    return httpx.post(f"http://127.0.0.1:{GATE}/v1/completions",
-                      json={"model": "demo", "prompt": prompt, "max_tokens": 4}, timeout=timeout)
-
-
-def _gate(lane: Lane) -> dict[str, Any]:
+def _gate(lane: DaemonUnderTest) -> dict[str, Any]:
     return lane.status()["gate"]
 
 
-def test_engine_sigkilled_in_service_under_8_streams_fails_only_what_was_in_flight(lane: Lane) -> None:
+def test_engine_sigkilled_in_service_under_8_streams_fails_only_what_was_in_flight(lane: DaemonUnderTest) -> None:
     before = lane.status()
     pid = before["engine"]["pid"]
     counters0 = before["gate"]["counters"]
@@ -262,25 +163,22 @@ def test_engine_sigkilled_in_service_under_8_streams_fails_only_what_was_in_flig
     async def kill_and_wait_for_the_restart() -> None:
         t0 = time.monotonic()
         timing["dead_at"] = watcher.kill(pid)  # the whole engine, as an OOM kill or a segfault would
-        timing["noticed_s"] = await asyncio.to_thread(lane.wait, lambda: lane.engine()["state"] != "ready",
-                                                      "the kill noticed", 30.0)
-        await asyncio.to_thread(lane.wait, lane.ready_with_new_pid(pid), "the restart")
+        timing["noticed_s"] = await asyncio.to_thread(lane.seconds_until_status,
+                                                      lambda s: s["engine"]["state"] != "ready", "the kill noticed",
+                                                      30.0)
+        await asyncio.to_thread(lane.wait_status, ready_with_new_pid(pid), "the restart")
         timing["down_s"] = time.monotonic() - t0
 
     watcher = Watcher(lane)
     with watcher:
-        result = asyncio.run(load_during(f"http://127.0.0.1:{GATE}", "demo", kill_and_wait_for_the_restart,
+        result = asyncio.run(load_during(lane.gate_url, "demo", kill_and_wait_for_the_restart,
                                          clients=CLIENTS, max_tokens=32, limit_s=BOOT_LIMIT_S))
     after = lane.status()
     counters = {k: v - counters0.get(k, 0) for k, v in after["gate"]["counters"].items()}
     fig = {**result.figure(), "noticed_s": round(timing["noticed_s"], 2), "down_s": round(timing["down_s"], 1),
            "boot_s": after["engine"]["last_boot"]["seconds"], "gate_counters": counters,
            "unreachable_retries": after["gate"]["unreachable_retries"]}
-    print("\nENGINE-CRASH FIGURE:", json.dumps(fig, indent=1))
-    if os.environ.get("PINSIDECAR_FIGURES_DIR"):
-        out = Path(os.environ["PINSIDECAR_FIGURES_DIR"]) / "engine_crash.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(fig, indent=1) + "\n")
+    record_figure("engine_crash", fig)
     assert fig["lost"] == 0
     assert fig["failed"] <= CLIENTS, fig["errors"]  # only what was in flight at the kill
     assert fig["completed"] >= 4 * CLIENTS and fig["sent"] == fig["completed"] + fig["failed"]
@@ -296,49 +194,49 @@ def test_engine_sigkilled_in_service_under_8_streams_fails_only_what_was_in_flig
     assert after["engine"]["map"]["label"] == "A"
 
 
-def test_engine_killed_while_booting_is_booted_again_and_held_requests_are_served(lane: Lane) -> None:
+def test_engine_killed_while_booting_is_booted_again_and_held_requests_are_served(lane: DaemonUnderTest) -> None:
     pid = lane.engine()["pid"]
     with Watcher(lane) as watcher:
         dead_at = watcher.kill(pid)
-        lane.wait(lambda: lane.engine()["state"] != "ready", "the kill noticed", 30.0)
+        lane.wait_status(lambda s: s["engine"]["state"] != "ready", "the kill noticed", 30.0)
         held = {}
-        sender = threading.Thread(target=lambda: held.update(r=_complete("held across two boots")))
+        sender = threading.Thread(target=lambda: held.update(r=lane.complete("held across two boots")))
         sender.start()
         booting: dict[str, int] = {}
 
-        def second_boot_started() -> bool:
-            e = lane.engine()
+        def second_boot_started(s: dict[str, Any]) -> bool:
+            e = s["engine"]
             if e["state"] == "starting" and e["pid"] not in (None, pid):
                 booting["pid"] = e["pid"]
                 return True
             return False
 
-        lane.wait(second_boot_started, "the restart's boot", 120.0)
+        lane.wait_status(second_boot_started, "the restart's boot", 120.0)
         time.sleep(3.0)  # well into the boot (vLLM loads for 10-60 s here)
         assert lane.engine()["state"] == "starting", "the boot finished too fast to be killed while booting"
         watcher.kill(booting["pid"])
-        lane.wait(lane.ready_with_new_pid(booting["pid"]), "the boot after the killed boot")
+        lane.wait_status(ready_with_new_pid(booting["pid"]), "the boot after the killed boot")
         sender.join(BOOT_LIMIT_S)
     st = lane.status()
     assert held["r"].status_code == 200, held["r"].text  # held across both boots, then served
     assert st["engine"]["state"] == "ready" and st["engine"]["last_boot"]["ok"]
     assert st["engine"]["last_boot"]["reason"] == "retry"  # the boot after a failed boot
     assert st["engine"]["restarts_total"] >= 2  # this crash and the killed boot
-    assert "exited with code -9 while booting" in lane.log_path.read_text()
+    assert "exited with code -9 while booting" in lane.log_text()
     assert watcher.ready_while_down({pid, booting["pid"]}, dead_at) == []
     assert st["gate"]["holding"] is False
     assert st["engine"]["map"]["label"] == "A"
 
 
 def test_a_hung_engine_is_noticed_in_bounded_time_its_stream_cut_with_an_error_and_it_is_restarted(
-        lane: Lane) -> None:
+        lane: DaemonUnderTest) -> None:
     """SIGSTOP of the engine's processes: a real hang (the kernel still accepts connections, nothing answers)."""
     pid = lane.engine()["pid"]
     counters0 = _gate(lane)["counters"]
     body = {"model": "demo", "prompt": "def f(", "max_tokens": 2000, "stream": True, "ignore_eos": True}
     got: list[bytes] = []
     with Watcher(lane) as watcher, httpx.Client(timeout=BOOT_LIMIT_S) as c, \
-            c.stream("POST", f"http://127.0.0.1:{GATE}/v1/completions", json=body) as resp:
+            c.stream("POST", f"{lane.gate_url}/v1/completions", json=body) as resp:
         assert resp.status_code == 200  # the stream runs: headers come with the first token
         # Stopped at once: on an idle box the tiny demo model writes all 2000 tokens in a few seconds, so waiting
         # for the client to read a chunk first can let the whole stream finish before the hang begins.
@@ -351,13 +249,13 @@ def test_a_hung_engine_is_noticed_in_bounded_time_its_stream_cut_with_an_error_a
         except httpx.HTTPError:
             pass  # the gate cut the connection after its error event
         cut_s = time.monotonic() - t0
-        noticed_s = lane.wait(lambda: lane.engine()["state"] not in ("ready", "unhealthy"), "the hang noticed",
-                              60.0) + cut_s
+        noticed_s = lane.seconds_until_status(lambda s: s["engine"]["state"] not in ("ready", "unhealthy"),
+                                              "the hang noticed", 60.0) + cut_s
         lost_at = watcher.now()
         after_hold = {}
-        sender = threading.Thread(target=lambda: after_hold.update(r=_complete("sent during the hang")))
+        sender = threading.Thread(target=lambda: after_hold.update(r=lane.complete("sent during the hang")))
         sender.start()
-        lane.wait(lane.ready_with_new_pid(pid), "the restart after the hang")
+        lane.wait_status(ready_with_new_pid(pid), "the restart after the hang")
         sender.join(BOOT_LIMIT_S)
     text = b"".join(got).decode(errors="replace")
     assert "[DONE]" not in text
@@ -380,7 +278,8 @@ def test_a_hung_engine_is_noticed_in_bounded_time_its_stream_cut_with_an_error_a
     assert st["engine"]["map"]["label"] == "A"
 
 
-def test_engine_killed_during_a_map_switch_reboot_rolls_back_to_the_served_map(lane: Lane) -> None:
+def test_engine_killed_during_a_map_switch_reboot_rolls_back_to_the_served_map(lane: DaemonUnderTest,
+                                                                               maps: dict[str, Path]) -> None:
     """The reboot every remap makes (``Daemon.reboot_with`` and the control API's drain-reboot are one
     implementation): the engine booting map B is killed; the daemon boots map A again and says so."""
     before = lane.status()
@@ -389,8 +288,7 @@ def test_engine_killed_during_a_map_switch_reboot_rolls_back_to_the_served_map(l
     out: dict[str, Any] = {}
 
     def switch() -> None:
-        res = subprocess.run([PINSIDECAR, "drain-reboot", "--config", str(lane.config), "--map", "B.json", "--json",
-                              "--timeout", "120"], capture_output=True, text=True, timeout=2 * BOOT_LIMIT_S)
+        res = lane.cli("drain-reboot", "--map", "B.json", "--json", "--timeout", "120", timeout=2 * BOOT_LIMIT_S)
         out.update(rc=res.returncode, stdout=res.stdout, stderr=res.stderr)
 
     with Watcher(lane) as watcher:
@@ -398,16 +296,16 @@ def test_engine_killed_during_a_map_switch_reboot_rolls_back_to_the_served_map(l
         runner.start()
         booting: dict[str, int] = {}
 
-        def b_booting() -> bool:
-            e = lane.engine()
+        def b_booting(s: dict[str, Any]) -> bool:
+            e = s["engine"]
             if e["state"] in ("starting", "draining") and e["pid"] not in (None, pid):
                 booting["pid"] = e["pid"]
                 return True
             return False
 
-        lane.wait(b_booting, "the boot onto map B", 300.0)
+        lane.wait_status(b_booting, "the boot onto map B", 300.0)
         held = {}
-        sender = threading.Thread(target=lambda: held.update(r=_complete("held across the switch")))
+        sender = threading.Thread(target=lambda: held.update(r=lane.complete("held across the switch")))
         sender.start()
         time.sleep(3.0)
         dead_at = watcher.kill(booting["pid"])
@@ -422,41 +320,45 @@ def test_engine_killed_during_a_map_switch_reboot_rolls_back_to_the_served_map(l
     assert st["engine"]["last_boot"]["reason"] == "rollback"
     assert held["r"].status_code == 200, held["r"].text
     assert watcher.ready_while_down({pid, booting["pid"]}, dead_at) == []
-    active = lane.tmp / "state" / "active-map.json"
-    assert not active.exists() or json.loads(active.read_text())["path"] == str(lane.maps["A"])
+    active = lane.state_dir / "active-map.json"
+    assert not active.exists() or json.loads(active.read_text())["path"] == str(maps["A"])
     assert 'pinsidecar_map_info{hash="' in lane.metrics()
     assert 'label="A"' in next(ln for ln in lane.metrics().splitlines() if ln.startswith("pinsidecar_map_info"))
 
 
-def test_engine_killed_during_a_count_boot_leaves_nothing_and_the_lane_serves_on(lane: Lane,
-                                                                                  model_dir: Path) -> None:
+def test_engine_killed_during_a_count_boot_leaves_nothing_and_the_lane_serves_on(lane: DaemonUnderTest,
+                                                                                  demo_model_dir: Path) -> None:
     served = lane.engine()
     out = lane.tmp / "counts" / "code.counts.json"
     out.parent.mkdir()
     workload = Path(__file__).resolve().parents[1] / "pinsidecar" / "demo" / "fixtures" / "code.jsonl"
-    proc = subprocess.Popen([PINSIDECAR, "profile", "--model", str(model_dir), "--workload", str(workload),
-                             "--out", str(out), "--port", str(COUNT_ENGINE), "--max-tokens", "8"],
+    proc = subprocess.Popen([PINSIDECAR, "profile", "--model", str(demo_model_dir), "--workload", str(workload),
+                             "--out", str(out), "--port", str(lane.ports.count), "--max-tokens", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def count_engine() -> psutil.Process | None:
+        """The count boot's engine (vLLM's API server on the count port), once it runs."""
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info.get("cmdline") or [])
+            if "vllm.entrypoints.openai.api_server" in cmd and f"--port {lane.ports.count}" in cmd:
+                return p
+        return None
+
     try:
-        engine = None
-        t0 = time.monotonic()
-        while engine is None:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() - t0 < 120, "the count engine never started"
-            for p in psutil.process_iter(["cmdline"]):
-                cmd = " ".join(p.info.get("cmdline") or [])
-                if "vllm.entrypoints.openai.api_server" in cmd and f"--port {COUNT_ENGINE}" in cmd:
-                    engine = p
-            time.sleep(0.2)
+        engine = wait_until(count_engine, "the count engine started", 120.0,
+                            gone=lambda: None if proc.poll() is None else f"profile exited ({proc.returncode})")
         time.sleep(3.0)  # into the boot
         os.killpg(engine.pid, signal.SIGKILL)
         _stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
+        leftover = count_engine()  # the profile's engine leads its own group: a failed test must not leave it
+        if leftover is not None:
+            os.killpg(leftover.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert "exited with code -9" in stderr, stderr[-2000:]
     assert list(out.parent.iterdir()) == []  # no counts, no temp file beside --out
     after = lane.engine()
     assert after["state"] == "ready" and after["pid"] == served["pid"]  # the serving lane never noticed
-    assert _complete().status_code == 200
+    assert lane.complete().status_code == 200

@@ -31,6 +31,7 @@ from pinsidecar_hook.flusher import Flusher, WriteInfo
 from pinsidecar_hook.pin import LayerPin, PinState
 
 from pinsidecar.live_stats import StatsReader
+from pinsidecar.testing.wait import wait_until
 
 E, K = 8, 2
 
@@ -148,10 +149,7 @@ def test_one_flusher_class_serves_both_modes_requests(tmp_path: Path) -> None:
             assert flushed.tokens == 3 and flushed.flush_token.startswith("flush-")
             cleared = request_and_wait(path, "reset", load, timeout_s=10)
             assert cleared.tokens == 0 and cleared.flush_token.startswith("reset-")
-            deadline = time.monotonic() + 5
-            while request_path(path).exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not request_path(path).exists()
+            wait_until(lambda p=path: not request_path(p).exists(), "the request file removed", 5.0, step_s=0.05)
     finally:
         for f in flushers:
             f.stop()

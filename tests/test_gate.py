@@ -22,6 +22,7 @@ from yarl import URL
 from pinsidecar.daemon.gate import Gate
 from pinsidecar.daemon.traffic_capture import CaptureStore
 from pinsidecar.testing.upstream import UpstreamStub
+from pinsidecar.testing.wait import wait_until_async
 
 
 def run(test: Callable[[UpstreamStub], Awaitable[None]], **stub_kwargs: Any) -> None:
@@ -46,11 +47,8 @@ def url(gate: Gate, path: str) -> str:
 
 
 async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+    """The gate's state reached (it runs in this event loop: the wait must yield to it)."""
+    await wait_until_async(cond, "the gate's state", timeout_s, step_s=0.01)
 
 
 def test_forwards_method_path_query_headers_body_and_strips_hop_by_hop() -> None:

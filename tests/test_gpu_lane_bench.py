@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-sys.path.insert(0, str(REPO / "bench"))
-try:
-    import gpu_lane
-finally:
-    sys.path.pop(0)
+from bench import gpu_lane
 
 # The GPU lane's geometry (bench/gpu_lane.py GPU_GEOMETRY): hidden, expert intermediate, experts, layers.
 HID, INTER, NE, NL = 2048, 768, 128, 16

@@ -7,14 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pinsidecar.testing.scripts import load_script
-
 REPO = Path(__file__).resolve().parent.parent
 REPORT = REPO / "bench" / "results" / "gpu_lane_h200_fp8-block.json"
 
 
 def _table() -> Any:
-    return load_script(REPO / "bench" / "gpu_lane_table.py", "gpu_lane_table")
+    from bench import gpu_lane_table
+
+    return gpu_lane_table
 
 
 def test_rows_carry_medians_with_their_spread_and_the_ratios() -> None:

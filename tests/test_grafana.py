@@ -39,6 +39,7 @@ from pinsidecar.testing.metrics import (
     write_cgroup_tree,
     write_proc_cgroup,
 )
+from pinsidecar.testing.wait import wait_until
 
 GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
 ALERTS = GRAFANA / "alerts.yml"
@@ -188,16 +189,9 @@ def alertmanager(tmp_path: Path) -> Iterator[tuple[str, WebhookRecorder, str]]:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (tmp_path / "am.log").read_text()
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "alertmanager not ready"
-            time.sleep(0.2)
+        wait_until(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200, "alertmanager ready", 30.0,
+                   ignore=(httpx.HTTPError,), gone=lambda: None if proc.poll() is None else "alertmanager exited",
+                   detail=lambda: (tmp_path / "am.log").read_text())
         yield url, hook, token
     finally:
         proc.terminate()
@@ -216,10 +210,7 @@ def test_alertmanager_routes_remap_alerts_to_the_webhook_with_the_token(alertman
     ]
     r = httpx.post(f"{url}/api/v2/alerts", json=alerts, timeout=10)
     assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 30
-    while not hook.calls:
-        assert time.monotonic() < deadline, "alertmanager never called the webhook"
-        time.sleep(0.1)
+    wait_until(lambda: hook.calls, "alertmanager calling the webhook", 30.0, step_s=0.1)
     time.sleep(1.0)  # anything else it would send arrives now
     assert len(hook.calls) == 1
     path, auth, body = hook.calls[0]

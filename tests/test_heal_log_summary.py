@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pinsidecar.testing.scripts import load_script
-
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "bench" / "results" / "heal_h200_2026-12-02"
 
 
 def _mod() -> Any:
-    return load_script(REPO / "bench" / "heal_log_summary.py", "heal_log_summary")
+    from bench import heal_log_summary
+
+    return heal_log_summary
 
 
 def test_the_committed_summary_is_what_the_logs_say(tmp_path: Path) -> None:

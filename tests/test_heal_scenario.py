@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from pinsidecar.testing.remap_lane import OTHER_HOT_ROWS, lane_maps
-from pinsidecar.testing.scenario import SHORT, STAGES, HealScenario, draw_timeline
+from pinsidecar.testing.scenario import SHORT, STAGES, HealScenario
+from pinsidecar.testing.scenario_plot import draw_timeline
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

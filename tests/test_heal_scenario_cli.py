@@ -15,13 +15,11 @@ from typing import Any, ClassVar
 
 import pytest
 
-from pinsidecar.testing.scripts import load_script
-
-REPO = Path(__file__).resolve().parent.parent
-
 
 def _cli() -> Any:
-    return load_script(REPO / "bench" / "heal_scenario.py", "heal_scenario_cli")
+    from bench import heal_scenario
+
+    return heal_scenario
 
 
 class StandInScenario:

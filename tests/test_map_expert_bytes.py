@@ -8,6 +8,7 @@ docstring of ``pinsidecar.placement.expert_bytes``); here they are pinned by han
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ from click.testing import CliRunner, Result
 from pinsidecar_hook.contract import load_map
 
 from pinsidecar.cli import main
-from pinsidecar.demo import model as dm
 from pinsidecar.placement import ExpertBytesError, checkpoint_experts
 from pinsidecar.placement.expert_bytes import (
     fp8_block_expert_bytes,
@@ -148,10 +148,9 @@ def test_a_missing_checkpoint_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fp8_twin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fp8_twin(demo_model_factory: Callable[..., Path]) -> Path:
     """The FP8-block twin written by the demo-model generator: the reader must read what the writer wrote."""
-    return dm.build_demo_model(tmp_path_factory.mktemp("twin") / "fp8", geometry=dm.Geometry.scaled(**GEO),
-                               quant="fp8-block")
+    return demo_model_factory(geometry=GEO, quant="fp8-block")
 
 
 @pytest.fixture()

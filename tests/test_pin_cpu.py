@@ -25,6 +25,8 @@ from pinsidecar_hook.backends.cpu import finalize_rows, split_moe
 from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 from pinsidecar_hook.kernels.partition import partition_torch
 
+from pinsidecar.testing.engine import PARITY_MAX_TOKENS, PARITY_PROMPTS
+
 E, HIDDEN, INTER = 64, 128, 64
 # How the loaded cpu_fused_moe library sums a token's weighted rows (one FMA, or a multiply then an add): what the
 # split's finalize does in the engine, so what every backend-level check here uses too.
@@ -255,14 +257,6 @@ def test_custom_op_is_opaque_to_dynamo(experts: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------------- engine
 
-PROMPTS = [
-    "def parse_rows(items, node):\n    total = 0\n    for x in items:\n",
-    "The old lighthouse keeper walked along the shore and",
-    "for node in range(391):\n    if node % 9 == 0:\n",
-    "In the morning the market was already full of",
-]
-MAX_TOKENS = 12
-
 
 def _write_map(path: Path, emap_like: ExpertMap, *, hot_rows: int, seed: int, label: str,
                layer_ids: tuple[int, ...] | None = None, num_experts: int | None = None) -> Path:
@@ -288,16 +282,6 @@ def demo_geometry(demo_model_dir: Path) -> ExpertMap:
                      layers=tuple(LayerPlacement(i, tuple(range(n)), ()) for i in range(layers)))
 
 
-def _generate(engine: Any) -> list[dict[str, Any]]:
-    out = []
-    for prompt in PROMPTS:
-        choice = engine.complete(prompt, max_tokens=MAX_TOKENS, logprobs=1, return_tokens_as_token_ids=True,
-                                 ignore_eos=True)["choices"][0]
-        lp = choice["logprobs"]
-        out.append({"tokens": lp["tokens"], "logprobs": lp["token_logprobs"]})
-    return out
-
-
 @pytest.fixture(scope="module")
 def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: ExpertMap,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
@@ -316,8 +300,8 @@ def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: Expert
                                 hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1",
                                           "PINSIDECAR_PIN_SELFCHECK": "1" if name == "skew" else "0"})
         prompt_tokens = 0
-        gen = _generate(engine)
-        for prompt in PROMPTS:
+        gen = engine.greedy_outputs()
+        for prompt in PARITY_PROMPTS:
             prompt_tokens += engine.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
         results[name] = {"engine": engine, "outputs": gen, "map": map_path, "log": engine.spec.log_path,
                          "prompt_tokens": prompt_tokens}
@@ -333,7 +317,7 @@ def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: Expert
 @pytest.mark.vllm
 def test_engine_all_hot_and_skewed_maps_give_identical_tokens_and_logprobs(pin_engines: dict[str, Any]) -> None:
     hot, skew = pin_engines["all-hot"]["outputs"], pin_engines["skew"]["outputs"]
-    assert len(hot) == len(PROMPTS) and all(len(o["tokens"]) == MAX_TOKENS for o in hot)
+    assert len(hot) == len(PARITY_PROMPTS) and all(len(o["tokens"]) == PARITY_MAX_TOKENS for o in hot)
     assert hot == skew  # token ids and logprobs, bit for bit as serialized
 
 
@@ -354,7 +338,7 @@ def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any],
     entry = pin_engines["skew"]
     engine, stats = entry["engine"], Path(entry["stats_path"])
     _hook_request(engine, stats, "reset")
-    usage = engine.complete(PROMPTS[0], max_tokens=7, ignore_eos=True)["usage"]
+    usage = engine.complete(PARITY_PROMPTS[0], max_tokens=7, ignore_eos=True)["usage"]
     snap = _hook_request(engine, stats, "flush")
     assert snap.flush_token.startswith("flush-") and "flush_token" not in snap.meta
     expected_tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # the last token is never fed back
@@ -399,7 +383,7 @@ def test_engine_unwritable_stats_dir_keeps_serving(pin_engines: dict[str, Any]) 
     from pinsidecar.live_stats import StatsReader
 
     entry = pin_engines["all-hot"]
-    assert all(len(o["tokens"]) == MAX_TOKENS for o in entry["outputs"])  # it served
+    assert all(len(o["tokens"]) == PARITY_MAX_TOKENS for o in entry["outputs"])  # it served
     log = Path(entry["log"]).read_text()
     assert log.count("cannot write stats to") == 1  # logged once, however many flushes failed
     reading = StatsReader(entry["stats_path"]).read()  # the daemon still sees the counters, via the fallback
@@ -473,7 +457,7 @@ def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: 
     try:
         stats = Path(engine.hook.stats_path)
         _hook_request(engine, stats, "reset")
-        usage = engine.complete(PROMPTS[1], max_tokens=6, ignore_eos=True)["usage"]
+        usage = engine.complete(PARITY_PROMPTS[1], max_tokens=6, ignore_eos=True)["usage"]
         snap = _hook_request(engine, stats, "flush")
         tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1
         assert snap.tokens == tokens and snap.selections == [tokens * demo_geometry.top_k] * demo_geometry.num_layers

@@ -8,7 +8,6 @@ the placements hold the host bytes they should, and that every step's outputs ar
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,10 @@ import torch
 
 from pinsidecar.testing import moe
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def test_placement_bench_small_runs_on_cpu(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import placement
-    finally:
-        sys.path.pop(0)
+    from bench import placement
+
     out = tmp_path / "placement_cpu.json"
     argv = ["--small", "--device", "cpu", "--reps", "1", "--warmup", "0", "--batches", "b1", "--budgets", "23",
             "--out", str(out)]

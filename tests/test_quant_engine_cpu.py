@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.demo import model as dm
 from pinsidecar.placement.expert_bytes import unquantized_expert_bytes
 from pinsidecar.testing.engine import HookedEngine
 
@@ -33,9 +32,8 @@ PROMPTS = ["def add(a, b):\n    return a + b\n", "The river ran slowly past the 
 
 
 @pytest.fixture(scope="module")
-def gptq_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return dm.build_demo_model(tmp_path_factory.mktemp("gptq") / "model", geometry=dm.Geometry.scaled(**GEO),
-                               quant="gptq-int4")
+def gptq_model(demo_model_factory: Callable[..., Path]) -> Path:
+    return demo_model_factory(geometry=GEO, quant="gptq-int4")
 
 
 @pytest.fixture(scope="module")

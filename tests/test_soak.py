@@ -31,7 +31,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,12 +42,10 @@ import pytest
 
 from pinsidecar.daemon.service import ENGINE_PID_FILE
 from pinsidecar.demo.clients import GateClients
-from pinsidecar.demo.model import load_prompts, routing_counts
-from pinsidecar.demo.sidecar import MAX_HOLD_S, SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
-from pinsidecar.engine.ports import free_port
-from pinsidecar.placement import build_usage_map
-from pinsidecar.remap.candidates import counts_path_for
-from pinsidecar.testing.artifacts import counts_from
+from pinsidecar.demo.model import load_prompts
+from pinsidecar.demo.sidecar import MAX_HOLD_S, SERVED_MODEL_NAME
+from pinsidecar.testing.daemon import DaemonUnderTest
+from pinsidecar.testing.remap_lane import HOT_ROWS, LaneMap, lane_maps
 
 SOAK_ENV = "PINSIDECAR_SOAK_S"
 OUT_ENV = "PINSIDECAR_SOAK_OUT"
@@ -57,7 +54,6 @@ DEFAULT_SOAK_S = 180.0
 TWO_REMAPS_MIN_S = 420.0
 WARMUP_S = 20.0
 CLIENTS = 3
-HOT_ROWS = 48  # the demo's budget (pinsidecar.demo.loop.DEFAULT_HOT_ROWS)
 RSS_GROWTH_MAX = 0.05
 FD_SLACK = 4  # keep-alive connections the gate may hold to the engine at one idle moment and not at another
 EVENT_LIMIT_S = 900.0  # one remap or drain-reboot on a loaded box (a boot alone: up to several minutes)
@@ -146,48 +142,6 @@ class Scraper(threading.Thread):
 
 
 # ------------------------------------------------------------------------------------------------ set-up
-def _domain_map(model_dir: Path, maps: Path, domain: str) -> dict[str, Any]:
-    """The usage map of ``domain`` from its training prompts' routing (transformers), its counts beside it."""
-    rows = routing_counts(model_dir, load_prompts(domain))
-    geo = json.loads((model_dir / "config.json").read_text())
-    counts = counts_from(rows, top_k=geo["num_experts_per_tok"], workload=domain)
-    emap = build_usage_map([counts], HOT_ROWS, label=domain)
-    path = maps / f"{domain}.json"
-    counts.save(counts_path_for(path))
-    emap.save(path)
-    return {"path": path, "hash": emap.content_hash}
-
-
-def _config(tmp: Path, model_dir: Path, code_map: Path) -> tuple[Path, DemoPorts]:
-    """The demo's daemon config, with two changes: remaps build from the live windows (no count boot; the library
-    answers first anyway) and a short cooldown, so the second shift can remap minutes after the first."""
-    taken = [free_port()]
-    for _ in range(4):  # gate, control, metrics, count engine (unused: the live source)
-        taken.append(free_port(taken[-1] + 1))
-    ports = DemoPorts(*taken)
-    path = demo_config(tmp / "pinsidecar.toml", model_dir=model_dir, map_path=code_map, run_dir=tmp, ports=ports)
-    text = path.read_text()
-    for old, new in (('source = "capture"', 'source = "live"'), ("cooldown_s = 3600", "cooldown_s = 30")):
-        assert old in text, f"the demo config changed: {old!r} not in it"
-        text = text.replace(old, new)
-    path.write_text(text)
-    return path, ports
-
-
-def _wait(sidecar: Sidecar, what: str, done: Callable[[dict[str, Any]], bool], limit_s: float) -> dict[str, Any]:
-    end = time.monotonic() + limit_s
-    while True:
-        st = sidecar.status()
-        if st is None and not sidecar.alive():
-            raise AssertionError(f"the daemon exited ({sidecar.exit_code}) waiting for {what}:\n"
-                                 + "\n".join(sidecar.log_tail(40)))
-        if st is not None and done(st):
-            return st
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {limit_s:.0f} s: {what}\n" + "\n".join(sidecar.log_tail(40)))
-        time.sleep(0.5)
-
-
 def _idle_footprint(pid: int) -> dict[str, int]:
     """RSS and open fds of the sidecar process at an idle moment (no client connected)."""
     time.sleep(2.0)  # let the gate close the clients' connections
@@ -198,13 +152,15 @@ def _idle_footprint(pid: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ the soak
 def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_model_dir: Path) -> None:
     two_shifts = SOAK_S >= TWO_REMAPS_MIN_S
-    maps = tmp_path / "maps"
-    maps.mkdir()
-    code, prose = (_domain_map(demo_model_dir, maps, d) for d in ("code", "prose"))
-    config, ports = _config(tmp_path, demo_model_dir, code["path"])
-    sidecar = Sidecar(config, state_dir=tmp_path / "state", control_port=ports.control,
-                      log_path=tmp_path / "daemon.log")
-    gate_url = f"http://127.0.0.1:{ports.gate}"
+    # the usage maps of each domain's training prompts (transformers), their counts beside them
+    lane = lane_maps(demo_model_dir, tmp_path / "maps", hot_rows=(HOT_ROWS,))
+    code, prose = lane["code"], lane["prose"]
+    # The demo's daemon config, with two changes: remaps build from the live windows (no count boot; the library
+    # answers first anyway) and a short cooldown, so the second shift can remap minutes after the first.
+    sidecar = DaemonUnderTest(tmp_path, demo_model_dir, code.path, base="demo", own_compile_cache=False,
+                              overrides={"remap": {"source": "live"}, "drift": {"cooldown_s": 30}},
+                              limit_s=EVENT_LIMIT_S)
+    gate_url = sidecar.gate_url
     figure: dict[str, Any] = {"soak_s": SOAK_S, "two_shifts": two_shifts, "events": [],
                               "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                               "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()}
@@ -218,13 +174,10 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
     scraper: Scraper | None = None
     stop: dict[str, Any] = {}
     try:
-        sidecar.start()
-        st = _wait(sidecar, "the engine ready", lambda s: s["engine"]["state"] == "ready", EVENT_LIMIT_S)
-        assert st["engine"]["map"]["hash"] == code["hash"]
+        st = sidecar.start()
+        assert st is not None and st["engine"]["map"]["hash"] == code.hash
         event("ready", boot_s=(st["engine"].get("last_boot") or {}).get("seconds"))
-        token = (tmp_path / "control.token").read_text().strip()
-        control = httpx.Client(base_url=f"http://127.0.0.1:{ports.control}", timeout=EVENT_LIMIT_S,
-                               headers={"Authorization": f"Bearer {token}"})
+        control = sidecar.control()
 
         # Warm-up: code traffic, one dry-run remap decision, then the first domain shift and its remap (the first
         # use of each path loads modules and fills caches). Then the idle baseline, and the soak proper.
@@ -232,15 +185,14 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
         clients.switch("code", load_prompts("code_heldout"))
         streamer.prompts = load_prompts("code_heldout")
         streamer.start()
-        scraper = Scraper(f"http://127.0.0.1:{ports.metrics}/metrics", sidecar.status_url,
-                          sidecar.proc.pid, t_start)  # type: ignore[union-attr]
+        scraper = Scraper(sidecar.metrics_url, f"{sidecar.control_url}/status", sidecar.proc.pid, t_start)
         scraper.start()
         time.sleep(WARMUP_S)
         dry = control.post("/remap", json={"trigger": "manual", "dry_run": True})
         assert dry.status_code == 200, dry.text
         remaps: list[dict[str, Any]] = []
 
-        def shift(domain: str, want: dict[str, Any]) -> None:
+        def shift(domain: str, want: LaneMap) -> None:
             seen = {r["id"] for r in remaps}
             prompts = load_prompts(domain) + load_prompts(f"{domain}_heldout")
             clients.switch(domain, prompts)  # type: ignore[union-attr]
@@ -251,20 +203,20 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
                 last = s["remap"]["last"]
                 return bool(last and last["id"] not in seen and s["remap"]["current"] is None)
 
-            s = _wait(sidecar, f"the remap after the shift to {domain}", ended, EVENT_LIMIT_S)
+            s = sidecar.wait_status(ended, f"the remap after the shift to {domain}", step_s=0.5)
             last = s["remap"]["last"]
             remaps.append(last)
             event("remap", id=last["id"], trigger=last["trigger"], outcome=last["outcome"],
                   candidate=last["candidate"], seconds=last["seconds"])
             assert last["outcome"] == "committed" and last["trigger"] == "drift", last
-            assert s["engine"]["map"]["hash"] == want["hash"], (s["engine"]["map"], want)
+            assert s["engine"]["map"]["hash"] == want.hash, (s["engine"]["map"], want)
 
         t0 = 0.0  # the soak's clock starts at the baseline, after warm-up
 
         def until(frac: float) -> None:
             """Steady traffic up to ``frac`` of the soak."""
             while time.monotonic() - t0 < frac * SOAK_S:
-                assert sidecar.alive(), "\n".join(sidecar.log_tail(40))
+                assert sidecar.alive(), sidecar.log_tail()
                 time.sleep(1.0)
 
         shift("prose", prose)
@@ -272,7 +224,7 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
         streamer.halt.set()
         streamer.join(MAX_HOLD_S + 60)
         assert warm.failed == 0 and streamer.tally.failed == 0, (warm.as_dict(), streamer.tally)
-        before = _idle_footprint(sidecar.proc.pid)  # type: ignore[union-attr]
+        before = _idle_footprint(sidecar.proc.pid)
         event("baseline", **before)
         warm_tally = (warm, streamer.tally)
 
@@ -284,14 +236,14 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
         streamer.prompts = prompts
         streamer.start()
         until(0.35 if two_shifts else 0.5)
-        pid_before = sidecar.status()["engine"]["pid"]  # type: ignore[index]
+        pid_before = sidecar.engine()["pid"]
         r = control.post("/drain-reboot", json={"timeout_s": 300})
         assert r.status_code == 200, r.text
         dr = r.json()
         event("drain-reboot", **{k: dr.get(k) for k in ("ok", "seconds", "boot_s", "hold_s", "in_flight_cut",
                                                          "held_at_release", "hash_hit")})
         assert dr["ok"] and dr["in_flight_cut"] == 0 and not dr.get("rolled_back"), dr
-        assert sidecar.status()["engine"]["pid"] != pid_before  # type: ignore[index]
+        assert sidecar.engine()["pid"] != pid_before
         if two_shifts:
             until(0.65)
             shift("code", code)
@@ -301,8 +253,7 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
         streamer.halt.set()
         streamer.join(MAX_HOLD_S + 60)
         final = sidecar.status()
-        assert final is not None
-        after = _idle_footprint(sidecar.proc.pid)  # type: ignore[union-attr]  # scraper still on, as at baseline
+        after = _idle_footprint(sidecar.proc.pid)  # scraper still on, as at baseline
         event("final", **after)
         scraper.halt.set()
         scraper.join(30)
@@ -357,9 +308,9 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
     assert after["fds"] <= before["fds"] + FD_SLACK, figure["fds"]
     # the end state: the last domain's map serves and is the one the daemon would boot with, every remap committed
     want = code if two_shifts else prose
-    assert final["engine"]["state"] == "ready" and final["engine"]["map"]["hash"] == want["hash"]
+    assert final["engine"]["state"] == "ready" and final["engine"]["map"]["hash"] == want.hash
     active = json.loads((tmp_path / "state" / "active-map.json").read_text())
-    assert active["hash"] == want["hash"]
+    assert active["hash"] == want.hash
     records = [json.loads(p.read_text()) for p in sorted((tmp_path / "state" / "remaps").glob("*.json"))
                if p.name.count(".") == 1]
     assert [r["outcome"] for r in records] == ["committed"] * (2 if two_shifts else 1), records

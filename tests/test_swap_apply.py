@@ -42,6 +42,8 @@ from pinsidecar_hook.flusher import Flusher
 from pinsidecar_hook.pin import LayerPin, ModelFacts, PinState
 from pinsidecar_hook.rehome import MemoryLedger, rehome_layer
 
+from pinsidecar.testing.wait import wait_until
+
 E, H, D, N, K = 16, 10, 32, 16, 4
 LAYER_IDS = (0, 1, 2)
 NAMES = ("w13_weight", "w2_weight")
@@ -460,10 +462,7 @@ def test_apply_request_through_the_side_thread(maps: dict[str, Any], tmp_path: P
         answer = ApplyResult.from_json(refused.meta["apply"])
         assert answer.outcome == "refused" and "absolute path" in answer.reason
         assert refused.map_hash == maps["b"].content_hash
-        deadline = time.monotonic() + 5
-        while request_path(stats).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not request_path(stats).exists()
+        wait_until(lambda: not request_path(stats).exists(), "the request file removed", 5.0, step_s=0.05)
     finally:
         flusher.stop()
 

@@ -41,15 +41,9 @@ from pinsidecar_hook.contract import (
     request_and_wait,
 )
 
-pytestmark = pytest.mark.vllm
+from pinsidecar.testing.engine import PARITY_PROMPTS
 
-PROMPTS = [
-    "def parse_rows(items, node):\n    total = 0\n    for x in items:\n",
-    "The old lighthouse keeper walked along the shore and",
-    "for node in range(391):\n    if node % 9 == 0:\n",
-    "In the morning the market was already full of",
-]
-MAX_TOKENS = 12
+pytestmark = pytest.mark.vllm
 
 
 def _map(num_experts: int, top_k: int, layer_ids: tuple[int, ...], hot_rows: int, seed: int,
@@ -79,18 +73,9 @@ def served(engine_factory: Any, demo_model_dir: Path, tmp_path_factory: pytest.T
     engine = engine_factory(demo_model_dir, "pin", map_path=paths["a"], hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1"})
     try:
         yield {"engine": engine, "stats": Path(engine.hook.stats_path), "maps": maps, "paths": paths,
-               "reference": _generate(engine)}
+               "reference": engine.greedy_outputs()}
     finally:
         engine.stop()
-
-
-def _generate(engine: Any) -> list[dict[str, Any]]:
-    out = []
-    for prompt in PROMPTS:
-        choice = engine.complete(prompt, max_tokens=MAX_TOKENS, logprobs=1, return_tokens_as_token_ids=True,
-                                 ignore_eos=True)["choices"][0]
-        out.append({"tokens": choice["logprobs"]["tokens"], "logprobs": choice["logprobs"]["token_logprobs"]})
-    return out
 
 
 def _request(served: dict[str, Any], op: str, args: dict[str, Any] | None = None) -> StatsSnapshot:
@@ -134,7 +119,7 @@ def test_apply_in_place_keeps_the_bits_and_the_live_cold_count_follows_the_candi
         assert log.count("pinsidecar pin: applied map") == 1
 
         _request(served, "reset")
-        after = _generate(served["engine"])
+        after = served["engine"].greedy_outputs()
         assert after == served["reference"]  # token ids and logprobs, bit for bit as served before the apply
         live = _request(served, "flush")
         assert live.histogram is not None and live.map_hash == b.content_hash
@@ -161,12 +146,9 @@ def test_requests_in_flight_during_applies_are_all_answered(served: dict[str, An
     def traffic() -> None:
         i = 0
         while not stop.is_set():
-            prompt = PROMPTS[i % len(PROMPTS)]
+            prompt = PARITY_PROMPTS[i % len(PARITY_PROMPTS)]
             try:
-                choice = engine.complete(prompt, max_tokens=MAX_TOKENS, logprobs=1, return_tokens_as_token_ids=True,
-                                         ignore_eos=True)["choices"][0]
-                answers.append({"i": i % len(PROMPTS), "tokens": choice["logprobs"]["tokens"],
-                                "logprobs": choice["logprobs"]["token_logprobs"]})
+                answers.append({"i": i % len(PARITY_PROMPTS), **engine.greedy(prompt)})
             except BaseException as exc:
                 errors.append(exc)
             i += 1
@@ -202,7 +184,7 @@ def test_twenty_applies_keep_the_engine_memory_flat(served: dict[str, Any]) -> N
           f"{rss_after / 2**20:.1f} MiB ({(rss_after - rss_before) / rss_before:+.3%})")
     assert abs(rss_after - rss_before) <= 0.02 * rss_before, (rss_before, rss_after)
     assert _request(served, "flush").map_hash == served["maps"]["a"].content_hash
-    assert _generate(engine) == served["reference"]
+    assert engine.greedy_outputs() == served["reference"]
 
 
 def test_other_geometry_and_malformed_requests_are_refused_and_change_nothing(served: dict[str, Any]) -> None:
@@ -213,4 +195,4 @@ def test_other_geometry_and_malformed_requests_are_refused_and_change_nothing(se
     snap = _request(served, "apply", {"map": "relative.json", "hash": a.content_hash})
     result = ApplyResult.from_json(snap.meta["apply"])
     assert result.outcome == "refused" and "absolute path" in result.reason and snap.map_hash == a.content_hash
-    assert _generate(served["engine"]) == served["reference"]
+    assert served["engine"].greedy_outputs() == served["reference"]

@@ -14,7 +14,6 @@ What they show:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parent.parent
 # 64 experts of 12.6 MB (hidden 2048, intermediate 1024, bf16), 24 cold: a layer's swaps keep the host link busy
 # for tens of milliseconds, long enough for the negative control's forward to overtake them.
 GEO = {"experts": 64, "top_k": 6, "hidden": 2048, "intermediate": 1024, "layers": 2, "cold": 24}
@@ -31,11 +29,8 @@ GEO = {"experts": 64, "top_k": 6, "hidden": 2048, "intermediate": 1024, "layers"
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import swap_gpu
-    finally:
-        sys.path.pop(0)
+    from bench import swap_gpu
+
     return swap_gpu
 
 

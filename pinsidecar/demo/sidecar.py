@@ -6,9 +6,11 @@ that process from start to stop:
 
 - :func:`demo_config` writes the daemon's TOML for the demo: the vLLM CPU engine on the demo model in pin mode with
   the demo's first map, the gate capturing requests (the remap's count boot replays them), small drift windows, the
-  count engine on a core of its own. Every number in it is a named constant below, with where it comes from;
+  count engine on a core of its own. Every number in it is a named constant below, with where it comes from. It is
+  :func:`demo_tables` written out, which is :func:`daemon_tables` (the tables any daemon on the CPU lane needs,
+  which the tests' daemons start from too: :mod:`pinsidecar.testing.daemon`) plus the demo's own;
 - :class:`DemoPorts` picks the five ports (engine, gate, control, metrics, count engine): the usual ones, or a
-  free one where the usual one is taken;
+  free one where the usual one is taken (:meth:`DemoPorts.free`: five free ones);
 - :class:`Sidecar` starts the process and reads ``GET /status``; :meth:`Sidecar.stop` always leaves nothing
   running: SIGTERM (the daemon drains and stops its engine), SIGKILL after a bound, then the engines recorded in
   the state folder's pid files (:func:`~pinsidecar.engine.process.stop_recorded_engine`, the daemon's own crash
@@ -32,7 +34,8 @@ import httpx
 
 from pinsidecar.engine import free_port, port_in_use
 
-__all__ = ["DemoPorts", "Sidecar", "demo_config"]
+__all__ = ["DemoPorts", "Sidecar", "daemon_tables", "demo_tables", "dump_toml", "merge_tables",
+           "pinsidecar_argv"]
 
 SERVED_MODEL_NAME = "demo"
 # A CPU engine boot takes 15-25 s on an idle 2-core box; a box shared with other work (CI, other users) was seen
@@ -88,6 +91,16 @@ class DemoPorts:
             chosen[name] = got
         return cls(**chosen), notes
 
+    @classmethod
+    def free(cls, host: str = "127.0.0.1") -> DemoPorts:
+        """Five free ports, none of them the usual ones unless free (tests and benchmarks: a daemon beside any
+        other; in ``$PINSIDECAR_TEST_PORTS`` when that is set). Each is searched from the one after the last, so
+        the five differ even though none is bound until the daemon starts."""
+        taken = [free_port(host=host)]
+        for _ in range(4):
+            taken.append(free_port(taken[-1] + 1, host=host))
+        return cls(*taken)
+
 
 def _another_port(host: str, taken: set[int]) -> int:
     port = free_port(host=host)  # inside $PINSIDECAR_TEST_PORTS when that is set: the first free one there
@@ -103,69 +116,91 @@ def count_engine_cores() -> str:
     return str(max(0, (os.cpu_count() or 1) - 1))
 
 
-def _q(value: object) -> str:
-    """A TOML string (JSON's escaping is a subset of TOML's basic strings)."""
-    return json.dumps(str(value))
+def dump_toml(doc: dict[str, Any]) -> str:
+    """``doc`` (tables of plain keys: strings, numbers, booleans, lists, flat dicts) as TOML: what a daemon config
+    needs, without a TOML writer dependency. Strings are written with JSON's escapes (a subset of TOML's basic
+    strings)."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
+        return json.dumps(str(v))
+
+    lines: list[str] = []
+    for table, keys in doc.items():
+        lines += [f"[{table}]", *(f"{k} = {value(v)}" for k, v in keys.items()), ""]
+    return "\n".join(lines)
+
+
+def merge_tables(doc: dict[str, dict[str, Any]], changes: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``doc`` with ``changes`` over it, table by table (a new table is added; a key set to None is removed, for a
+    change that wants the daemon's default back). ``doc`` itself is not changed."""
+    out = {table: dict(keys) for table, keys in doc.items()}
+    for table, keys in changes.items():
+        merged = out.setdefault(table, {})
+        for key, val in keys.items():
+            if val is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = val
+    return out
+
+
+def daemon_tables(*, model_dir: Path, run_dir: Path, ports: DemoPorts,
+                  map_path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """The tables of a daemon on the vLLM CPU lane, everything under ``run_dir``: the engine on ``model_dir`` (in
+    pin mode on ``map_path``, whose folder is the maps library, when given; else with the hook off and the
+    library in ``run_dir/maps``), the gate, the control API with a token it creates, the exporter without NVML,
+    the state folder. The demo's config and the tests' daemons (:mod:`pinsidecar.testing.daemon`) start here, so
+    a key the daemon comes to require is added once."""
+    engine: dict[str, Any] = {
+        "model": str(model_dir), "served_model_name": SERVED_MODEL_NAME, "port": ports.engine,
+        "enforce_eager": True, "shutdown_timeout_s": 5, "ready_timeout_s": int(BOOT_TIMEOUT_S), "stop_timeout_s": 30}
+    if map_path is not None:
+        engine.update(hook_mode="pin", map=str(map_path))
+    return {
+        "engine": engine,
+        "gate": {"port": ports.gate, "max_hold_s": int(MAX_HOLD_S)},
+        "control": {"port": ports.control, "token_file": str(run_dir / "control.token"), "create_token": True,
+                    "drain_timeout_s": 120},
+        "metrics": {"port": ports.metrics, "nvml": False},
+        "maps": {"dir": str(map_path.parent if map_path is not None else run_dir / "maps")},
+        "daemon": {"state_dir": str(run_dir / "state"), "log_level": "info"},
+    }
+
+
+def demo_tables(*, model_dir: Path, map_path: Path, run_dir: Path, ports: DemoPorts) -> dict[str, dict[str, Any]]:
+    """The demo's daemon config as tables: :func:`daemon_tables` in pin mode on the demo's first map (the code
+    map; ``code.counts.json`` beside it is the drift reference), the gate capturing requests (the remap's count
+    boot replays what it captured), small drift windows, the count engine on a core of its own."""
+    doc = daemon_tables(model_dir=model_dir, run_dir=run_dir, ports=ports, map_path=map_path)
+    doc["gate"]["capture_dir"] = str(run_dir / "capture")
+    doc["drift"] = {"window_tokens": WINDOW_TOKENS, "min_tokens": MIN_TOKENS, "consecutive_windows": 2,
+                    "cooldown_s": COOLDOWN_S}
+    doc["remap"] = {"source": "capture", "capture_requests": CAPTURE_REQUESTS, "count_boot_port": ports.count,
+                    "count_boot_env": {"VLLM_CPU_OMP_THREADS_BIND": count_engine_cores()},
+                    "verify_tokens": VERIFY_TOKENS, "verify_timeout_s": int(VERIFY_TIMEOUT_S),
+                    "watch_interval_s": 1}
+    return doc
 
 
 def demo_config(path: Path, *, model_dir: Path, map_path: Path, run_dir: Path, ports: DemoPorts) -> Path:
     """Write the daemon config for the demo at ``path`` (everything under ``run_dir``) and return it."""
-    text = f"""# Written by `pinsidecar demo`: the daemon of the demo loop (see pinsidecar/examples/cpu-demo.toml).
-
-[engine]
-model = {_q(model_dir)}
-served_model_name = {_q(SERVED_MODEL_NAME)}
-port = {ports.engine}
-enforce_eager = true
-shutdown_timeout_s = 5
-hook_mode = "pin"
-map = {_q(map_path)}              # the code map; code.counts.json beside it is the drift reference
-ready_timeout_s = {BOOT_TIMEOUT_S:.0f}
-stop_timeout_s = 30
-
-[gate]
-port = {ports.gate}
-max_hold_s = {MAX_HOLD_S:.0f}
-capture_dir = {_q(run_dir / "capture")}   # the remap's count boot replays what the gate captured
-
-[control]
-port = {ports.control}
-token_file = {_q(run_dir / "control.token")}
-create_token = true
-drain_timeout_s = 120
-
-[metrics]
-port = {ports.metrics}
-nvml = false
-
-[maps]
-dir = {_q(map_path.parent)}
-
-[daemon]
-state_dir = {_q(run_dir / "state")}
-log_level = "info"
-
-[drift]
-window_tokens = {WINDOW_TOKENS}
-min_tokens = {MIN_TOKENS}
-consecutive_windows = 2
-cooldown_s = {COOLDOWN_S}
-
-[remap]
-source = "capture"
-capture_requests = {CAPTURE_REQUESTS}
-count_boot_port = {ports.count}
-count_boot_env = {{ VLLM_CPU_OMP_THREADS_BIND = {_q(count_engine_cores())} }}
-verify_tokens = {VERIFY_TOKENS}
-verify_timeout_s = {VERIFY_TIMEOUT_S:.0f}
-watch_interval_s = 1
-"""
+    doc = demo_tables(model_dir=model_dir, map_path=map_path, run_dir=run_dir, ports=ports)
+    text = ("# Written by `pinsidecar demo`: the daemon of the demo loop (see pinsidecar/examples/cpu-demo.toml).\n"
+            "# engine.map is the code map (code.counts.json beside it is the drift reference); the gate captures\n"
+            "# requests into gate.capture_dir, which the remap's count boot replays.\n\n" + dump_toml(doc))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
 
 
-def _pinsidecar_argv() -> list[str]:
+def pinsidecar_argv() -> list[str]:
     """How to run this installation's ``pinsidecar``: the script beside this interpreter, else on PATH, else the
     package through this interpreter."""
     beside = Path(sys.executable).parent / "pinsidecar"
@@ -181,19 +216,23 @@ class Sidecar:
     """``pinsidecar run --config FILE`` as a child process in its own session (a Ctrl-C at the terminal reaches
     the demo, which stops the daemon in order, not the daemon directly)."""
 
-    def __init__(self, config: Path, *, state_dir: Path, control_port: int, log_path: Path) -> None:
+    def __init__(self, config: Path, *, state_dir: Path, control_port: int, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.config = config
         self.state_dir = state_dir
         self.log_path = log_path
         self.status_url = f"http://127.0.0.1:{control_port}/status"
+        self.env = dict(env or {})  # over this process's environment (a test's systemd socket, its podman lane)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-        env.pop("NOTIFY_SOCKET", None)  # the demo's daemon is not systemd's
+        for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # the demo's daemon is not systemd's (a
+            env.pop(key, None)  # test that plays systemd sets them in ``env``)
+        env.update(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as fh:
-            self.proc = subprocess.Popen([*_pinsidecar_argv(), "run", "--config", str(self.config)], env=env,
+            self.proc = subprocess.Popen([*pinsidecar_argv(), "run", "--config", str(self.config)], env=env,
                                          stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
 

@@ -4,11 +4,9 @@ cleans up. Subclasses say only what is theirs: the binary, its config file and i
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -16,6 +14,7 @@ from typing import Self
 import httpx
 
 from pinsidecar.engine.ports import free_port
+from pinsidecar.testing.wait import WaitTimeout, wait_until
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -70,16 +69,15 @@ class LoopbackServer:
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.argv(config, self._dir), stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self._proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"{self.name} not ready within {timeout_s} s")
+        proc = self._proc
+        try:
+            wait_until(lambda: httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200, f"{self.name} ready",
+                       timeout_s, ignore=(httpx.HTTPError,),
+                       gone=lambda: None if proc.poll() is None else f"{self.name} exited with {proc.returncode}",
+                       detail=self.log_tail)
+        except WaitTimeout:
+            self.stop()
+            raise
 
     def log_tail(self, n: int = 30) -> str:
         try:

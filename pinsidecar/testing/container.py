@@ -66,20 +66,18 @@ class PodmanLane:
                                     f"{(res.stderr or res.stdout).strip()[-800:]}")
         return res
 
-    def container_config(self, name: str, **overrides: Any) -> ContainerConfig:
-        """A ``[container]`` table for this lane: podman, the local image, host network, no GPU, this venv's
-        interpreter, and the read-only mounts that make it work inside."""
+    def config_table(self, name: str, **overrides: Any) -> dict[str, Any]:
+        """The ``[container]`` table of a daemon config for this lane: podman, the local image, host network, no
+        GPU, this venv's interpreter, and the read-only mounts that make it work inside."""
         keys: dict[str, Any] = {"runtime": "podman", "image": self.image, "name": name, "gpus": "",
                                 "python": self.python, "network": "host", "ipc_host": True,
                                 "mounts": list(self.mounts)}
         keys.update(overrides)
-        return ContainerConfig(**keys)
+        return keys
 
-    def config_toml(self, name: str) -> str:
-        """The same ``[container]`` table as TOML, for a daemon config file."""
-        cfg = self.container_config(name)
-        return (f'[container]\nruntime = "podman"\nimage = "{cfg.image}"\nname = "{name}"\ngpus = ""\n'
-                f'python = "{cfg.python}"\nnetwork = "host"\nipc_host = true\nmounts = {json.dumps(cfg.mounts)}\n')
+    def container_config(self, name: str, **overrides: Any) -> ContainerConfig:
+        """The same table as the launcher's :class:`ContainerConfig` (an engine started without the daemon)."""
+        return ContainerConfig(**self.config_table(name, **overrides))
 
     def containers(self, name: str | None = None) -> list[dict[str, Any]]:
         """Every engine container in the lane's storage (running or not), as ``podman ps --all`` reports it."""

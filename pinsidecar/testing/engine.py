@@ -20,7 +20,6 @@ Engines started here are built by :func:`pinsidecar.engine.hooked_spec` and run 
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from pinsidecar_hook.contract import CountsArtifact, load_counts
 from pinsidecar_hook.contract.env import HookConfig
 
 from pinsidecar.engine import EngineConfig, EngineProcess, EngineSpec, free_port, hooked_spec
+from pinsidecar.testing.wait import wait_until
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -39,6 +39,15 @@ BOOT_TIMEOUT_S = 900.0
 TEST_FLUSH_INTERVAL_S = 1.0
 # A model folder built beforehand (e.g. once per CI job) instead of building the demo model per session.
 MODEL_DIR_ENV = "PINSIDECAR_TEST_MODEL_DIR"
+# Prompts for greedy comparisons between placements of one model (a map must not change a token): code and prose,
+# so that both domains' hot experts route; 12 tokens each, enough for generated text to route too.
+PARITY_PROMPTS = (
+    "def parse_rows(items, node):\n    total = 0\n    for x in items:\n",
+    "The old lighthouse keeper walked along the shore and",
+    "for node in range(391):\n    if node % 9 == 0:\n",
+    "In the morning the market was already full of",
+)
+PARITY_MAX_TOKENS = 12
 
 
 class HookedEngine(EngineProcess):
@@ -61,6 +70,18 @@ class HookedEngine(EngineProcess):
         resp.raise_for_status()
         return resp.json()
 
+    def greedy(self, prompt: str, max_tokens: int = PARITY_MAX_TOKENS) -> dict[str, list[Any]]:
+        """One greedy completion of exactly ``max_tokens`` tokens (EOS ignored): its token ids and their logprobs,
+        what two placements of the same model must agree on."""
+        lp = self.complete(prompt, max_tokens=max_tokens, logprobs=1, return_tokens_as_token_ids=True,
+                           ignore_eos=True)["choices"][0]["logprobs"]
+        return {"tokens": lp["tokens"], "logprobs": lp["token_logprobs"]}
+
+    def greedy_outputs(self, prompts: tuple[str, ...] = PARITY_PROMPTS,
+                       max_tokens: int = PARITY_MAX_TOKENS) -> list[dict[str, list[Any]]]:
+        """:meth:`greedy` of each prompt, in order."""
+        return [self.greedy(p, max_tokens) for p in prompts]
+
     def hook_request(self, op: str, timeout_s: float = 60.0) -> CountsArtifact:
         """Send ``flush``/``reset`` to the count hook and return the counts file that answers it."""
         from pinsidecar.runs.count_boot import request_counts
@@ -68,18 +89,14 @@ class HookedEngine(EngineProcess):
         return request_counts(self.counts_path, op, self, timeout_s)
 
     def wait_for_counts(self, predicate: Callable[[CountsArtifact], bool], timeout_s: float = 60.0) -> CountsArtifact:
-        """Poll the counts file until ``predicate`` holds (e.g. a periodic flush happened)."""
-        deadline = time.monotonic() + timeout_s
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            try:
-                counts = load_counts(self.counts_path)
-                if predicate(counts):
-                    return counts
-            except Exception as exc:  # not written yet, or mid-replace on a slow FS
-                last = exc
-            time.sleep(0.1)
-        raise TimeoutError(f"counts at {self.counts_path} never satisfied the condition ({last})")
+        """Poll the counts file until ``predicate`` holds (e.g. a periodic flush happened). A file not written yet,
+        or mid-replace on a slow file system, is "not yet"."""
+        def holds() -> CountsArtifact | None:
+            counts = load_counts(self.counts_path)
+            return counts if predicate(counts) else None
+
+        return wait_until(holds, f"the counts at {self.counts_path} to satisfy the condition", timeout_s,
+                          step_s=0.1, ignore=(Exception,), gone=lambda: None if self.alive() else "the engine exited")
 
 
 def start_engine(model_dir: Path, mode: str = "count", tmp_path: Path | None = None, *, port: int | None = None,

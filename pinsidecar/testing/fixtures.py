@@ -8,7 +8,13 @@ fixture once per module that imports it, so a session fixture imported into five
 once per session.
 
 - ``demo_model_dir`` (session): the demo model (:mod:`pinsidecar.demo.model`), built once;
-  ``$PINSIDECAR_TEST_MODEL_DIR`` points the tests at a model folder built beforehand instead.
+  ``$PINSIDECAR_TEST_MODEL_DIR`` points the tests at a model folder built beforehand instead. Every test that
+  serves "the model" uses this one (a module's own copy would build, or boot, another);
+- ``demo_model_factory`` (session): ``demo_model_factory(geometry=None, quant=None, router="zipf", seed=0)`` builds
+  a demo model of another kind (a geometry as :meth:`~pinsidecar.demo.model.Geometry.scaled`'s keywords, a
+  quantized twin, the calibrated router) once per session per kind, so modules that need the same twin share
+  it; with no arguments it is the demo model exactly as the generator writes it (``demo_model_dir`` unless
+  ``$PINSIDECAR_TEST_MODEL_DIR`` is set: for the tests of the generator itself). Treat the folders as read-only;
 - ``fresh_logging`` (autouse): every test starts with structlog's defaults and without the handler
   :func:`pinsidecar.log.configure` installs, so a CLI test that set the level to ``warning`` cannot hide the
   ``info`` events a later test captures with ``structlog.testing.capture_logs``.
@@ -18,13 +24,17 @@ once per session.
 - ``podman_lane`` (session): a :class:`~pinsidecar.testing.container.PodmanLane`, podman with its own storage and
   the engine image built (about a second); skips with podman's reason only where podman cannot run a container.
 
+Failed tests get the tail of the log of every :class:`~pinsidecar.testing.daemon.DaemonUnderTest` that ran during
+them in their report (a section per daemon), so a daemon's failure reads from the report, not from a temp folder.
+
 This is the one module of :mod:`pinsidecar.testing` that imports pytest.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +42,12 @@ import pytest
 
 from pinsidecar.testing.container import PodmanLane, PodmanUnavailable
 from pinsidecar.testing.container import podman_lane as build_podman_lane
+from pinsidecar.testing.daemon import daemon_logs_for_report
 from pinsidecar.testing.engine import MODEL_DIR_ENV, HookedEngine, start_engine
 
-__all__ = ["demo_model_dir", "engine_factory", "fresh_logging", "podman_lane"]
+__all__ = ["demo_model_dir", "demo_model_factory", "engine_factory", "fresh_logging", "podman_lane"]
+
+_TEST_STARTED = pytest.StashKey[float]()
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +65,45 @@ def fresh_logging() -> Iterator[None]:
     logging.getLogger().setLevel(logging.WARNING)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """When the test began (its setup): the daemons that ran since then are the ones its report shows."""
+    item.stash[_TEST_STARTED] = time.time()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    """A failed test's report carries the log tail of each daemon under test that ran during it."""
+    report = yield
+    if report.failed:
+        for title, text in daemon_logs_for_report(item.stash.get(_TEST_STARTED, call.start)):
+            report.sections.append((title, text))
+    return report
+
+
 @pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def demo_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Builds demo models by kind, each once per session (see the module docstring)."""
+    built: dict[tuple[Any, ...], Path] = {}
+
+    def factory(*, geometry: dict[str, int] | None = None, quant: str | None = None, router: str = "zipf",
+                seed: int = 0) -> Path:
+        key = (tuple(sorted((geometry or {}).items())), quant, router, seed)
+        if key not in built:
+            from pinsidecar.demo.model import DEFAULT_GEOMETRY, Geometry, build_demo_model
+
+            geo = Geometry.scaled(**geometry) if geometry else DEFAULT_GEOMETRY
+            name = "-".join(str(x) for x in ("demo-model", quant, None if router == "zipf" else router,
+                                              seed or None) if x)
+            built[key] = Path(build_demo_model(tmp_path_factory.mktemp(name) / "model", seed=seed, geometry=geo,
+                                               quant=quant, router=router))
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(demo_model_factory: Callable[..., Path]) -> Path:
     """The demo model, built once per session (or ``$PINSIDECAR_TEST_MODEL_DIR``, built beforehand)."""
     prebuilt = os.environ.get(MODEL_DIR_ENV, "").strip()
     if prebuilt:
@@ -61,9 +111,7 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             raise pytest.UsageError(f"{MODEL_DIR_ENV}={prebuilt} has no config.json (build it with `pinsidecar "
                                     "demo-model DIR` or unset the variable)")
         return Path(prebuilt)
-    from pinsidecar.demo.model import build_demo_model
-
-    return Path(build_demo_model(tmp_path_factory.mktemp("demo-model") / "model"))
+    return demo_model_factory()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 
 from pinsidecar.testing._loopback_server import LoopbackServer
+from pinsidecar.testing.wait import wait_until
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -117,24 +117,15 @@ class PrometheusServer(LoopbackServer):
         return [(t["scrapeUrl"], t["health"], t.get("lastError", "")) for t in self.api("targets")["activeTargets"]]
 
     def wait_for_target_up(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        health: list[tuple[str, str, str]] = []
-        while time.monotonic() < deadline:
-            health = self.targets_health()
-            if health and all(h == "up" for _, h, _ in health):
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"targets not up within {timeout_s} s: {health}")
+        """Until every scrape target is up; the failure lists each target's health and last error."""
+        wait_until(lambda: (h := self.targets_health()) and all(up == "up" for _, up, _ in h), "the targets up",
+                   timeout_s, detail=lambda: f"targets: {self.targets_health()}")
 
     def wait_for(self, expr: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Poll ``expr`` until it returns a non-empty vector."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            result = self.query(expr)
-            if result:
-                return result
-            time.sleep(0.2)
-        raise TimeoutError(f"{expr!r} returned nothing within {timeout_s} s; targets: {self.targets_health()}")
+        result: list[dict[str, Any]] = wait_until(lambda: self.query(expr), f"{expr!r} to return something",
+                                                  timeout_s, detail=lambda: f"targets: {self.targets_health()}")
+        return result
 
     def rules(self) -> list[dict[str, Any]]:
         """The loaded rule groups (``/api/v1/rules``)."""

@@ -7,8 +7,9 @@ side with a drain-reboot on the same daemon), so both measure the same thing the
 - :func:`lane_maps` builds the usage maps of the demo's code and prose traffic from the demo model's routing under
   transformers (:func:`~pinsidecar.demo.model.routing_counts`: seconds, no engine boot), at 48 hot rows (the demo's
   geometry) and 56 (another geometry: only a reboot can deploy it), each with its counts beside it;
-- :class:`RemapLane` is the daemon, with the demo's config (:func:`~pinsidecar.demo.sidecar.demo_config`) changed
-  for remaps on demand: no automatic trips, no cooldown, the live source (a named map skips the count boot anyway);
+- :class:`RemapLane` is the daemon (a :class:`~pinsidecar.testing.daemon.DaemonUnderTest`), with the demo's config
+  (:func:`~pinsidecar.demo.sidecar.demo_tables`) changed for remaps on demand: no automatic trips, no cooldown, the
+  live source (a named map skips the count boot anyway);
 - :meth:`RemapLane.remap_under_load` / :meth:`RemapLane.drain_reboot_under_load` run ``clients`` streaming clients
   through the gate (:func:`~pinsidecar.testing.streaming.load_during`), wait for a drift window of their traffic
   (a remap's decision is judged on one), do the thing, and return the record and the figures: the longest gap
@@ -29,7 +30,8 @@ from typing import Any
 
 import httpx
 
-from pinsidecar.demo.sidecar import SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
+from pinsidecar.demo.sidecar import SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_tables, merge_tables
+from pinsidecar.testing.daemon import DaemonUnderTest
 from pinsidecar.testing.streaming import LoadResult, load_during
 
 __all__: list[str] = []  # nothing here is another package's business
@@ -99,26 +101,6 @@ def load_lane_maps(maps: Path) -> dict[str, LaneMap]:
     return out
 
 
-def dump_toml(doc: dict[str, Any]) -> str:
-    """``doc`` (tables of plain keys: strings, numbers, booleans, lists, flat dicts) as TOML: what the lane's
-    config needs, without a TOML writer dependency. Strings are written with JSON's escapes (a subset of TOML's)."""
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, int | float):
-            return repr(v)
-        if isinstance(v, list | tuple):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
-        return json.dumps(str(v))
-
-    lines: list[str] = []
-    for table, keys in doc.items():
-        lines += [f"[{table}]", *(f"{k} = {value(v)}" for k, v in keys.items()), ""]
-    return "\n".join(lines)
-
-
 def domain_prompts(domain: str) -> list[str]:
     """The demo's prompts of one traffic class (training and held-out), as text."""
     from pinsidecar.demo.model import load_prompts
@@ -128,10 +110,10 @@ def domain_prompts(domain: str) -> list[str]:
 
 @dataclass
 class RemapLane:
-    """One daemon on the CPU demo lane (see the module docstring). ``engine_env`` goes into ``[engine] env``;
-    ``overrides`` (TOML table -> keys) go over the demo's config and the lane's changes to it, last: the heal
-    scenario turns automatic remaps on there, and a GPU lane gives its engine keys (``enforce_eager = false``,
-    ``dtype``, ``extra_args``, ...) that the CPU demo's config does not have."""
+    """One daemon on the CPU demo lane (see the module docstring): a :class:`DaemonUnderTest` on the demo's config.
+    ``engine_env`` goes into ``[engine] env``; ``overrides`` (TOML table -> keys) go over the demo's config and the
+    lane's changes to it, last: the heal scenario turns automatic remaps on there, and a GPU lane gives its engine
+    keys (``enforce_eager = false``, ``dtype``, ``extra_args``, ...) that the CPU demo's config does not have."""
 
     tmp: Path
     model_dir: Path
@@ -139,8 +121,7 @@ class RemapLane:
     engine_env: dict[str, str] = field(default_factory=dict)
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     ports: DemoPorts | None = None
-    sidecar: Sidecar | None = None
-    starts: int = 0
+    daemon: DaemonUnderTest | None = None
     killed_at: float | None = None  # wall clock of the last kill_engine's SIGKILL
 
     @property
@@ -152,42 +133,44 @@ class RemapLane:
         assert self.ports is not None
         return f"http://127.0.0.1:{self.ports.gate}"
 
-    def _config(self) -> Path:
-        from pinsidecar.engine import free_port
-        from pinsidecar.schema import read_toml
+    @property
+    def sidecar(self) -> Sidecar | None:
+        return self.daemon.sidecar if self.daemon is not None else None
 
-        if self.ports is None:
-            taken = [free_port()]
-            for _ in range(4):  # gate, control, metrics, count engine (unused: the live source)
-                taken.append(free_port(taken[-1] + 1))
-            self.ports = DemoPorts(*taken)
-        path = demo_config(self.tmp / "pinsidecar.toml", model_dir=self.model_dir, map_path=self.boot_map,
-                           run_dir=self.tmp, ports=self.ports)
-        doc = read_toml(path)
+    @property
+    def starts(self) -> int:
+        return self.daemon.starts if self.daemon is not None else 0
+
+    def _changes(self) -> dict[str, dict[str, Any]]:
+        """The lane's changes and ``overrides`` over them, checked against the demo's config (the lane's changes
+        assume the demo's keys: say so when the demo config moved on), with ``engine_env`` over the overrides'
+        engine env (a GPU lane's), not instead of it."""
+        assert self.ports is not None
+        demo = demo_tables(model_dir=self.model_dir, map_path=self.boot_map, run_dir=self.tmp, ports=self.ports)
         for table, keys in LANE_CHANGES.items():
-            missing = [k for k in keys if k not in doc.get(table, {}) and k not in LANE_NEW_KEYS]
-            if missing:  # the lane's changes assume the demo's keys: say so when the demo config moved on
+            missing = [k for k in keys if k not in demo.get(table, {}) and k not in LANE_NEW_KEYS]
+            if missing:
                 raise AssertionError(f"the demo config changed: [{table}] has no {missing}")
-            doc[table].update(keys)
-        for table, keys in self.overrides.items():
-            doc.setdefault(table, {}).update(keys)
-        if self.engine_env:  # over the overrides' env (a GPU lane's), not instead of it
-            doc["engine"]["env"] = {**doc["engine"].get("env", {}), **self.engine_env}
-        path.write_text(dump_toml(doc), encoding="utf-8")
-        return path
+        changes = merge_tables(LANE_CHANGES, self.overrides)
+        if self.engine_env:
+            changes["engine"] = {**changes.get("engine", {}),
+                                 "env": {**changes.get("engine", {}).get("env", {}), **self.engine_env}}
+        return changes
 
     def start(self) -> dict[str, Any]:
         """Start the daemon (a new config from the current ``engine_env``) and wait until its engine serves."""
-        config = self._config()
-        assert self.ports is not None
-        self.starts += 1
-        self.sidecar = Sidecar(config, state_dir=self.state_dir, control_port=self.ports.control,
-                               log_path=self.tmp / f"daemon-{self.starts}.log")
-        self.sidecar.start()
-        return self.wait("the engine ready", lambda s: s["engine"]["state"] == "ready")
+        if self.ports is None:
+            self.ports = DemoPorts.free()  # the count engine's port is unused: the live source
+        if self.daemon is None:
+            self.daemon = DaemonUnderTest(self.tmp, self.model_dir, self.boot_map, ports=self.ports, base="demo",
+                                          own_compile_cache=False, limit_s=EVENT_LIMIT_S)
+        self.daemon.overrides = self._changes()
+        st = self.daemon.start()
+        assert st is not None
+        return st
 
     def stop(self) -> dict[str, Any]:
-        return self.sidecar.stop() if self.sidecar is not None else {}
+        return self.daemon.stop() if self.daemon is not None else {}
 
     def restart(self, engine_env: dict[str, str]) -> dict[str, Any]:
         self.stop()
@@ -196,25 +179,12 @@ class RemapLane:
 
     # ------------------------------------------------------------------------------------------------ reading
     def status(self) -> dict[str, Any]:
-        assert self.sidecar is not None
-        st = self.sidecar.status()
-        if st is None:
-            raise AssertionError("the daemon does not answer /status:\n" + "\n".join(self.sidecar.log_tail(40)))
-        return st
+        assert self.daemon is not None
+        return self.daemon.status()
 
     def wait(self, what: str, done: Any, limit_s: float = EVENT_LIMIT_S) -> dict[str, Any]:
-        assert self.sidecar is not None
-        end = time.monotonic() + limit_s
-        while True:
-            st = self.sidecar.status()
-            if st is None and not self.sidecar.alive():
-                raise AssertionError(f"the daemon exited ({self.sidecar.exit_code}) waiting for {what}:\n"
-                                     + "\n".join(self.sidecar.log_tail(40)))
-            if st is not None and done(st):
-                return st
-            if time.monotonic() > end:
-                raise AssertionError(f"not within {limit_s:.0f} s: {what}\n" + "\n".join(self.sidecar.log_tail(40)))
-            time.sleep(0.25)
+        assert self.daemon is not None
+        return self.daemon.wait_status(done, what, limit_s, step_s=0.25)
 
     def record(self, remap_id: str) -> dict[str, Any]:
         return json.loads((self.state_dir / "remaps" / f"{remap_id}.json").read_text())
@@ -231,10 +201,8 @@ class RemapLane:
         return json.loads(p.read_text()) if p.exists() else None
 
     def _control(self) -> httpx.Client:
-        assert self.ports is not None
-        token = (self.tmp / "control.token").read_text().strip()
-        return httpx.Client(base_url=f"http://127.0.0.1:{self.ports.control}", timeout=EVENT_LIMIT_S,
-                            headers={"Authorization": f"Bearer {token}"})
+        assert self.daemon is not None
+        return self.daemon.control(EVENT_LIMIT_S)
 
     def wait_for_windows(self, n: int) -> None:
         """Until ``n`` more drift windows have closed (judged ones: a remap is decided on the newest)."""

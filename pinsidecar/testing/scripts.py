@@ -1,6 +1,7 @@
-"""Import a script of the repository (``bench/*.py``, ``scripts/**/*.py``) by its path, for the tests that check it.
+"""Import a script of the repository (``scripts/**/*.py``) by its path, for the tests that check it.
 
-Those scripts are run as files, not imported as a package, so they are not on ``sys.path``. Loading one by path
+Those scripts are run as files, not imported as a package, so they are not on ``sys.path`` (the benchmarks are a
+package, ``bench``: tests import them as ``from bench import placement``). Loading one by path
 keeps the test's import explicit and leaves ``sys.path`` alone. The module is registered under its name before it
 runs: a dataclass in it needs its module to be importable by name while the class is built.
 """
