@@ -2,7 +2,7 @@
 
 One daemon serves the module (:class:`~pinsidecar.testing.remap_lane.RemapLane`; maps of the demo's code and prose
 traffic at 48 hot rows and, another geometry, 56), so the engine boots four times in all: the start, the reboot
-the geometry change needs, a restart of the daemon with the hook's stall test hook set, and the supervisor's
+the geometry change needs, a restart of the daemon with a stall injected into the hook, and the supervisor's
 restart after the engine is killed mid-apply. In order:
 
 1. 8 clients stream prose through the gate while an operator names the prose map (same geometry) for the code map
@@ -11,7 +11,7 @@ restart after the engine is killed mid-apply. In order:
    or is lost; the stats report the prose map; the metrics count one apply.
 2. The code map with 56 hot rows, named while clients stream code: the hot tensor would change shape, so the
    remap reboots onto it, and the record says why it did not apply in place.
-3. The engine is SIGKILLed while the hook holds an apply (``PINSIDECAR_TEST_APPLY_STALL_S``): the remap ends
+3. The engine is SIGKILLed while the hook holds an apply (a stall injected: ``testing.hook_faults``): the remap ends
    saying so, the supervisor restarts the engine with the committed map (the code map of step 2), never the
    candidate.
 
@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from pinsidecar.testing import hook_faults
 from pinsidecar.testing.remap_lane import LaneMap, RemapLane, domain_prompts, lane_maps
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -125,11 +126,11 @@ def test_a_map_of_another_geometry_falls_back_to_a_reboot_saying_why(lane: Remap
 def test_an_engine_killed_mid_apply_restarts_with_the_committed_map(lane: RemapLane,
                                                                    maps: dict[str, LaneMap]) -> None:
     committed = maps["code-56"]  # what step 2 committed
-    lane.restart({"PINSIDECAR_TEST_APPLY_STALL_S": str(STALL_S)})
+    lane.restart(hook_faults.engine_env(lane.state_dir.parent / "faults", stall_s=STALL_S))
     st = lane.status()
     assert st["engine"]["map"]["hash"] == committed.hash
     engine_log = lane.state_dir / "engine.log"
-    stall_mark = "holding the step lock mid-apply (test hook)"
+    stall_mark = "holding the step lock mid-apply (fault injection)"
 
     async def action() -> dict[str, Any]:
         await asyncio.to_thread(lane.wait_for_windows, 2)

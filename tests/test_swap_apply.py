@@ -42,6 +42,7 @@ from pinsidecar_hook.flusher import Flusher
 from pinsidecar_hook.pin import LayerPin, ModelFacts, PinState
 from pinsidecar_hook.rehome import MemoryLedger, rehome_layer
 
+from pinsidecar.testing import hook_faults
 from pinsidecar.testing.wait import wait_until
 
 E, H, D, N, K = 16, 10, 32, 16, 4
@@ -237,20 +238,20 @@ def test_same_hot_sets_apply_with_no_row_moves(maps: dict[str, Any], tmp_path: P
 def test_failed_apply_swaps_everything_back(maps: dict[str, Any], monkeypatch: pytest.MonkeyPatch, after: int) -> None:
     state = _state(maps["a"], maps["a_path"])
     before = _clone(state)
-    monkeypatch.setenv(swap.FAIL_AFTER_ENV, str(after))
+    hook_faults.inject(monkeypatch, fail_after_layers=after)
     result = _apply(state, maps["b_path"], maps["b"])
-    assert result.outcome == "failed" and f"{swap.FAIL_AFTER_ENV}={after}" in result.reason
+    assert result.outcome == "failed" and f"fail_after_layers={after}" in result.reason
     assert "rolled back" in result.reason and result.layers == after
     assert result.map_hash == maps["a"].content_hash and result.to_hash == maps["b"].content_hash
     assert _same(state, before), "a failed apply must leave every byte as it was"
     assert state.emap is maps["a"] and state.map_path == maps["a_path"]
     _check_rows_hold_their_experts(state, maps["a"])
-    monkeypatch.delenv(swap.FAIL_AFTER_ENV)
+    monkeypatch.undo()
     assert _apply(state, maps["b_path"], maps["b"]).outcome == "applied"  # and the next apply works
 
 
 def test_an_exception_inside_a_layer_rolls_back_flips_and_refreshers(maps: dict[str, Any]) -> None:
-    """Not the test hook: a backend's row-map refresher raising in the last layer, after the earlier layers' rows
+    """Not an injected fault: a backend's row-map refresher raising in the last layer, after the earlier layers' rows
     moved and their refreshers ran. Everything comes back, and the earlier refreshers see the restored map."""
     state = _state(maps["a"], maps["a_path"])
     before = _clone(state)
@@ -390,7 +391,7 @@ def test_apply_runs_between_steps(maps: dict[str, Any], monkeypatch: pytest.Monk
     already moved, the others not yet, every row holding its expert; the map is adopted after the last batch."""
     state = _state(maps["a"], maps["a_path"])
     monkeypatch.setattr(pin, "_state", state)
-    monkeypatch.setenv(swap.STALL_ENV, "0.6")
+    hook_faults.inject(monkeypatch, stall_s=0.6)
     results: list[ApplyResult] = []
     step_started = threading.Event()
     release_step = threading.Event()
@@ -562,7 +563,7 @@ def test_triton_tier_maps_follow_an_apply_and_its_roll_back(maps: dict[str, Any]
 
     assert _apply(state, maps["b_path"], maps["b"]).outcome == "applied" and follows()
     b_maps = [(s.hot_map.clone(), s.cold_map.clone()) for s in splits]
-    monkeypatch.setenv(swap.FAIL_AFTER_ENV, "2")
+    hook_faults.inject(monkeypatch, fail_after_layers=2)
     assert _apply(state, maps["a_path"], maps["a"]).outcome == "failed" and follows()
     assert all(torch.equal(s.hot_map, h) and torch.equal(s.cold_map, c) for s, (h, c) in zip(splits, b_maps,
                                                                                              strict=True))

@@ -12,7 +12,7 @@ tensors (the scaffolding of ``test_swap_apply.py``):
   reference bits; no step waits long for the lock;
 - the negative control: the same batches with each pair's row-map entries flipped *before* its copies give other
   bits, so the checks above do depend on the order;
-- a failure in a later batch (the test hook, a refresher, a prefetch outside the lock) rolls every batch back.
+- a failure in a later batch (an injected fault, a refresher, a prefetch outside the lock) rolls every batch back.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ What they show:
   implementations), every expert's rows hold its original bytes in the tier the map says, and no tensor moved;
 - a forward captured in a CUDA graph *before* the apply, replayed after it, computes the new placement (and its
   live cold counter follows the new row map): the graph reads the same addresses, whose contents changed;
-- a failed apply (the test hook) restores every byte on the device and in pinned host memory;
+- a failed apply (an injected fault) restores every byte on the device and in pinned host memory;
 - the ordering matters and the control proves it: the row map flipped and a forward run on another stream while
   the copies are still in flight gives other bits; the same forward waiting for the copy stream does not.
 """
@@ -85,12 +85,13 @@ def test_graph_captured_before_the_apply_replays_the_new_placement(bench: Any, s
 
 def test_failed_apply_on_cuda_restores_every_byte(bench: Any, setup: dict[str, Any],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from pinsidecar_hook import swap
     from pinsidecar_hook.contract import apply_args
+
+    from pinsidecar.testing import hook_faults
 
     state, full = setup["state"], setup["full"]
     before = [t.clone() for t in _tensors(state)]
-    monkeypatch.setenv(swap.FAIL_AFTER_ENV, "1")
+    hook_faults.inject(monkeypatch, fail_after_layers=1)
     result = state.apply(apply_args(setup["dir"] / "full.json", full.content_hash), "apply-fail")
     assert result.outcome == "failed" and "rolled back" in result.reason and result.layers == 1
     torch.cuda.synchronize()

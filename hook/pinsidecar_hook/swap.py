@@ -38,22 +38,17 @@ whole ("Failure" in :mod:`pinsidecar_hook.swap_batches`).
 not what was counted. The stats change ``map_hash``, ``map_label`` and ``predicted_cold_rate``, and carry the
 answer in ``meta["apply"]`` (:class:`~pinsidecar_hook.contract.ApplyResult`).
 
-**Test-only hooks** (environment of the engine, read at each apply; never set them in production):
-
-- ``PINSIDECAR_TEST_APPLY_STALL_S=<s>``: sleep that long after the first layer's swaps (copies and row map done),
-  holding the lock (that batch then ends), so a test can SIGKILL the engine mid-apply;
-- ``PINSIDECAR_TEST_APPLY_FAIL_AFTER_LAYERS=<n>``: raise after the first ``n`` layers that have swaps (copies and
-  row map done, in whichever batch; ``0`` raises before the first), to prove the swap-back.
-
-They are read by :func:`apply_map` and passed on as arguments (``stall_s`` and ``fail_after_layers`` of
-:func:`~pinsidecar_hook.swap_batches.swap_layers`); nothing below it reads the environment.
+**Fault injection** reads nothing from the environment: :func:`~pinsidecar_hook.swap_batches.swap_layers` takes
+``stall_s`` (hold the lock that long after the first layer's swaps, so a test can SIGKILL the engine mid-apply) and
+``fail_after_layers`` (raise after that many layers, ``0`` before the first, to prove the swap-back) as arguments,
+which :func:`apply_map` never passes. A test wraps this module's ``swap_layers`` with them, in its own process or,
+for a real engine, at the engine's start (``pinsidecar.testing.hook_faults``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -71,11 +66,9 @@ from pinsidecar_hook.contract import (
     plan_swap,
 )
 from pinsidecar_hook.swap_batches import (
-    FAIL_AFTER_ENV,
     HOLD_BUDGET_S,
     IDLE_S,
     STAGING_BYTES,
-    STALL_ENV,
     StepClock,
     SwapFailed,
     SwapStats,
@@ -86,8 +79,8 @@ from pinsidecar_hook.swap_rows import ApplyRefused, SwapLayer
 from pinsidecar_hook.swap_rows import _resolve as _resolve  # re-exported, the same
 from pinsidecar_hook.swap_rows import _swap_row as _swap_row  # re-exported, the same
 
-__all__ = ["FAIL_AFTER_ENV", "HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "STALL_ENV", "ApplyRefused", "ApplyTarget",
-           "StepClock", "SwapLayer", "apply_map", "swap_layers"]
+__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "ApplyRefused", "ApplyTarget", "StepClock", "SwapLayer",
+           "apply_map", "swap_layers"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -108,17 +101,6 @@ class ApplyTarget(Protocol):
     def adopt(self, candidate: ExpertMap, map_path: Path) -> None:
         """The swap is done: ``candidate`` (read from ``map_path``) is the map served from now on."""
         ...
-
-
-def _env_number(name: str, kind: type[float] | type[int]) -> float | int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return kind(raw)
-    except ValueError:
-        log.warning("pinsidecar pin: ignoring %s=%r (not a number)", name, raw)
-        return None
 
 
 def _prepare(target: ApplyTarget, args: Mapping[str, Any]) -> tuple[ExpertMap, Path, SwapPlan, float | None]:
@@ -172,9 +154,7 @@ def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
         candidate, path, plan, asked_budget = _prepare(target, args)
         result.to_hash = candidate.content_hash
         budget = next(b for b in (hold_budget_s, asked_budget, HOLD_BUDGET_S) if b is not None)
-        stats = swap_layers(target.layers, plan, target.step_lock, stall_s=_env_number(STALL_ENV, float),
-                            fail_after_layers=_env_number(FAIL_AFTER_ENV, int),  # type: ignore[arg-type]
-                            on_done=lambda: target.adopt(candidate, path),
+        stats = swap_layers(target.layers, plan, target.step_lock, on_done=lambda: target.adopt(candidate, path),
                             clock=getattr(target, "step_clock", None), hold_budget_s=budget)
     except ApplyRefused as exc:
         result.reason = str(exc)

@@ -55,15 +55,9 @@ import torch
 from pinsidecar_hook.contract import SwapPlan
 from pinsidecar_hook.swap_rows import SwapLayer, _LayerWork, _resolve, _roll_back, _row_bytes, _swap_row
 
-__all__ = ["FAIL_AFTER_ENV", "HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "STALL_ENV", "StepClock", "SwapFailed",
-           "SwapStats", "swap_layers"]
+__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "StepClock", "SwapFailed", "SwapStats", "swap_layers"]
 
 log = logging.getLogger("pinsidecar_hook")
-
-# The test hooks' environment variables (:mod:`pinsidecar_hook.swap` reads them and says what they do), named here
-# because the stall and the failure they cause say which variable did it.
-STALL_ENV = "PINSIDECAR_TEST_APPLY_STALL_S"
-FAIL_AFTER_ENV = "PINSIDECAR_TEST_APPLY_FAIL_AFTER_LAYERS"
 
 HOLD_BUDGET_S = 0.020  # one batch holds the step lock about this long at most (at least one pair per batch)
 STAGING_BYTES = 512 << 20  # prefetch slots in HBM per apply (7 pairs at 70.8 MB/expert); never a tier's copy
@@ -345,18 +339,17 @@ class _Apply:
         self.stats.rows += 1
 
     def _layer_done(self, pair: _Pair, unflipped: list[_Pair]) -> None:
-        """A layer's last pair is swapped: flip what is pending (so the layer is whole), then the test hooks."""
+        """A layer's last pair is swapped: flip what is pending (so the layer is whole), then the injected faults."""
         self._flip(unflipped)
         unflipped.clear()
         self.stats.layers += 1
         if pair.entry is self.work[0] and self.stall_s:
             self._sync()
-            log.warning("pinsidecar pin: %s=%s: holding the step lock mid-apply (test hook)", STALL_ENV,
-                        self.stall_s)
+            log.warning("pinsidecar pin: stall_s=%s: holding the step lock mid-apply (fault injection)", self.stall_s)
             time.sleep(self.stall_s)
         if self.fail_after_layers is not None and self.stats.layers == self.fail_after_layers:
-            raise RuntimeError(f"{FAIL_AFTER_ENV}={self.fail_after_layers}: failing after {self.stats.layers} "
-                               "layer(s) (test hook)")
+            raise RuntimeError(f"fail_after_layers={self.fail_after_layers}: failing after {self.stats.layers} "
+                               "layer(s) (fault injection)")
 
     def _batch(self, on_done: Callable[[], None] | None, *, flip_first: bool = False) -> None:
         """Take the lock, swap pairs until the hold budget is spent (at least one), flip their row map entries,
@@ -370,7 +363,7 @@ class _Apply:
             try:
                 self._sync()  # the previous step's kernels may still be running (vLLM executes asynchronously)
                 if self.fail_after_layers == 0:
-                    raise RuntimeError(f"{FAIL_AFTER_ENV}=0: failing before the first layer (test hook)")
+                    raise RuntimeError("fail_after_layers=0: failing before the first layer (fault injection)")
                 unflipped: list[_Pair] = []
                 slot = 0
                 while self.next < len(self.pairs):
@@ -451,7 +444,8 @@ def swap_layers(layers: Sequence[SwapLayer], plan: SwapPlan, lock: AbstractConte
     batch: the copies, then its pairs' row-map entries, in stream order, then a device sync; after the last,
     ``on_done()`` (the bookkeeping: which map is served), before the lock goes. Raises :class:`ApplyRefused`
     (before any lock, nothing touched) or :class:`SwapFailed` (after rolling every batch back; ``on_done`` not
-    called). ``stall_s`` / ``fail_after_layers`` are the test hooks of :mod:`pinsidecar_hook.swap`."""
+    called). ``stall_s`` / ``fail_after_layers`` inject faults (tests only: "Fault injection" in
+    :mod:`pinsidecar_hook.swap`)."""
     work = _resolve(layers, plan)
     if not work:
         stats = SwapStats(hold_budget_s=hold_budget_s)

@@ -1,7 +1,7 @@
 """The rows of an in-place remap: the swap plan resolved to rows, one pair's copies, and the swap-back.
 
 The in-place apply in three modules: :mod:`pinsidecar_hook.swap` serves the request (every check that can
-refuse, the answer, the test hooks), :mod:`pinsidecar_hook.swap_batches` carries the plan out in bounded batches
+refuse, the answer, fault injection), :mod:`pinsidecar_hook.swap_batches` carries the plan out in bounded batches
 between two steps (staging, prefetch, the step lock, the row-map flips), and this module holds what one pair swap
 is made of: the plan checked against the row maps and tensors the engine holds (:func:`_resolve`, refusing with
 :class:`ApplyRefused` before anything is touched), the copies of one row (:func:`_swap_row`), and the swap-back of
