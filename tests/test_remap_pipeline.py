@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import json
 import os
 import threading
@@ -36,6 +37,7 @@ from pinsidecar.runs.count_boot import ProfileError
 from pinsidecar.testing.artifacts import make_counts
 from pinsidecar.testing.fs import MountNotPermitted, fill, free_pages, remount, small_tmpfs
 from pinsidecar.testing.remap import FakeApplyClient, FakeHookStats, FakeTools, InstantEngine
+from pinsidecar.testing.wait import wait_until_async
 
 CODE, PROSE = 0, 1
 # Tests that request remaps themselves switch the detector's own trips off (it would race them on prose traffic).
@@ -74,13 +76,9 @@ class Harness:
         await until(lambda: sum(r.judged for r in watch.records) >= start + n, f"{n} judged windows", limit_s)
 
 
-async def until(cond: Callable[[], bool], what: str, limit_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"not reached within {limit_s} s: {what}")
-        await asyncio.sleep(0.02)
+# The one poll loop (testing.wait), at this module's pace: the daemon under test runs in this event loop.
+until = functools.partial(wait_until_async, step_s=0.02)
+LIMIT_S = 20.0
 
 
 def write_config(tmp: Path, code_map: Path, *, drift: str = "", remap: str = "", metrics: bool = False) -> Path:
@@ -187,7 +185,8 @@ async def running(tmp: Path, tools: FakeTools, *, drift: str = "", remap: str = 
 
     feeder = asyncio.create_task(traffic())
     try:
-        await until(lambda: daemon.supervisor is not None and daemon.supervisor.state == "ready", "engine ready")
+        await until(lambda: daemon.supervisor is not None and daemon.supervisor.state == "ready", "engine ready",
+                    LIMIT_S)
         assert daemon.watch is not None
         yield h
     finally:
@@ -224,7 +223,7 @@ def test_a_drift_trip_count_boots_builds_evaluates_reboots_verifies_and_commits(
             assert d.status()["drift"]["state"] == "steady"
             boots = InstantEngine.boots
             h.domain = PROSE
-            await until(lambda: d.remaps.last is not None or d.remaps.current is not None, "a drift trip")
+            await until(lambda: d.remaps.last is not None or d.remaps.current is not None, "a drift trip", LIMIT_S)
             rid = (d.remaps.current or d.remaps.last).id  # type: ignore[union-attr]
             rec = await h.wait_for_end(rid)
             assert rec["outcome"] == "committed", rec
@@ -282,7 +281,7 @@ def test_live_source_builds_from_the_drift_windows_without_a_count_boot(tmp_path
             await h.windows(2)
             h.domain = PROSE
             d = h.daemon
-            await until(lambda: d.remaps.last is not None or d.remaps.current is not None, "a drift trip")
+            await until(lambda: d.remaps.last is not None or d.remaps.current is not None, "a drift trip", LIMIT_S)
             rec = await h.wait_for_end((d.remaps.current or d.remaps.last).id)  # type: ignore[union-attr]
             assert rec["outcome"] == "committed", rec
             assert "count_boot" not in states(rec) and not tools.count_boots
@@ -346,7 +345,7 @@ def test_a_remap_while_one_runs_is_refused_naming_it(tmp_path: Path) -> None:
             await h.windows(1)
             first = await h.daemon.request_remap(trigger="manual")
             await until(lambda: h.daemon.remaps.current is not None
-                        and h.daemon.remaps.current.state == "count_boot", "count boot running")
+                        and h.daemon.remaps.current.state == "count_boot", "count boot running", LIMIT_S)
             for trigger in ("manual", "alert", "timer", "drift"):
                 with pytest.raises(ControlError) as err:
                     await h.daemon.request_remap(trigger=trigger)
@@ -621,7 +620,7 @@ def test_a_drift_trip_applies_in_place_verifies_and_commits_without_a_reboot(tmp
             await h.windows(2)
             boots, before = InstantEngine.boots, served_hash(h)
             h.domain = PROSE
-            await until(lambda: d.remaps.last is not None or d.remaps.current is not None, "a drift trip")
+            await until(lambda: d.remaps.last is not None or d.remaps.current is not None, "a drift trip", LIMIT_S)
             rec = await h.wait_for_end((d.remaps.current or d.remaps.last).id)  # type: ignore[union-attr]
             assert rec["outcome"] == "committed", rec
             assert states(rec) == [s for s in STATES if s != "rebooting"]  # applying, never rebooting
@@ -804,7 +803,7 @@ def test_an_engine_dying_mid_apply_restarts_with_the_committed_map_never_the_can
             assert rec["apply"]["outcome"] == "engine_died" and rec["apply"]["requests"][0]["result"] == "engine_died"
             sup = h.daemon.supervisor
             assert sup is not None
-            await until(lambda: sup.state == "ready" and len(sup.boots) > booted, "the supervisor's restart")
+            await until(lambda: sup.state == "ready" and len(sup.boots) > booted, "the supervisor's restart", LIMIT_S)
             assert boot_hashes(h)[booted:] == [before]  # restarted with the old map, never the candidate
             assert sup.boots[-1].reason == "crash" and served_hash(h) == before
             assert active_map_record(h) is None
@@ -830,7 +829,8 @@ def test_an_engine_restart_before_the_commit_boots_the_committed_map_and_rolls_b
             before = served_hash(h)
             res = await h.daemon.request_remap(trigger="manual", map_ref=f"class{PROSE}")
             d = h.daemon
-            await until(lambda: d.remaps.current is not None and d.remaps.current.state == "verifying", "verifying")
+            await until(lambda: d.remaps.current is not None and d.remaps.current.state == "verifying", "verifying",
+                        LIMIT_S)
             sup = d.supervisor
             assert sup is not None and sup.restart_map is not None and sup.restart_map[1] is not None
             assert sup.restart_map[1].content_hash == before and served_hash(h) != before
@@ -857,7 +857,7 @@ def test_a_second_remap_during_an_apply_is_refused_naming_the_first_and_the_gate
             await h.windows(1)
             d = h.daemon
             first = await d.request_remap(trigger="manual", map_ref=f"class{PROSE}")
-            await until(lambda: bool(tools.apply_client.calls), "the apply request sent")
+            await until(lambda: bool(tools.apply_client.calls), "the apply request sent", LIMIT_S)
             assert d.remaps.current is not None and d.remaps.current.state == "applying"
             for trigger in ("manual", "alert", "timer", "drift"):
                 with pytest.raises(ControlError) as err:
@@ -1027,7 +1027,7 @@ def test_a_record_left_open_in_any_state_is_closed_at_start_and_the_old_map_serv
         daemon = Daemon(cfg, launcher_factory=InstantEngine, remap_tools=FakeTools())
         await daemon.start()
         try:
-            await until(lambda: daemon.supervisor is not None and daemon.supervisor.state == "ready", "ready")
+            await until(lambda: daemon.supervisor is not None and daemon.supervisor.state == "ready", "ready", LIMIT_S)
             closed = json.loads(store.path(rec.id).read_text())
             want = "aborted" if state in PRE_REBOOT_STATES else "rolled_back"
             assert closed["state"] == closed["outcome"] == want
@@ -1060,7 +1060,7 @@ def test_a_commit_written_before_the_kill_is_recognised(tmp_path: Path) -> None:
         daemon = Daemon(load_config(write_config(tmp_path, boot_map)), launcher_factory=InstantEngine)
         await daemon.start()
         try:
-            await until(lambda: daemon.supervisor is not None and daemon.supervisor.state == "ready", "ready")
+            await until(lambda: daemon.supervisor is not None and daemon.supervisor.state == "ready", "ready", LIMIT_S)
             assert json.loads(store.path(rec.id).read_text())["outcome"] == "committed"
             assert daemon.supervisor is not None and daemon.supervisor.map is not None
             assert daemon.supervisor.map.content_hash == cand.content_hash
@@ -1081,7 +1081,7 @@ def test_a_restart_keeps_the_cooldown(tmp_path: Path) -> None:
         daemon.cfg = _with_fields(daemon.cfg, drift=_with_fields(daemon.cfg.drift, cooldown_s=600.0))
         await daemon.start()
         try:
-            await until(lambda: daemon.watch is not None, "watch")
+            await until(lambda: daemon.watch is not None, "watch", LIMIT_S)
             assert daemon.watch is not None and daemon.watch.detector.remaps_last_day(
                 daemon.watch.detector.clock()) == 1
             with pytest.raises(ControlError) as err:

@@ -12,8 +12,8 @@ verification waiting for traffic that never comes, or, for the states that pass 
 ``python -m pinsidecar.testing.paused_daemon --pause-at STATE``: ``pinsidecar run`` with remap tools that stop the
 remap there; nothing on the live path reads such a switch), the sidecar is SIGKILLed, and a new one, a plain
 ``pinsidecar run``, is started on the same state folder. The fake engine answers the hook's
-requests beside its stats file as the hook does (``apply`` swaps its map; ``PINSIDECAR_TEST_APPLY_STALL_S`` makes
-it hold the apply first, like the hook's test hook), so the in-place deploy runs as in production.
+requests beside its stats file as the hook does (``apply`` swaps its map; ``FAKE_ENGINE_APPLY_STALL_S`` makes
+it hold the apply first, like a stall injected into the hook), so the in-place deploy runs as in production.
 
 Every state of :data:`pinsidecar.remap.STATES` is killed here, in a real process (test_remap_pipeline.py also
 covers each in-process, from a record left open on disk); the states before ``rebooting`` other than
@@ -42,6 +42,7 @@ from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for
 from pinsidecar.remap.record import PRE_REBOOT_STATES, STATES
 from pinsidecar.testing.artifacts import make_counts
+from pinsidecar.testing.wait import wait_until
 
 PINSIDECAR = str(Path(sys.executable).parent / "pinsidecar")
 LIMIT_S = 60.0
@@ -87,7 +88,7 @@ def serve_requests():
         if req is None or req.token == state["token"]:
             continue
         if req.op == "apply":
-            time.sleep(float(os.environ.get("PINSIDECAR_TEST_APPLY_STALL_S", "0") or 0))
+            time.sleep(float(os.environ.get("FAKE_ENGINE_APPLY_STALL_S", "0") or 0))
             new = load(req.args["map"])
             plan = plan_swap(emap, new)
             with lock:
@@ -180,16 +181,15 @@ class Sidecar:
                           json={"model": "demo", "prompt": prompt, "max_tokens": 4}).status_code
 
     def wait(self, cond: Callable[[dict[str, Any]], bool], what: str, limit_s: float = LIMIT_S) -> dict[str, Any]:
-        end = time.monotonic() + limit_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"sidecar exited ({self.proc.returncode}) waiting for {what}:\n"
-                                     + self.log.read_text(errors="replace")[-3000:])
+        def reached() -> dict[str, Any] | None:
             st = self.ok_status()
-            if st is not None and cond(st):
-                return st
-            time.sleep(0.1)
-        raise AssertionError(f"not reached within {limit_s} s: {what}\n" + self.log.read_text(errors="replace")[-3000:])
+            return st if st is not None and cond(st) else None
+
+        def gone() -> str | None:
+            return None if self.proc.poll() is None else f"the sidecar exited ({self.proc.returncode})"
+
+        return wait_until(reached, what, limit_s, step_s=0.1, gone=gone,
+                          detail=lambda: self.log.read_text(errors="replace")[-3000:])
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)  # the sidecar alone; its engines live in their own groups
@@ -292,7 +292,7 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
     if state == "rebooting":  # the in-place deploy would apply it: rebooting is the fallback or in_place = false
         remap += "\nin_place = false"
     # applying: the fake engine holds the apply (the sidecar dies with its request pending, the engine mid-apply)
-    engine_env = 'env = { PINSIDECAR_TEST_APPLY_STALL_S = "600" }' if state == "applying" else ""
+    engine_env = 'env = { FAKE_ENGINE_APPLY_STALL_S = "600" }' if state == "applying" else ""
     cfg, boot_map = _setup(tmp_path, remap, engine_env)
     code_hash = load_map(boot_map).content_hash
     # count_boot waits on its count engine, applying on the engine and verifying on traffic by themselves; the
@@ -317,17 +317,12 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
     count_engine = None
     if state == "count_boot":  # the count engine is up beside the serving one, holding its port
         count_pid = tmp_path / "state" / "count-engine.pid"
-        deadline = time.monotonic() + LIMIT_S
-        while not (count_pid.exists() and port_in_use("127.0.0.1", first.ports["count"])):
-            assert time.monotonic() < deadline, "the count engine never started"
-            time.sleep(0.1)
+        wait_until(lambda: count_pid.exists() and port_in_use("127.0.0.1", first.ports["count"]),
+                   "the count engine started", LIMIT_S, step_s=0.1)
         count_engine = psutil.Process(json.loads(count_pid.read_text())["pid"])
     request = tmp_path / "state" / "stats.json.request"
     if state == "applying":  # the apply request is out, the engine holds it
-        deadline = time.monotonic() + LIMIT_S
-        while not request.exists():
-            assert time.monotonic() < deadline, "the apply request was never sent"
-            time.sleep(0.05)
+        wait_until(request.exists, "the apply request sent", LIMIT_S, step_s=0.05)
         time.sleep(0.5)  # the fake engine has read it and stalls in the apply
     if state == "verifying":  # applied in place: the old engine serves the candidate now
         assert st["remap"]["current"]["apply"]["outcome"] is None
