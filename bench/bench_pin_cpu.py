@@ -28,7 +28,7 @@ from typing import Any
 
 from pinsidecar_hook.contract import ExpertMap, LayerPlacement, atomic_write_json
 
-from pinsidecar.runs.workload import WorkloadRequest, load_workload, replay
+from pinsidecar.counts.workload import WorkloadRequest, load_workload, replay
 from pinsidecar.testing.engine import free_port, start_engine
 
 __all__ = ["main"]

@@ -20,7 +20,7 @@ run fails: with its ``error``) and the timeline PNG. Exits 1 when a check fails.
 On the H200 (vLLM 0.26, the GPU lane's model: ``bench/gpu_lane.py``'s 16 layers x 128 experts, top-8),
 ``scripts/gpu_lane/device_loop.sh`` (``step_heal``) writes the engine file (the lane's own engine settings:
 ``enforce_eager = false``, ``kv_cache_bytes``, ``max_model_len``, the vLLM flags in ``extra_args``, the compile
-cache in ``env``), builds the maps from count boots (``pinsidecar profile`` + ``pinsidecar map build``) and runs
+cache in ``env``), builds the maps from count boots (``pinsidecar count-boot`` + ``pinsidecar map build``) and runs
 this with ``--maps``, ``--engine-toml``, ``--nvml`` and the hot-row counts of those maps.
 """
 

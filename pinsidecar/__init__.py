@@ -1,6 +1,6 @@
 """pinsidecar: keep the MoE experts that traffic uses in GPU memory and the rest in pinned host memory.
 
-The loop, in folder order: counts (``runs``: the count boot) -> placement (``placement``: a row map from counts)
+The loop, in folder order: counts (``counts``: the count boot) -> placement (``placement``: a row map from counts)
 -> hook (the ``pinsidecar_hook`` package: count and pin mode inside vLLM) -> engine (``engine``) -> metrics
 (``metrics``) -> drift (``drift``) -> remap (``remap``). The daemon (``daemon``) and the CLI (``cli``) drive it;
 ``demo`` builds the tiny local model and runs the loop on it, and ``testing`` holds what the tests build with.

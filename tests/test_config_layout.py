@@ -19,10 +19,10 @@ import structlog
 from click.testing import CliRunner
 
 from pinsidecar.cli import main
+from pinsidecar.counts.count_boot import count_boot_config
 from pinsidecar.daemon.config import _SECTION_TYPES, ConfigError, load_config, parse_config
 from pinsidecar.drift.config import load_drift_config
 from pinsidecar.engine import hooked_spec, load_engine_config
-from pinsidecar.runs.count_boot import count_boot_config
 from pinsidecar.schema import TABLE, TOML_KEY
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,13 +35,13 @@ import pytest
 from pinsidecar_hook.contract import load_map, load_stats
 from pinsidecar_hook.contract.env import HookConfig
 
+from pinsidecar.counts.count_boot import request_counts
 from pinsidecar.daemon.config import SupervisorConfig
 from pinsidecar.daemon.supervisor import EngineState, Supervisor
 from pinsidecar.engine import EngineConfig, PortInUseError, free_port, hooked_spec
 from pinsidecar.engine.container import ContainerEngine
 from pinsidecar.engine.launcher import EngineSetupError
 from pinsidecar.placement import build_usage_map
-from pinsidecar.runs.count_boot import request_counts
 from pinsidecar.testing.artifacts import write_map
 from pinsidecar.testing.container import PodmanLane
 from pinsidecar.testing.daemon import DaemonUnderTest, drain_reboot_figure

@@ -1,4 +1,4 @@
-"""The count boot (``pinsidecar profile``) end to end against the real vLLM CPU server, driven by the daemon's own
+"""The count boot (``pinsidecar count-boot``) end to end against the real vLLM CPU server, driven by the daemon's own
 example config; its engine table (the one ``[engine]`` schema, the count boot's defaults and the command line on
 top); and its bad-input paths: nothing is ever written to --out unless the whole count boot succeeded."""
 
@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from pinsidecar_hook.contract import load_counts
 
 from pinsidecar.cli import main
+from pinsidecar.counts.count_boot import count_boot_config
 from pinsidecar.engine import hooked_spec
 from pinsidecar.engine.ports import free_port
-from pinsidecar.runs.count_boot import count_boot_config
 from pinsidecar.schema import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
@@ -42,7 +42,7 @@ def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, dem
     out_dir = tmp_path / "out"
     out = out_dir / "code.counts.json"
     wl = workload(tmp_path)
-    code, stdout, stderr = run_cli("profile", "--config", str(EXAMPLES / "cpu-demo.toml"), "--model",
+    code, stdout, stderr = run_cli("count-boot", "--config", str(EXAMPLES / "cpu-demo.toml"), "--model",
                                    str(demo_model_dir), "--workload", str(wl), "--out", str(out), "--concurrency", "3",
                                    "--port", str(free_port()), "--label", "code", "--json")
     assert code == 0, stderr
@@ -69,7 +69,7 @@ def test_port_in_use_fails_before_starting_anything(tmp_path: Path) -> None:
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", port))
         listener.listen()
-        code, _, stderr = run_cli("profile", "--model", str(tmp_path / "model"), "--workload",
+        code, _, stderr = run_cli("count-boot", "--model", str(tmp_path / "model"), "--workload",
                                   str(workload(tmp_path, 2)), "--out", str(out), "--port", str(port))
     assert code == 2
     assert f"port {port}" in stderr and "already in use" in stderr
@@ -81,11 +81,22 @@ def test_bad_workload_line_is_named_and_nothing_starts(tmp_path: Path) -> None:
     wl = tmp_path / "w.jsonl"
     wl.write_text('{"prompt": "ok"}\n{"prompt": "ok"}\n\n{"prompt": "ok"}\n')
     out = tmp_path / "c.json"
-    code, _, stderr = run_cli("profile", "--model", str(tmp_path / "model"), "--workload", str(wl), "--out", str(out),
-                              "--port", str(free_port()))
+    code, _, stderr = run_cli("count-boot", "--model", str(tmp_path / "model"), "--workload", str(wl), "--out",
+                              str(out), "--port", str(free_port()))
     assert code == 2
     assert f"{wl}:3: empty line" in stderr
     assert not out.exists()
+
+
+def test_the_old_name_profile_says_so_and_runs_count_boot(tmp_path: Path) -> None:
+    """Scripts written for ``pinsidecar profile`` keep working: the same options reach ``count-boot``."""
+    (tmp_path / "model").mkdir()
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"prompt": "ok"}\n\n')
+    code, _, stderr = run_cli("profile", "--model", str(tmp_path / "model"), "--workload", str(wl), "--out",
+                              str(tmp_path / "c.json"), "--port", str(free_port()))
+    assert code == 2 and f"{wl}:2: empty line" in stderr
+    assert "pinsidecar profile is now `pinsidecar count-boot`" in stderr
 
 
 @pytest.mark.vllm
@@ -94,7 +105,7 @@ def test_engine_boot_failure_shows_its_last_log_lines(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "no_such_architecture", "architectures": ["Nope"]}')
     out = tmp_path / "c.json"
-    code, _, stderr = run_cli("profile", "--model", str(model), "--workload", str(workload(tmp_path, 2)),
+    code, _, stderr = run_cli("count-boot", "--model", str(model), "--workload", str(workload(tmp_path, 2)),
                               "--out", str(out), "--port", str(free_port()))
     assert code == 1
     assert "engine exited with code" in stderr and "last engine log lines:" in stderr
@@ -148,7 +159,7 @@ def test_cli_without_any_model_is_a_clear_error(tmp_path: Path) -> None:
     cfg = tmp_path / "p.toml"
     cfg.write_text("[engine]\nport = 8123\n")
     out = tmp_path / "c.json"
-    code, _, stderr = run_cli("profile", "--config", str(cfg), "--workload", str(workload(tmp_path, 2)),
+    code, _, stderr = run_cli("count-boot", "--config", str(cfg), "--workload", str(workload(tmp_path, 2)),
                               "--out", str(out))
     assert code == 2
     assert "engine.model: required" in stderr and "--model" in stderr
@@ -158,6 +169,6 @@ def test_cli_without_any_model_is_a_clear_error(tmp_path: Path) -> None:
 def test_container_launcher_config_is_refused_before_anything_starts(tmp_path: Path) -> None:
     cfg = tmp_path / "p.toml"
     cfg.write_text(f'[engine]\nlauncher = "container"\nmodel = "{tmp_path}"\n[container]\nimage = "img"\n')
-    code, _, stderr = run_cli("profile", "--config", str(cfg), "--workload", str(workload(tmp_path, 2)),
+    code, _, stderr = run_cli("count-boot", "--config", str(cfg), "--workload", str(workload(tmp_path, 2)),
                               "--out", str(tmp_path / "c.json"), "--port", str(free_port()))
     assert code == 2 and "engine.launcher = 'container'" in stderr

@@ -332,7 +332,7 @@ def test_engine_killed_during_a_count_boot_leaves_nothing_and_the_lane_serves_on
     out = lane.tmp / "counts" / "code.counts.json"
     out.parent.mkdir()
     workload = Path(__file__).resolve().parents[1] / "pinsidecar" / "demo" / "fixtures" / "code.jsonl"
-    proc = subprocess.Popen([PINSIDECAR, "profile", "--model", str(demo_model_dir), "--workload", str(workload),
+    proc = subprocess.Popen([PINSIDECAR, "count-boot", "--model", str(demo_model_dir), "--workload", str(workload),
                              "--out", str(out), "--port", str(lane.ports.count), "--max-tokens", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

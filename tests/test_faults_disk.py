@@ -10,7 +10,6 @@ after the disk is freed commits).
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,18 +21,9 @@ from pinsidecar_hook.flusher import Flusher
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for, save_candidate
 from pinsidecar.testing.artifacts import make_counts
-from pinsidecar.testing.fs import PAGE, MountNotPermitted, fill, free_pages, remount, small_tmpfs
+from pinsidecar.testing.fs import PAGE, fill, free_pages, remount
 
 HOT_ROWS = 48
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    try:
-        with small_tmpfs(tmp_path / "fs", "64k") as path:
-            yield path
-    except MountNotPermitted as exc:
-        pytest.skip(str(exc))
 
 
 def _serving(maps: Path) -> tuple[Path, bytes]:

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 
 from pinsidecar.cli import main
+from pinsidecar.counts.parity import ParityError, ParityRef, PromptOutput, compare, load_ref
 from pinsidecar.engine.ports import free_port
-from pinsidecar.runs.parity import ParityError, ParityRef, PromptOutput, compare, load_ref
 
 PROMPTS = [
     {"prompt": "def parse_rows(items, node):\n    total = 0\n", "max_tokens": 10},

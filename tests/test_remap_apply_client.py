@@ -27,10 +27,10 @@ from pinsidecar_hook.contract.requests import (
 from pinsidecar_hook.contract.swap import ApplyResult, plan_swap
 from pinsidecar_hook.flusher import Flusher, WriteInfo
 
+from pinsidecar.counts.parity import ParityRef, PromptOutput, compare
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.apply import classify_answer, request_apply, withdraw_apply_request
 from pinsidecar.remap.parity import compare_outputs
-from pinsidecar.runs.parity import ParityRef, PromptOutput, compare
 from pinsidecar.testing.artifacts import make_counts
 
 

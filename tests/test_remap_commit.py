@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,7 @@ import pinsidecar.remap.commit as commit
 from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.commit import ACTIVE_MAP_FILE, commit_failure, committed_map, write_active_map
 from pinsidecar.testing.artifacts import make_counts
-from pinsidecar.testing.fs import MountNotPermitted, fill, small_tmpfs
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    try:
-        with small_tmpfs(tmp_path / "state", "64k") as path:
-            yield path
-    except MountNotPermitted as exc:
-        pytest.skip(str(exc))
+from pinsidecar.testing.fs import fill
 
 
 def test_it_names_the_map_and_its_hash(tmp_path: Path) -> None:

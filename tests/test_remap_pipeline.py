@@ -25,6 +25,7 @@ import pytest
 from pinsidecar_hook.contract import load_map
 from pinsidecar_hook.contract.requests import apply_args, request_path, write_hook_request
 
+from pinsidecar.counts.count_boot import CountBootError
 from pinsidecar.daemon.config import load_config
 from pinsidecar.daemon.control import ControlError
 from pinsidecar.daemon.service import Daemon
@@ -33,7 +34,6 @@ from pinsidecar.placement import build_usage_map
 from pinsidecar.remap.candidates import counts_path_for
 from pinsidecar.remap.commit import ACTIVE_MAP_FILE, write_active_map
 from pinsidecar.remap.record import PRE_REBOOT_STATES, STATES, RecordStore, RemapRecord
-from pinsidecar.runs.count_boot import ProfileError
 from pinsidecar.testing.artifacts import make_counts
 from pinsidecar.testing.fs import MountNotPermitted, fill, free_pages, remount, small_tmpfs
 from pinsidecar.testing.remap import FakeApplyClient, FakeHookStats, FakeTools, InstantEngine
@@ -364,7 +364,7 @@ def test_a_remap_while_one_runs_is_refused_naming_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("failure", ["error", "too_few_tokens"])
 def test_a_failed_or_thin_count_boot_aborts_and_the_old_map_keeps_serving(tmp_path: Path, failure: str) -> None:
-    counts: Any = ProfileError("engine exited with code 1 while booting") if failure == "error" \
+    counts: Any = CountBootError("engine exited with code 1 while booting") if failure == "error" \
         else make_counts(tokens=100, domain=PROSE, seed=3)
     tools = FakeTools(counts)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pinsidecar.runs.workload import DEFAULT_MAX_TOKENS, ReplayResult, RequestResult, WorkloadError, load_workload
+from pinsidecar.counts.workload import DEFAULT_MAX_TOKENS, ReplayResult, RequestResult, WorkloadError, load_workload
 
 
 def write(tmp_path: Path, name: str, lines: list[str]) -> Path:

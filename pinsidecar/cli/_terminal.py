@@ -1,6 +1,6 @@
 """What a long command shows a person while it works: one line per step, a live indicator for long waits.
 
-``pinsidecar demo`` and ``pinsidecar profile`` spend most of their time waiting: for vLLM to boot (15-25 s on the
+``pinsidecar demo`` and ``pinsidecar count-boot`` spend most of their time waiting: for vLLM to boot (15-25 s on the
 CPU lane, minutes for a large GPU model), for a replay to finish, for a remap to go through its states. A terminal
 that sits silent for that long looks hung, and one that scrolls a line per HTTP request hides the result. So:
 
@@ -9,7 +9,7 @@ that sits silent for that long looks hung, and one that scrolls a line per HTTP 
   text can change while it spins (the remap's current state), and it disappears when the wait ends;
 - lines printed while a spinner spins land above it: the spinner's line is cleared first and redrawn after, so
   the demo can report windows and remap steps as they happen without garbling the indicator;
-- a replay shows a progress bar per request on stderr (:func:`pinsidecar.runs.workload.replay` draws it; ask
+- a replay shows a progress bar per request on stderr (:func:`pinsidecar.counts.workload.replay` draws it; ask
   :attr:`Terminal.bars` whether to);
 - with ``--json`` (:meth:`Terminal.silent`) none of this is printed, so stdout carries only the JSON document.
 

@@ -41,7 +41,7 @@ def _show_human(r: dict[str, Any]) -> str:
 def register(main: click.Group) -> None:
     @main.group("counts")
     def counts_group() -> None:
-        """Inspect and merge counts artifacts (from `pinsidecar profile` or the hook)."""
+        """Inspect and merge counts artifacts (from `pinsidecar count-boot` or the hook)."""
 
     @counts_group.command("show")
     @click.argument("counts", type=click.Path(dir_okay=False))

@@ -1,4 +1,4 @@
-"""``pinsidecar parity record|check``: the parity gate from the command line (see :mod:`pinsidecar.runs.parity`).
+"""``pinsidecar parity record|check``: the parity gate from the command line (see :mod:`pinsidecar.counts.parity`).
 
 Exit codes: 0 every token and logprob matches (``check``) or the reference was written (``record``); 1 the check
 ran and found a difference (each differing prompt's first difference is reported); 2 bad input (a missing or
@@ -50,8 +50,8 @@ def _mode(map_path: Path | None, mode: str | None) -> str:
 
 
 def _errors(fn: Any) -> Any:
-    from pinsidecar.runs.parity import ParityError
-    from pinsidecar.runs.workload import WorkloadError
+    from pinsidecar.counts.parity import ParityError
+    from pinsidecar.counts.workload import WorkloadError
 
     wrapped = handle_errors(fn)
 
@@ -79,7 +79,7 @@ def parity() -> None:
 def record_cmd(model: Path, map_path: Path | None, mode: str | None, prompts: Path, port: int | None,
                base_url: str | None, engine_log: Path | None, as_json: bool, out: Path) -> None:
     """Boot the engine, generate greedily (temperature 0, logprobs) for every prompt, write REF.json."""
-    from pinsidecar.runs import parity as p
+    from pinsidecar.counts import parity as p
 
     hook_mode = _mode(map_path, mode)
     p.load_prompts(prompts)  # validate before the (slow) boot
@@ -100,7 +100,7 @@ def record_cmd(model: Path, map_path: Path | None, mode: str | None, prompts: Pa
 def check_cmd(model: Path, map_path: Path | None, mode: str | None, prompts: Path, port: int | None,
               base_url: str | None, engine_log: Path | None, as_json: bool, ref_path: Path) -> None:
     """Boot the engine, generate the same way, and compare with REF.json: exit 0 only if every token matches."""
-    from pinsidecar.runs import parity as p
+    from pinsidecar.counts import parity as p
 
     hook_mode = _mode(map_path, mode)
     ref = p.load_ref(ref_path)

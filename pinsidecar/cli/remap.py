@@ -3,11 +3,11 @@
 It posts ``{"dry_run", "map", "reason", "trigger"}`` to the daemon's ``POST /remap`` with the bearer token from
 ``control.token_file``, so it passes the same gate as every other trigger (the drift detector, the Alertmanager
 webhook): one remap at a time, the ``[drift]`` cooldown and daily cap. The systemd timer
-(``systemd/pinsidecar-remap.timer``) runs this command with ``--trigger timer`` for periodic re-profiles.
+(``systemd/pinsidecar-remap.timer``) runs this command with ``--trigger timer`` for periodic re-counts.
 
 Exit codes: 0 the remap started (or, with ``--wait``, committed; or the dry run answered), 1 a remap that ran and
 did not commit (``--wait``), 2 bad input, 3 **refused by the gate** (a remap is running, the cooldown, the daily
-cap). The timer's unit counts 3 as success: a re-profile that the cooldown skips is not a failure.
+cap). The timer's unit counts 3 as success: a re-count that the cooldown skips is not a failure.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A row map is a per-workload artifact (docs/design.md), so the best traffic for a count boot is the traffic the
 engine actually serves. The gate offers every request body to :meth:`CaptureStore.offer`; the store keeps a random
 sample of ``/v1/completions`` and ``/v1/chat/completions`` bodies, one JSON request per line, which is exactly the
-workload format ``pinsidecar profile`` replays.
+workload format ``pinsidecar count-boot`` replays.
 
 Bounded, and safe to read while it writes:
 

@@ -96,8 +96,8 @@ class DemoRun:
                 show.note(f"reusing {self.model_dir}")
 
     def count_boot(self, port: int) -> CountsArtifact:
+        from pinsidecar.counts.count_boot import run_count_boot
         from pinsidecar.demo.model import fixture_path
-        from pinsidecar.runs.count_boot import run_profile
 
         show, a = self.show, self.opts.domain_a
         out = self.work / f"counts-{a}.json"
@@ -108,7 +108,7 @@ class DemoRun:
                 self.summary["count_boot"] = {"reused": str(out)}
                 return load_counts(out)
             with show.engine_boot(f"http://127.0.0.1:{port}", "count engine booting"):
-                result = run_profile(self.model_dir, [fixture_path(a)], out, port=port, label=a,
+                result = run_count_boot(self.model_dir, [fixture_path(a)], out, port=port, label=a,
                                      progress=show.bars, engine_log=self.work / "count-boot.log")
         s = result.summary()
         self.summary["count_boot"] = s

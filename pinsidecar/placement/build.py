@@ -158,7 +158,7 @@ def build_usage_map(
     if total.selections == 0:
         where = ", ".join(names) if names else "the counts"
         raise ArtifactError(None, f"{where}: no selections counted, so there is nothing to rank experts by",
-                            "run the count boot with real traffic (pinsidecar profile) before building a map")
+                            "run the count boot with real traffic (pinsidecar count-boot) before building a map")
     empty = np.flatnonzero(total.counts.sum(axis=1) == 0)
     if empty.size:
         log.warning("layers_without_selections", layer_ids=[total.layer_ids[i] for i in empty],

@@ -6,7 +6,7 @@ disk. The rooms, one idea each:
 
 - :mod:`~pinsidecar.remap.record` — the record and its states, written atomically at every transition;
 - :mod:`~pinsidecar.remap.admission` — one remap at a time, every trigger through the same cooldown and cap;
-- :mod:`~pinsidecar.remap.workload` — what the candidate is built from: captured traffic, or the live windows;
+- :mod:`~pinsidecar.remap.traffic` — what the candidate is built from: captured traffic, or the live windows;
 - :mod:`~pinsidecar.remap.candidates` — the map library (checked first) and how a candidate lands in it;
 - :mod:`~pinsidecar.remap.deploy` — the deploy contract (deploy, verify, roll back) and the shared verify-commit
   tail; :mod:`~pinsidecar.remap.in_place` and :mod:`~pinsidecar.remap.reboot` — its two deploys;

@@ -18,7 +18,7 @@ from pinsidecar_hook.contract import ExpertMap, load_map
 from pinsidecar.drift import DriftWatch, build_candidate, decide, pick_from_library
 from pinsidecar.remap.candidates import library_maps
 from pinsidecar.remap.host import RemapHost
-from pinsidecar.remap.workload import NotEnoughTraffic, live_build_windows
+from pinsidecar.remap.traffic import NotEnoughTraffic, live_build_windows
 
 __all__: list[str] = []  # nothing here is another package's business
 

@@ -1,7 +1,7 @@
 """Parity across a deploy, for both deploys: one reference recorded before, one comparison after.
 
 Placement must never change a result, so every deploy records the parity prompts' greedy outputs on the engine
-serving the old map (saved beside the record as ``<id>.parity.json``, a :class:`~pinsidecar.runs.parity.ParityRef`)
+serving the old map (saved beside the record as ``<id>.parity.json``, a :class:`~pinsidecar.counts.parity.ParityRef`)
 and compares the engine serving the candidate with them before the candidate is trusted. The two deploys differ
 in one thing only, which is why one class serves both (:class:`DeployParity`, ``logprobs`` says which):
 
@@ -13,7 +13,7 @@ in one thing only, which is why one class serves both (:class:`DeployParity`, ``
   difference is reported, not judged.
 
 :func:`compare_outputs` is that comparison; differences are described the way the parity gate describes them
-(:class:`~pinsidecar.runs.parity.PromptDiff`), and a different number of answers is a difference, not an error.
+(:class:`~pinsidecar.counts.parity.PromptDiff`), and a different number of answers is a difference, not an error.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 
 from pinsidecar_hook.contract import ExpertMap
 
+from pinsidecar.counts.parity import ParityRef, PromptDiff, PromptOutput, prompts_digest
+from pinsidecar.counts.workload import WorkloadRequest
 from pinsidecar.remap.run import first_line
 from pinsidecar.remap.verify import load_parity_prompts
-from pinsidecar.runs.parity import ParityRef, PromptDiff, PromptOutput, prompts_digest
-from pinsidecar.runs.workload import WorkloadRequest
 
 __all__: list[str] = []  # nothing here is another package's business
 

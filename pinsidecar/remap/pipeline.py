@@ -4,7 +4,7 @@ One remap at a time runs through the states of :mod:`~pinsidecar.remap.record` (
 is checked at every change); every transition is written to disk before the next step starts, and every step is a
 plain call into a module of its own:
 
-a. **choose the workload** (:mod:`~pinsidecar.remap.workload`): the traffic the gate captured (plus fixtures), or
+a. **choose the workload** (:mod:`~pinsidecar.remap.traffic`): the traffic the gate captured (plus fixtures), or
    the drift watch's live windows (``remap.source = "live"``: pin mode counts the full histogram online, so no
    count boot is needed);
 b. **the library first** (:mod:`~pinsidecar.remap.candidates`): a labelled map already on disk that fits the live
@@ -62,7 +62,7 @@ from pinsidecar.remap.record import TRIGGERS, RecordStore, RemapRecord
 from pinsidecar.remap.recovery import active_map_hash, close_open_records, close_record
 from pinsidecar.remap.run import Aborted, RemapRun, first_line, map_ref
 from pinsidecar.remap.tools import RemapTools
-from pinsidecar.remap.workload import NotEnoughTraffic, captured_workload, live_build_windows
+from pinsidecar.remap.traffic import NotEnoughTraffic, captured_workload, live_build_windows
 
 __all__ = ["COUNT_ENGINE_PID_FILE", "RemapPipeline"]
 

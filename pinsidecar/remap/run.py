@@ -15,7 +15,7 @@ from pinsidecar_hook.contract import CountsArtifact, ExpertMap
 
 from pinsidecar.drift import Decision
 from pinsidecar.remap.record import RemapRecord
-from pinsidecar.remap.workload import WorkloadChoice
+from pinsidecar.remap.traffic import WorkloadChoice
 
 __all__: list[str] = []  # nothing here is another package's business
 

@@ -21,13 +21,13 @@ from typing import Any
 
 from pinsidecar_hook.contract import CountsArtifact
 
+from pinsidecar.counts.parity import PromptOutput
+from pinsidecar.counts.workload import WorkloadRequest
 from pinsidecar.engine.spec import EngineConfig
 from pinsidecar.remap.apply import ApplyClient, request_apply
 from pinsidecar.remap.commit import write_active_map
 from pinsidecar.remap.config import RemapConfig
 from pinsidecar.remap.verify import ColdRateProbe, parity_outputs
-from pinsidecar.runs.parity import PromptOutput
-from pinsidecar.runs.workload import WorkloadRequest
 
 __all__ = ["RemapTools"]
 
@@ -37,10 +37,10 @@ def run_count_boot(workloads: Sequence[Path], out: Path, *, engine: EngineConfig
     """The count boot of a remap: the serving engine's ``[engine]`` table, eager (counts do not depend on compiled
     graphs, and an eager boot is about twice as fast on CPU), on its own port, with ``remap.count_boot_env`` over
     its environment (its own CPU cores on the CPU lane). Blocking: run it in a thread."""
-    from pinsidecar.runs.count_boot import run_profile
+    from pinsidecar.counts.count_boot import run_count_boot
 
     spec = dataclasses.replace(engine, enforce_eager=True, env={**engine.env, **remap.count_boot_env})
-    res = run_profile(None, list(workloads), out, concurrency=remap.count_boot_concurrency, port=port,
+    res = run_count_boot(None, list(workloads), out, concurrency=remap.count_boot_concurrency, port=port,
                       label=label, engine=spec, progress=False, engine_log=engine_log, pid_file=pid_file)
     return res.counts, res.summary()
 

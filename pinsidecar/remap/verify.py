@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pinsidecar.counts.parity import PromptOutput, generate, load_prompts
+from pinsidecar.counts.workload import WorkloadRequest
 from pinsidecar.live_stats import StatsReader, ratio
-from pinsidecar.runs.parity import PromptOutput, generate, load_prompts
-from pinsidecar.runs.workload import WorkloadRequest
 
 __all__ = ["ColdRateProbe", "ColdRateResult"]
 

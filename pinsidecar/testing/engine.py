@@ -84,7 +84,7 @@ class HookedEngine(EngineProcess):
 
     def hook_request(self, op: str, timeout_s: float = 60.0) -> CountsArtifact:
         """Send ``flush``/``reset`` to the count hook and return the counts file that answers it."""
-        from pinsidecar.runs.count_boot import request_counts
+        from pinsidecar.counts.count_boot import request_counts
 
         return request_counts(self.counts_path, op, self, timeout_s)
 

@@ -21,6 +21,8 @@ once per session.
 - ``engine_factory`` (session): ``engine_factory(model_dir, mode="count", **kw)`` starts a ready
   :class:`~pinsidecar.testing.engine.HookedEngine` (arguments of :func:`~pinsidecar.testing.engine.start_engine`)
   and stops every engine it started at the end of the session, so a module can keep one boot for all its tests.
+- ``tmpfs``: a 64 KiB tmpfs mounted for the test under its ``tmp_path`` (a disk that really fills: ENOSPC from the
+  kernel, not from a mock); skips with the mount's reason where mounting is not permitted (CI runs as root);
 - ``podman_lane`` (session): a :class:`~pinsidecar.testing.container.PodmanLane`, podman with its own storage and
   the engine image built (about a second); skips with podman's reason only where podman cannot run a container.
 
@@ -146,3 +148,14 @@ def podman_lane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodmanLane
     yield lane
     env.undo()
     lane.close()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    from pinsidecar.testing.fs import MountNotPermitted, small_tmpfs
+
+    try:
+        with small_tmpfs(tmp_path / "fs", "64k") as path:
+            yield path
+    except MountNotPermitted as exc:
+        pytest.skip(str(exc))

@@ -33,11 +33,11 @@ from pinsidecar_hook.contract import CountsArtifact, StatsSnapshot, load_map, lo
 from pinsidecar_hook.contract.requests import HookRequestError
 from pinsidecar_hook.contract.swap import ApplyResult
 
+from pinsidecar.counts.parity import PromptOutput
+from pinsidecar.counts.workload import WorkloadRequest
 from pinsidecar.engine import EngineSpec
 from pinsidecar.remap.tools import RemapTools
 from pinsidecar.remap.verify import ColdRateProbe, ColdRateResult
-from pinsidecar.runs.parity import PromptOutput
-from pinsidecar.runs.workload import WorkloadRequest
 from pinsidecar.testing.artifacts import make_counts
 
 __all__: list[str] = []  # nothing here is another package's business

@@ -124,9 +124,9 @@ step_callane() {
   local w=/tmp/gl/callane
   mkdir -p "$w"
   for t in code code_heldout; do
-    timeout 300 python3 -c "from pinsidecar.cli import main; main()" profile --config /tmp/op/pinsidecar.toml \
+    timeout 300 python3 -c "from pinsidecar.cli import main; main()" count-boot --config /tmp/op/pinsidecar.toml \
       --model "$CALMODEL" --workload "pinsidecar/demo/fixtures/$t.jsonl" --out "$w/$t.counts.json" --label "$t" \
-      --json > "$w/$t.profile.json" || return 1
+      --json > "$w/$t.count_boot.json" || return 1
   done
   psc map build "$w/code.counts.json" --hot-rows 99 --label "calibrated code" --out "$w/code.json" --json \
     > "$w/code.build.json" || return 1

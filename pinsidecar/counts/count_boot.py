@@ -9,7 +9,7 @@ pipeline of plain steps with I/O at the edges:
    a temp file beside ``--out`` and wait until it serves;
 3. ``reset`` the counters through the hook's request file and wait for the echoed token, so the readiness probe
    and anything before it is not counted;
-4. replay the workload (:mod:`pinsidecar.runs.workload`);
+4. replay the workload (:mod:`pinsidecar.counts.workload`);
 5. ``flush`` and wait for the token: that file holds exactly the replay's routing (snapshots fall between steps);
 6. stop the engine cleanly (SIGTERM to its process group);
 7. validate the counts (every layer sums to ``tokens * top_k``) and write ``--out`` atomically, with the label
@@ -47,6 +47,7 @@ import structlog
 from pinsidecar_hook.contract import CountsArtifact, HookRequestError, load_counts, request_and_wait, request_path
 from pinsidecar_hook.contract.env import HookConfig
 
+from pinsidecar.counts.workload import ReplayResult, WorkloadError, WorkloadRequest, load_workload, replay
 from pinsidecar.engine import (
     EngineBootError,
     EngineConfig,
@@ -58,9 +59,8 @@ from pinsidecar.engine import (
     load_engine_config,
     port_in_use,
 )
-from pinsidecar.runs.workload import ReplayResult, WorkloadError, WorkloadRequest, load_workload, replay
 
-__all__ = ["count_boot_config", "request_counts", "run_profile"]
+__all__ = ["count_boot_config", "request_counts", "run_count_boot"]
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +73,7 @@ COUNT_FLUSH_INTERVAL_S = 5.0
 COUNT_BOOT_DEFAULTS: Mapping[str, object] = {"enforce_eager": True}
 
 
-class ProfileError(RuntimeError):
+class CountBootError(RuntimeError):
     """The count boot ran and failed (engine died, hook never answered, requests failed). Exit code 1."""
 
 
@@ -119,7 +119,7 @@ class ProfileResult:
 def request_counts(counts_path: Path, op: str, engine: EngineProcess | None = None,
                    timeout_s: float = HOOK_REPLY_TIMEOUT_S) -> CountsArtifact:
     """Send ``flush``/``reset`` to the count hook and return the counts file that answers it: a thin wrapper over
-    :func:`pinsidecar_hook.contract.request_and_wait` that raises :class:`ProfileError` (with the engine's last
+    :func:`pinsidecar_hook.contract.request_and_wait` that raises :class:`CountBootError` (with the engine's last
     log lines when it exited)."""
     try:
         return request_and_wait(counts_path, op, load_counts, timeout_s=timeout_s,
@@ -127,21 +127,21 @@ def request_counts(counts_path: Path, op: str, engine: EngineProcess | None = No
     except HookRequestError as exc:
         tail = "" if engine is None or engine.alive() else "; last engine log lines:\n" + "\n".join(
             "  | " + line for line in engine.last_log_lines())
-        raise ProfileError(f"{exc}{tail}") from None
+        raise CountBootError(f"{exc}{tail}") from None
 
 
 def _default_label(paths: Sequence[Path]) -> str:
     return "+".join(Path(p).stem for p in paths)
 
 
-def run_profile(model: Path | None, workloads: Sequence[Path], out: Path, *, concurrency: int = 4,
+def run_count_boot(model: Path | None, workloads: Sequence[Path], out: Path, *, concurrency: int = 4,
                 max_tokens: int | None = None, port: int | None = None, label: str | None = None,
                 engine: EngineConfig | None = None, progress: bool | None = None,
                 engine_log: Path | None = None, pid_file: Path | None = None) -> ProfileResult:
     """Run one count boot end to end (see the module docstring) on ``engine`` (default:
     :func:`count_boot_config` without a file); ``model`` and ``port``, when given, replace the table's. Raises
     :class:`WorkloadError`, :class:`PortInUseError` or ``ValueError`` for bad input (before anything starts),
-    :class:`EngineBootError` when the engine does not come up, :class:`ProfileError` when the boot ran and
+    :class:`EngineBootError` when the engine does not come up, :class:`CountBootError` when the boot ran and
     failed. ``pid_file``: where the count engine records itself while it runs (see
     :func:`~pinsidecar.engine.process.stop_recorded_engine`), so a parent killed mid-boot can be cleaned up after."""
     if engine is None:
@@ -190,7 +190,7 @@ def run_profile(model: Path | None, workloads: Sequence[Path], out: Path, *, con
                         progress=progress)
         if result.errors:
             first = "; ".join(f"{r.source}: {r.error}" for r in result.errors[:3])
-            raise ProfileError(f"{len(result.errors)} of {result.requests} requests failed ({first})")
+            raise CountBootError(f"{len(result.errors)} of {result.requests} requests failed ({first})")
         counts = request_counts(tmp_counts, "flush", eng)
         exit_code = eng.stop(engine.stop_timeout_s)
         final = _finish(counts, result, label, workloads, concurrency, max_tokens, spec)
@@ -198,7 +198,7 @@ def run_profile(model: Path | None, workloads: Sequence[Path], out: Path, *, con
         if eng.owns_log:  # a clean run needs no log; a failed one keeps it (its path is in the error)
             with contextlib.suppress(OSError):
                 eng.log_path.unlink()
-        log.info("profile_done", out=str(out), tokens=final.tokens, selections=final.selections)
+        log.info("count_boot_done", out=str(out), tokens=final.tokens, selections=final.selections)
         return ProfileResult(final, out, result, boot_s, exit_code)
     finally:
         if eng.alive():
@@ -212,10 +212,10 @@ def _finish(counts: CountsArtifact, result: ReplayResult, label: str, workloads:
             max_tokens: int | None, spec: EngineSpec) -> CountsArtifact:
     if not counts.consistent:
         sums = counts.counts.sum(axis=1).tolist()
-        raise ProfileError(f"counts are inconsistent: per-layer selections {sums} != tokens {counts.tokens} x "
+        raise CountBootError(f"counts are inconsistent: per-layer selections {sums} != tokens {counts.tokens} x "
                            f"top_k {counts.top_k}; the hook flushed mid-step")
     if counts.tokens == 0:
-        raise ProfileError("the engine routed no tokens during the replay (is the hook counting this model?)")
+        raise CountBootError("the engine routed no tokens during the replay (is the hook counting this model?)")
     expected = result.tokens_processed
     if counts.tokens != expected:
         log.warning("token_mismatch", counted=counts.tokens, expected=expected,
@@ -234,4 +234,4 @@ def _finish(counts: CountsArtifact, result: ReplayResult, label: str, workloads:
 
 # Re-exported for the CLI's error mapping.
 USER_ERRORS: tuple[type[Exception], ...] = (WorkloadError, PortInUseError, ValueError)
-RUN_ERRORS: tuple[type[Exception], ...] = (EngineBootError, EngineError, ProfileError)
+RUN_ERRORS: tuple[type[Exception], ...] = (EngineBootError, EngineError, CountBootError)

@@ -27,8 +27,8 @@ from typing import Any
 import structlog
 from pinsidecar_hook.contract import atomic_write_bytes
 
+from pinsidecar.counts.workload import WorkloadError, WorkloadRequest, load_workload, parse_request
 from pinsidecar.drift import DriftWatch, Window
-from pinsidecar.runs.workload import WorkloadError, WorkloadRequest, load_workload, parse_request
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -104,7 +104,7 @@ def captured_workload(capture: Any, fixtures: Sequence[Path], out: Path, *, limi
     """Rotate the capture store (so what was captured so far is a completed file), take its newest ``limit``
     requests into ``out`` (one JSONL workload, written atomically), and add ``fixtures``. Raises
     :class:`NotEnoughTraffic` with fewer than ``min_requests`` requests in all, and
-    :class:`~pinsidecar.runs.workload.WorkloadError` for a bad fixture file."""
+    :class:`~pinsidecar.counts.workload.WorkloadError` for a bad fixture file."""
     choice = WorkloadChoice(source="capture")
     if capture is not None:
         capture.rotate()

@@ -1,4 +1,4 @@
-"""``pinsidecar profile``: the count boot from the command line (see :mod:`pinsidecar.runs.count_boot`)."""
+"""``pinsidecar count-boot``: the count boot from the command line (see :mod:`pinsidecar.counts.count_boot`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _human(summary: dict[str, Any]) -> str:
             f"{s['num_layers'] * s['tokens'] * s['top_k']}, tokens processed per usage = {s['tokens_processed']})")
 
 
-@click.command("profile")
+@click.command("count-boot")
 @click.option("--model", "model", type=click.Path(path_type=Path), default=None,
               help="Model folder to serve (overrides engine.model of --config; one of the two is required).")
 @click.option("--workload", "workloads", required=True, multiple=True, type=click.Path(path_type=Path),
@@ -42,7 +42,7 @@ def _human(summary: dict[str, Any]) -> str:
               help="Keep the engine's log here (default: a temp file).")
 @json_option
 @handle_errors
-def profile_cmd(model: Path | None, workloads: tuple[Path, ...], out: Path, concurrency: int,
+def count_boot_cmd(model: Path | None, workloads: tuple[Path, ...], out: Path, concurrency: int,
                 max_tokens: int | None, port: int | None, label: str | None, config_path: Path | None,
                 engine_log: Path | None, as_json: bool) -> None:
     """Count boot: start vLLM with the hook counting, replay the workload, write the counts to OUT.
@@ -51,18 +51,18 @@ def profile_cmd(model: Path | None, workloads: tuple[Path, ...], out: Path, conc
     it. Nothing is written to OUT unless the whole boot succeeds.
     """
     from pinsidecar.cli._terminal import Terminal
-    from pinsidecar.runs import count_boot as profile
+    from pinsidecar.counts import count_boot
 
     term = Terminal.silent() if as_json else Terminal()
     try:
-        engine = profile.count_boot_config(config_path, model=model, port=port)
+        engine = count_boot.count_boot_config(config_path, model=model, port=port)
         with term.engine_boot(f"http://127.0.0.1:{engine.port}", "count engine booting"):
-            result = profile.run_profile(None, list(workloads), out, concurrency=concurrency,
-                                         max_tokens=max_tokens, label=label, engine=engine,
-                                         engine_log=engine_log, progress=term.bars)
-    except profile.USER_ERRORS as exc:
+            result = count_boot.run_count_boot(None, list(workloads), out, concurrency=concurrency,
+                                            max_tokens=max_tokens, label=label, engine=engine,
+                                            engine_log=engine_log, progress=term.bars)
+    except count_boot.USER_ERRORS as exc:
         raise UserError(str(exc)) from None
-    except profile.RUN_ERRORS as exc:
+    except count_boot.RUN_ERRORS as exc:
         fail(str(exc), code=1)
         return
     except KeyboardInterrupt:
@@ -71,5 +71,15 @@ def profile_cmd(model: Path | None, workloads: tuple[Path, ...], out: Path, conc
     emit(result.summary(), as_json, _human)
 
 
+@click.command("profile", hidden=True, add_help_option=False,
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def profile_cmd(ctx: click.Context) -> None:
+    """The count boot's old name: says so, then runs ``count-boot`` with the same arguments (scripts keep working)."""
+    click.echo("pinsidecar profile is now `pinsidecar count-boot` (same options); running that", err=True)
+    count_boot_cmd.main(list(ctx.args), prog_name="pinsidecar count-boot", standalone_mode=True)
+
+
 def register(main: click.Group) -> None:
+    main.add_command(count_boot_cmd)
     main.add_command(profile_cmd)

@@ -30,7 +30,7 @@ import httpx
 import structlog
 from pinsidecar_hook.contract import atomic_write_json, load_map, utc_now
 
-from pinsidecar.runs.workload import WorkloadRequest, load_workload
+from pinsidecar.counts.workload import WorkloadRequest, load_workload
 
 __all__ = [
     "ParityError",
