@@ -16,16 +16,14 @@ measured by one of them is the engine served by another: same arguments, same en
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pinsidecar.engine.vllm_flags import arg_flag, flag_args, spelt_flags, suggest
 from pinsidecar.schema import (
     ADVANCED,
     CHOICES,
@@ -262,9 +260,6 @@ def check_engine_config(engine: EngineConfig, *, need_model: str = "") -> None:
 
 # ------------------------------------------------------------------------------------ [engine] from a file
 
-_FLAG_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
-
-
 def _typed_flags() -> dict[str, str]:
     """The flags of [engine.vllm] that are EngineConfig fields: flag -> field name."""
     return {f.metadata[TOML_KEY]: f.name for f in dataclasses.fields(EngineConfig)
@@ -273,78 +268,14 @@ def _typed_flags() -> dict[str, str]:
 
 def _normalised(raw: Any) -> Any:
     """A copy of the ``[engine]`` table, its sub-tables copied too (the caller's document is never changed), with
-    each ``[engine.vllm]`` key in vLLM's own spelling: ``max_model_len`` and ``--max-model-len`` are both
-    ``max-model-len``, as vLLM's parser takes either. Two keys for one flag are an error naming both."""
+    each ``[engine.vllm]`` key in vLLM's own spelling (:func:`~pinsidecar.engine.vllm_flags.spelt_flags`)."""
     if not isinstance(raw, dict):
         return raw
     table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     vllm = table.get(VLLM_TABLE)
-    if not isinstance(vllm, dict):
-        return table
-    out: dict[str, Any] = {}
-    spelt: dict[str, str] = {}
-    for key, value in vllm.items():
-        flag = key.lstrip("-").replace("_", "-").lower()
-        where = f"{ENGINE_SECTION}.{VLLM_TABLE}.{key}"
-        if not _FLAG_NAME.fullmatch(flag):
-            raise ConfigError(f"{where}: not a vLLM flag name (write it as vLLM's --help spells it, without the "
-                              "dashes: max-num-seqs = 16)")
-        if flag in out:
-            raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{spelt[flag]} and {where}: the same vLLM flag "
-                              f"--{flag} twice; keep one")
-        out[flag] = value
-        spelt[flag] = key
-    table[VLLM_TABLE] = out
+    if isinstance(vllm, dict):
+        table[VLLM_TABLE] = spelt_flags(vllm, f"{ENGINE_SECTION}.{VLLM_TABLE}")
     return table
-
-
-def _flag_args(flag: str, value: Any) -> list[str]:
-    """``--flag value`` for one ``[engine.vllm]`` key that pinsidecar does not read itself: true is ``--flag``,
-    false ``--no-flag`` (vLLM's boolean flags take both), a list is ``--flag a b``, a table is JSON (vLLM's
-    ``--compilation-config`` and friends take JSON)."""
-    where = f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}"
-    if isinstance(value, bool):
-        return [f"--{flag}"] if value else [f"--no-{flag}"]
-    if isinstance(value, dict):
-        return [f"--{flag}", json.dumps(_json_value(where, value), separators=(",", ":"))]
-    if isinstance(value, list):
-        if not value:
-            raise ConfigError(f"{where}: an empty list gives the flag no value; remove the key")
-        return [f"--{flag}", *(_scalar(f"{where}[{i}]", v) for i, v in enumerate(value))]
-    return [f"--{flag}", _scalar(where, value)]
-
-
-def _scalar(where: str, value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        got = "a table" if isinstance(value, dict) else repr(value)
-        raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {got}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
-    if isinstance(value, str) and "\x00" in value:
-        raise ConfigError(f"{where}: a command-line argument cannot hold NUL")
-    return str(value)
-
-
-def _json_value(where: str, value: Any) -> Any:
-    """A table's value, checked to be JSON (TOML's dates are not, nor are nan and inf)."""
-    if isinstance(value, dict):
-        return {str(k): _json_value(f"{where}.{k}", v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_value(f"{where}[{i}]", v) for i, v in enumerate(value)]
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
-    if isinstance(value, str | int | float):
-        return value
-    raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {value!r}")
-
-
-def _arg_flag(arg: str) -> str | None:
-    """The flag an ``extra_args`` element names (``--max-model-len=4`` -> ``max-model-len``), None for a value."""
-    if not arg.startswith("--") or len(arg) == 2:
-        return None
-    return arg[2:].split("=", 1)[0].replace("_", "-").lower()
 
 
 def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any]) -> None:
@@ -353,7 +284,7 @@ def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any]) -> None:
     where = written_key(cfg, "extra_args", ENGINE_SECTION)
     typed = _typed_flags()
     for arg in cfg.extra_args:
-        flag = _arg_flag(arg)
+        flag = arg_flag(arg)
         if flag is None:
             continue
         bare = flag.removeprefix("no-")
@@ -410,13 +341,14 @@ def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
     found: list[Deprecation] = []
     cfg = build_section(ENGINE_SECTION, EngineConfig, table, base, check_paths, deprecations=found,
                         notes={VLLM_TABLE: ", and any other vLLM flag"})
-    args = [a for flag, value in flags.items() for a in _flag_args(flag, value)]
+    args = [a for flag, value in flags.items()
+            for a in flag_args(flag, value, f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}")]
     if isinstance(raw, dict) and "extra_args" in raw:
         _check_extra_args(cfg, flags)
         found.append(Deprecation(f"{ENGINE_SECTION}.extra_args", f"{ENGINE_SECTION}.{VLLM_TABLE}",
                                  f"{ENGINE_SECTION}.extra_args is deprecated: write its flags in "
                                  f"[{ENGINE_SECTION}.{VLLM_TABLE}], one key per flag "
-                                 f"({_suggest(cfg.extra_args)})"))
+                                 f"({suggest(cfg.extra_args)})"))
     _check_env(cfg)
     if args:
         cfg = replace_section(cfg, extra_args=[*args, *cfg.extra_args])
@@ -425,30 +357,6 @@ def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
     else:
         deprecations.extend(found)
     return cfg
-
-
-def _suggest(args: Sequence[str]) -> str:
-    """``extra_args`` as the ``[engine.vllm]`` lines that say the same, for the deprecation message."""
-    lines: list[str] = []
-    i = 0
-    while i < len(args):
-        flag = _arg_flag(args[i])
-        if flag is None:
-            return 'e.g. "--max-num-seqs", "16" is max-num-seqs = 16'
-        inline = "=" in args[i]
-        values: list[str] = [args[i].split("=", 1)[1]] if inline else []
-        i += 1
-        while not inline and i < len(args) and _arg_flag(args[i]) is None:
-            values.append(args[i])
-            i += 1
-        if not values:
-            lines.append(f"{flag} = true")
-        elif len(values) == 1:
-            v = values[0]
-            lines.append(f"{flag} = {v}" if re.fullmatch(r"-?\d+(\.\d+)?", v) else f"{flag} = {json.dumps(v)}")
-        else:
-            lines.append(f"{flag} = {json.dumps(values)}")
-    return "; ".join(lines) if lines else "nothing to move: remove it"
 
 
 def _plain(value: Any) -> Any:

@@ -1,0 +1,113 @@
+"""The engine's vLLM command line as a table: how ``[engine.vllm]`` keys become vLLM flags, and back.
+
+``[engine.vllm]`` holds one key per vLLM flag, spelt as vLLM's ``--help`` spells it without the dashes
+(``max-num-seqs = 16``). Here, apart from the ``[engine]`` table's own reader (:mod:`pinsidecar.engine.spec`),
+is what a key's value means on the command line: true is ``--flag``, false ``--no-flag``, a list ``--flag a b``, a
+table JSON; and, for the deprecated ``extra_args``, which flag an argument names and the table lines that say the
+same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from pinsidecar.schema import ConfigError
+
+__all__: list[str] = []  # the engine package's own business
+
+_FLAG_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+
+
+def spelt_flags(vllm: dict[str, Any], table: str) -> dict[str, Any]:
+    """The ``[engine.vllm]`` table (written at ``table``) with each key in vLLM's own spelling: ``max_model_len``
+    and ``--max-model-len`` are both ``max-model-len``, as vLLM's parser takes either. Two keys for one flag are
+    an error naming both."""
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for key, value in vllm.items():
+        flag = key.lstrip("-").replace("_", "-").lower()
+        where = f"{table}.{key}"
+        if not _FLAG_NAME.fullmatch(flag):
+            raise ConfigError(f"{where}: not a vLLM flag name (write it as vLLM's --help spells it, without the "
+                              "dashes: max-num-seqs = 16)")
+        if flag in out:
+            raise ConfigError(f"{table}.{spelt[flag]} and {where}: the same vLLM flag --{flag} twice; keep one")
+        out[flag] = value
+        spelt[flag] = key
+    return out
+
+
+def flag_args(flag: str, value: Any, where: str) -> list[str]:
+    """``--flag value`` for one ``[engine.vllm]`` key that pinsidecar does not read itself: true is ``--flag``,
+    false ``--no-flag`` (vLLM's boolean flags take both), a list is ``--flag a b``, a table is JSON (vLLM's
+    ``--compilation-config`` and friends take JSON). ``where`` names the key in errors."""
+    if isinstance(value, bool):
+        return [f"--{flag}"] if value else [f"--no-{flag}"]
+    if isinstance(value, dict):
+        return [f"--{flag}", json.dumps(_json_value(where, value), separators=(",", ":"))]
+    if isinstance(value, list):
+        if not value:
+            raise ConfigError(f"{where}: an empty list gives the flag no value; remove the key")
+        return [f"--{flag}", *(_scalar(f"{where}[{i}]", v) for i, v in enumerate(value))]
+    return [f"--{flag}", _scalar(where, value)]
+
+
+def _scalar(where: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        got = "a table" if isinstance(value, dict) else repr(value)
+        raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {got}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    if isinstance(value, str) and "\x00" in value:
+        raise ConfigError(f"{where}: a command-line argument cannot hold NUL")
+    return str(value)
+
+
+def _json_value(where: str, value: Any) -> Any:
+    """A table's value, checked to be JSON (TOML's dates are not, nor are nan and inf)."""
+    if isinstance(value, dict):
+        return {str(k): _json_value(f"{where}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_value(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    if isinstance(value, str | int | float):
+        return value
+    raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {value!r}")
+
+
+def arg_flag(arg: str) -> str | None:
+    """The flag an ``extra_args`` element names (``--max-model-len=4`` -> ``max-model-len``), None for a value."""
+    if not arg.startswith("--") or len(arg) == 2:
+        return None
+    return arg[2:].split("=", 1)[0].replace("_", "-").lower()
+
+
+def suggest(args: Sequence[str]) -> str:
+    """``extra_args`` as the ``[engine.vllm]`` lines that say the same, for the deprecation message."""
+    lines: list[str] = []
+    i = 0
+    while i < len(args):
+        flag = arg_flag(args[i])
+        if flag is None:
+            return 'e.g. "--max-num-seqs", "16" is max-num-seqs = 16'
+        inline = "=" in args[i]
+        values: list[str] = [args[i].split("=", 1)[1]] if inline else []
+        i += 1
+        while not inline and i < len(args) and arg_flag(args[i]) is None:
+            values.append(args[i])
+            i += 1
+        if not values:
+            lines.append(f"{flag} = true")
+        elif len(values) == 1:
+            v = values[0]
+            lines.append(f"{flag} = {v}" if re.fullmatch(r"-?\d+(\.\d+)?", v) else f"{flag} = {json.dumps(v)}")
+        else:
+            lines.append(f"{flag} = {json.dumps(values)}")
+    return "; ".join(lines) if lines else "nothing to move: remove it"
