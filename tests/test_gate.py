@@ -460,6 +460,14 @@ def test_stop_answers_held_requests_503_and_each_hold_measures_its_own_stall() -
     run(body)
 
 
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    """Read one whole HTTP request (head and Content-Length body), as an engine does before it acts on it."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length")), 0)
+    await reader.readexactly(length)
+
+
 def test_a_request_sent_after_the_engine_died_is_not_sent_on_its_old_connection() -> None:
     """An engine that dies keeps nothing: a request sent after its death (before the supervisor noticed) must not
     go out on a kept-alive connection of the dead process, which would look like a request the engine had taken
@@ -475,10 +483,7 @@ def test_a_request_sent_after_the_engine_died_is_not_sent_on_its_old_connection(
 
         async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             open_conns.append(writer)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length")), 0)
-            await reader.readexactly(length)
+            await _read_request(reader)
             if answered.is_set():  # a request after the "death": dropped unanswered
                 writer.close()
                 return
@@ -564,10 +569,7 @@ def test_a_request_the_engine_read_before_it_died_is_502_not_replayed() -> None:
         await stub.stop()
 
         async def read_then_die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length")), 0)
-            await reader.readexactly(length)
+            await _read_request(reader)
             writer.close()
 
         dying = await asyncio.start_server(read_then_die, "127.0.0.1", port)
