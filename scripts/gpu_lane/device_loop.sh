@@ -16,6 +16,7 @@
 #   callane   its count boot (code), its usage map at 23 %, and that map's cold rate on held-out code, ~200 s
 #   apply     bench/apply_gpu.py --reps 3: an in-place apply of >= 800 rows at the reference row size under decode
 #             steps, batched and one hold interleaved, 3 rounds, alone on the GPU, ~200 s (2026-12-01: one round)
+#   heal4     the scenario again at 4 streams
 #   heal16    the scenario again at 16 streams
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
 #
@@ -37,7 +38,7 @@ mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=480 [table]=450 [calmodel]=70 [callane]=200 [apply]=220 [heal16]=480)
+declare -A EST=([model]=40 [guide]=400 [heal1]=480 [table]=450 [calmodel]=70 [callane]=200 [apply]=220 [heal4]=480 [heal16]=480)
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
@@ -111,9 +112,13 @@ extra_args = ["--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--gpu
               "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"$attn]
 env = { VLLM_CACHE_ROOT = "/tmp/op/vllm-cache", VLLM_USE_FLASHINFER_SAMPLER = "0" }
 EOF
+  # Drift windows of ~7 s of traffic at any stream count: the trip needs three windows after a shift (the gain is
+  # scored out of sample, on a candidate built from the window before, then two in a row), and the verify one
+  # more. With 4096 tokens at 1 stream (~300 routed tok/s) that was 61 s to the trip on 2026-12-02.
+  local window=$(( $1 == 1 ? 2048 : 4096 * ($1 < 16 ? 1 : 2) ))
   timeout $(( $(left) - PACK_S )) python3 bench/heal_scenario.py --clients "$1" --model "$GPU_LANE_WORK/model" \
     --maps /tmp/gl/heal-maps --hot-rows 99 --other-hot-rows 92 --engine-toml /tmp/gl/heal-engine.toml --nvml \
-    --prose-s 30 --settle-s 15 \
+    --prose-s 30 --settle-s 15 --window-tokens "$window" \
     --work "/tmp/gl/heal$1" --out "$OUT/heal_h200_c$1.json" --png "$OUT/heal_h200_c$1.png"
 }
 step_heal1() { step_heal 1; }
@@ -134,6 +139,7 @@ step_callane() {
   cp "$w/code.build.json" "$OUT/callane_build.json"
   python3 -c "import json; d=json.load(open('$OUT/callane_eval.json')); print({k: v for k, v in d.items() if 'rate' in k})"
 }
+step_heal4() { step_heal 4; }
 step_heal16() { step_heal 16; }
 
 step_table() {
@@ -160,7 +166,7 @@ for s in $STEPS; do
   esac
 done
 tar -czf "$OUT/loop.tgz" --exclude='*.safetensors' --exclude=vllm-cache --exclude=model \
-  -C /tmp op/daemon.log op/state op/counts op/maps gl/heal1 gl/heal16 gl/heal-maps gl/logs gl/results gl/maps.json \
+  -C /tmp op/daemon.log op/state op/counts op/maps gl/heal1 gl/heal4 gl/heal16 gl/heal-maps gl/logs gl/results gl/maps.json \
   2>/dev/null || true
 FAILED=$(cd "$L" && ls -- *.failed 2>/dev/null | sed 's/\.failed$//' | tr '\n' ' ')
 if [ $STATUS -ne 0 ]; then echo "== more to do: call again (no carry) at $(at)${FAILED:+; failed: $FAILED}"
