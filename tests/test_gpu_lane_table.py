@@ -38,3 +38,12 @@ def test_a_row_that_beats_its_bound_is_flagged() -> None:
     u0["median"] = doc["engines"]["off"]["decode"]["1"]["reps"]["decode_tok_s_per_stream"]["median"] + 1
     assert table.beats_bound(doc) == [f"u0 at 1 stream(s): {u0['median']:.0f} > bound {u0['median'] - 1:.0f}"]  # type: ignore[attr-defined]
     assert "Beats its own bound" in table.render(doc)  # type: ignore[attr-defined]
+
+
+def test_the_readmes_bf16_table_is_the_committed_interleaved_run() -> None:
+    """The README's 23 % bf16 rows are the rendering of the committed 2026-12-02 run, not a retyping of it."""
+    table = _table()
+    doc = json.loads((REPO / "bench" / "results" / "gpu_lane_h200_table_2026-12-02.json").read_text())
+    rows = [line for line in table.render(doc).splitlines() if line.startswith("| ")]  # type: ignore[attr-defined]
+    readme = (REPO / "README.md").read_text()
+    assert len(rows) == 5 and all(row in readme for row in rows)

@@ -38,7 +38,7 @@ mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=480 [table]=450 [calmodel]=70 [callane]=200 [apply]=220 [heal4]=480 [heal16]=480)
+declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=220 [heal4]=330 [heal16]=330)
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
