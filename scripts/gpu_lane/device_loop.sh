@@ -112,10 +112,11 @@ extra_args = ["--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--gpu
               "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"$attn]
 env = { VLLM_CACHE_ROOT = "/tmp/op/vllm-cache", VLLM_USE_FLASHINFER_SAMPLER = "0" }
 EOF
-  # Drift windows of ~7 s of traffic at any stream count: the trip needs three windows after a shift (the gain is
-  # scored out of sample, on a candidate built from the window before, then two in a row), and the verify one
-  # more. With 4096 tokens at 1 stream (~300 routed tok/s) that was 61 s to the trip on 2026-12-02.
-  local window=$(( $1 == 1 ? 2048 : 4096 * ($1 < 16 ? 1 : 2) ))
+  # Drift windows of a few seconds of traffic: the trip needs three windows after a shift (the gain is scored out
+  # of sample, on a candidate built from the window before, then two in a row), and the verify one more. With
+  # 4096 tokens at 1 stream (~300 routed tok/s) that was 61 s to the trip on 2026-12-02; 2048 gave 30 s.
+  local window=4096
+  case $1 in 1) window=2048 ;; 16) window=8192 ;; esac
   timeout $(( $(left) - PACK_S )) python3 bench/heal_scenario.py --clients "$1" --model "$GPU_LANE_WORK/model" \
     --maps /tmp/gl/heal-maps --hot-rows 99 --other-hot-rows 92 --engine-toml /tmp/gl/heal-engine.toml --nvml \
     --prose-s 30 --settle-s 15 --window-tokens "$window" \
