@@ -22,7 +22,13 @@ outputs of fixed steps (random routing over all experts) against those before th
 fresh re-home with A, and the split is bit-identical for any placement), the first ``--fresh-layers`` layers
 against a fresh re-home with B, and every expert's rows against its original bytes.
 
+``--gil-load N`` adds N threads that run pure Python while every phase runs, as an engine's socket threads do
+when they serialize each step's outputs, and a third phase to each round: the batched apply again under Python's
+own GIL switch interval (5 ms), where the hook lowers it to ``swap.SWITCH_INTERVAL_S`` while an apply runs
+(``pinsidecar_hook.swap_batches``, "The GIL"). The two batched phases side by side show what that buys.
+
     python3 bench/apply_gpu.py --out bench/results/apply_h200.json      # the H200: about 60-90 s
+    python3 bench/apply_gpu.py --reps 3 --gil-load 2   # the GIL's share of a batch, interleaved
     python3 bench/apply_gpu.py --small --device cpu --hold-ms 0 --out /tmp/a.json  # anywhere (CI: logic only)
 
 On the CPU both tiers are host memory and the times mean nothing; CI checks that it runs, that the batched phase
@@ -146,6 +152,35 @@ def gap_stats(done_at: list[float], start: float, end: float) -> dict[str, Any]:
             "steps_before": len(before)}
 
 
+class GilLoad:
+    """``threads`` threads running pure Python (no torch call: nothing that lets the GIL go on its own) until the
+    block ends: the stand-in for an engine's busy socket threads, which the apply's thread shares the GIL with."""
+
+    def __init__(self, threads: int) -> None:
+        self.stop = threading.Event()
+        self.loops = 0
+        self.threads = [threading.Thread(target=self._spin, name=f"gil-load-{i}", daemon=True)
+                        for i in range(threads)]
+
+    def _spin(self) -> None:
+        payload = [{"id": i, "text": "x" * 16, "logprobs": [0.5] * 8} for i in range(64)]
+        while not self.stop.is_set():
+            total = 0
+            for item in payload:  # bytecode, not one C call: the interpreter may be asked to switch here
+                total += len(item["text"]) + sum(item["logprobs"])
+            self.loops += 1
+
+    def __enter__(self) -> GilLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+
 # ------------------------------------------------------------------------------------------------------ checks
 
 
@@ -185,33 +220,40 @@ def vs_fresh_rehome(state: PinState, target: ExpertMap, path: Path, steps: list[
 
 
 def phase(state: PinState, stepper_args: dict[str, Any], target: ExpertMap, path: Path, hold_budget_s: float,
-          warm_s: float) -> dict[str, Any]:
-    """Serve with the stepping thread, apply ``target`` in the middle, keep serving a little; the figures."""
-    with Stepper(state, **stepper_args) as stepper:
+          warm_s: float, gil_load: int = 0,
+          switch_interval_s: float | None = swap.SWITCH_INTERVAL_S) -> dict[str, Any]:
+    """Serve with the stepping thread (and ``gil_load`` busy threads), apply ``target`` in the middle under
+    ``switch_interval_s`` (None: Python's), keep serving a little; the figures."""
+    with GilLoad(gil_load), Stepper(state, **stepper_args) as stepper:
         time.sleep(warm_s)
+        deadline = time.monotonic() + 60
+        while len(stepper.done_at) < 4 and time.monotonic() < deadline:  # steps before, to compare (slow under load)
+            time.sleep(0.01)
         start = time.perf_counter()
         result = state.apply(apply_args(path, target.content_hash), f"apply-{target.label}",
-                             hold_budget_s=hold_budget_s)
+                             hold_budget_s=hold_budget_s, switch_interval_s=switch_interval_s)
         end = time.perf_counter()
         time.sleep(warm_s / 2)
     if result.outcome != "applied":
         raise RuntimeError(f"apply {target.label}: {result.outcome}: {result.reason}")
-    out = {"hold_budget_ms": None if math.isinf(hold_budget_s) else hold_budget_s * 1e3, "rows": result.rows,
+    out = {"hold_budget_ms": None if math.isinf(hold_budget_s) else hold_budget_s * 1e3,
+           "switch_interval_ms": None if switch_interval_s is None else switch_interval_s * 1e3,
+           "gil_load_threads": gil_load, "rows": result.rows,
            "bytes_moved": result.bytes_moved, "batches": result.batches, "hold_max_ms": result.hold_max_s * 1e3,
+           "drain_max_ms": result.drain_max_s * 1e3,
            "held_s": result.seconds, "apply_s": result.wall_s, "link_GBps": result.link_GBps,
            "of_link": result.link_GBps / LINK_GBPS, **gap_stats(stepper.done_at, start, end)}
     say("phase", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()})
     return out
 
 
-SPREAD = ("longest_gap_ms", "hold_max_ms", "apply_s", "held_s", "link_GBps", "median_step_ms_outside")
+SPREAD = ("longest_gap_ms", "hold_max_ms", "drain_max_ms", "apply_s", "held_s", "link_GBps", "median_step_ms_outside")
 
 
 def _spread(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Each phase's figures over the interleaved rounds: median, min and max (GPU figures move 20-30 % between
     runs; one round is a sample, not a figure)."""
-    return {name: {k: spread([r[name][k] for r in rounds]) for k in SPREAD}
-            for name in ("batched", "unbatched")}
+    return {name: {k: spread([r[name][k] for r in rounds]) for k in SPREAD} for name in rounds[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh-layers", type=int, default=2, help="layers checked against a fresh re-home")
     parser.add_argument("--reps", type=int, default=1,
                         help="rounds of (batched, one hold), interleaved; the figures' median, min and max")
+    parser.add_argument("--gil-load", type=int, default=0,
+                        help="busy Python threads during every phase, and a batched phase under Python's own GIL "
+                             "switch interval in each round")
     args = parser.parse_args(argv)
     started = time.monotonic()
     run = run_setup(args.device, GEOMETRY, SMALL_GEOMETRY if args.small else None)
@@ -228,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     warm_s = 1.0 if cuda else 0.2
     result = result_header("bench/apply_gpu.py", argv, run)
     result["geometry"]["tokens_per_step"] = TOKENS
-    result.update(staging_bytes=swap.STAGING_BYTES, gap_target_ms=GAP_TARGET_MS, link_GBps=LINK_GBPS)
+    result.update(staging_bytes=swap.STAGING_BYTES, gap_target_ms=GAP_TARGET_MS, link_GBps=LINK_GBPS,
+                  gil_load_threads=args.gil_load, python_switch_interval_ms=sys.getswitchinterval() * 1e3)
     save = saver(Path(args.out), result)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rounds: list[dict[str, Any]] = []
         for i in range(max(1, args.reps)):  # interleaved: batched a -> b, then one hold b -> a, then again
-            batched = phase(state, stepper_args, target, paths["b"], args.hold_ms / 1e3, warm_s)
+            batched = phase(state, stepper_args, target, paths["b"], args.hold_ms / 1e3, warm_s, args.gil_load)
             batched["identity"] = {"vs_before": same_outputs([forward(state, s, impl, counters=False) for s in steps],
                                                              before)}
             if i == 0:  # the costly checks once: a fresh re-home pins its own copy of the layers
@@ -259,12 +305,19 @@ def main(argv: list[str] | None = None) -> int:
                                                     dtype, impl, geo),
                     rows_hold_original_bytes="{}/{}".format(*rows_hold_their_experts(state, geo, device, dtype)))
             say("identity", batched["identity"])
-            unbatched = phase(state, stepper_args, base, paths["a"], math.inf, warm_s)
+            unbatched = phase(state, stepper_args, base, paths["a"], math.inf, warm_s, args.gil_load)
             unbatched["identity"] = {
                 "vs_before": same_outputs([forward(state, s, impl, counters=False) for s in steps], before),
                 "rows_hold_original_bytes": "{}/{}".format(*rows_hold_their_experts(state, geo, device, dtype))}
             say("identity", unbatched["identity"])
-            rounds.append({"batched": batched, "unbatched": unbatched})
+            this = {"batched": batched, "unbatched": unbatched}
+            if args.gil_load:  # the same batched apply under Python's switch interval, then back in one hold
+                this["batched_python_switch"] = phase(state, stepper_args, target, paths["b"], args.hold_ms / 1e3,
+                                                      warm_s, args.gil_load, switch_interval_s=None)
+                phase(state, stepper_args, base, paths["a"], math.inf, warm_s, args.gil_load)
+                this["batched_python_switch"]["identity"] = {"vs_before": same_outputs(
+                    [forward(state, s, impl, counters=False) for s in steps], before)}
+            rounds.append(this)
             result.update(batched=rounds[0]["batched"], unbatched=rounds[0]["unbatched"], rounds=rounds,
                           spread=_spread(rounds))
             save()

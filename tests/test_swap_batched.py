@@ -18,6 +18,7 @@ tensors (the scaffolding of ``test_swap_apply.py``):
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -107,11 +108,11 @@ def test_apply_request_reports_its_batches(maps: dict[str, Any]) -> None:
     result = state.apply(apply_args(maps["b_path"], maps["b"].content_hash, hold_ms=0), "apply-b")
     assert result.outcome == "applied" and result.batches == result.rows == _plan_rows(maps)
     assert result.hold_budget_s == 0.0 and 0 < result.hold_max_s <= result.seconds <= result.wall_s
-    assert result.link_GBps > 0
+    assert result.link_GBps > 0 and 0 <= result.drain_max_s <= result.hold_max_s
     assert ApplyResult.from_json(result.to_json()) == result
     old = {k: v for k, v in result.to_json().items() if k not in ("batches", "hold_max_s", "hold_budget_s",
-                                                                    "wall_s", "link_GBps")}
-    assert ApplyResult.from_json(old).batches == 0
+                                                                    "wall_s", "link_GBps", "drain_max_s")}
+    assert ApplyResult.from_json(old).batches == 0 and ApplyResult.from_json(old).drain_max_s == 0.0
     unbounded = state.apply(apply_args(maps["a_path"], maps["a"].content_hash), "apply-a", hold_budget_s=math.inf)
     assert unbounded.outcome == "applied" and unbounded.batches == 1 and unbounded.hold_budget_s == 0.0
 
@@ -258,3 +259,30 @@ def test_a_failure_in_a_later_batch_rolls_every_batch_back(maps: dict[str, Any],
     assert _same(state, before), "every batch's rows and row-map entries must be back"
     assert state.emap is maps["a"]
     _check_rows_hold_their_experts(state, maps["a"])
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["applied", "failed"])
+def test_an_apply_runs_under_a_short_gil_switch_interval_and_puts_python_s_back(maps: dict[str, Any],
+                                                                                   fails: bool) -> None:
+    """While an apply runs, a handoff of the GIL (after every torch call) waits at most the short interval, not
+    Python's 5 ms; after it, applied or failed, the process has its old interval again."""
+    state = _state(maps["a"], maps["a_path"])
+    seen: list[float] = []
+    state.layers[0].row_map_listeners.append(lambda: seen.append(sys.getswitchinterval()))
+    old = sys.getswitchinterval()
+    kwargs: dict[str, Any] = {"hold_budget_s": 0.0, "idle_s": 0.0, "fail_after_layers": 2 if fails else None}
+    if fails:
+        with pytest.raises(swap.SwapFailed) as failed:
+            _swap(state, maps, **kwargs)
+        stats = failed.value.stats
+    else:
+        stats = _swap(state, maps, **kwargs)
+    short = pytest.approx(swap.SWITCH_INTERVAL_S, rel=1e-6)  # CPython keeps it in whole microseconds
+    assert seen and all(v == short for v in seen) and stats.switch_interval_s == short
+    assert sys.getswitchinterval() == old
+    # None leaves Python's interval alone (the benchmark's comparison phase)
+    seen.clear()
+    untouched = _state(maps["a"], maps["a_path"])
+    untouched.layers[0].row_map_listeners.append(lambda: seen.append(sys.getswitchinterval()))
+    _swap(untouched, maps, hold_budget_s=0.0, idle_s=0.0, switch_interval_s=None)
+    assert seen and set(seen) == {old}

@@ -40,7 +40,8 @@ def test_swap_bench_small_runs_on_cpu(tmp_path: Path) -> None:
 def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
     apply_gpu = _bench("apply_gpu")
     out = tmp_path / "apply_cpu.json"
-    assert apply_gpu.main(["--small", "--device", "cpu", "--hold-ms", "0", "--reps", "2", "--out", str(out)]) == 0
+    assert apply_gpu.main(["--small", "--device", "cpu", "--hold-ms", "0", "--reps", "2", "--gil-load", "1",
+                           "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     geo = doc["geometry"]
     rows = geo["layers"] * min(geo["cold"], geo["hot"])
@@ -58,7 +59,12 @@ def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
     # interleaved rounds: batched and one hold alternate, and every figure has its spread over both rounds
     assert len(doc["rounds"]) == 2 and doc["rounds"][0]["batched"] == batched
     assert doc["rounds"][1]["batched"]["identity"]["vs_before"] == "4/4"
-    for name in ("batched", "unbatched"):
+    # --gil-load: a busy thread in every phase, and the batched apply again under Python's own switch interval
+    switch = doc["rounds"][1]["batched_python_switch"]
+    assert switch["switch_interval_ms"] is None and switch["gil_load_threads"] == 1
+    assert switch["rows"] == rows and switch["identity"]["vs_before"] == "4/4"
+    assert batched["switch_interval_ms"] == apply_gpu.swap.SWITCH_INTERVAL_S * 1e3
+    for name in ("batched", "unbatched", "batched_python_switch"):
         gap = doc["spread"][name]["longest_gap_ms"]
         assert gap["n"] == 2 and gap["min"] <= gap["median"] <= gap["max"]
         assert gap["values"] == [round(r[name]["longest_gap_ms"], 4) for r in doc["rounds"]]

@@ -158,11 +158,12 @@ class PinState:
 
     # ------------------------------------------------------------------------------------------ apply (remap)
 
-    def apply(self, args: Mapping[str, Any], token: str, hold_budget_s: float | None = None) -> ApplyResult:
+    def apply(self, args: Mapping[str, Any], token: str, hold_budget_s: float | None = None,
+              switch_interval_s: float | None = swap.SWITCH_INTERVAL_S) -> ApplyResult:
         """Serve an ``apply`` request: swap the candidate map in place, in bounded batches between steps
-        (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch). Never raises; the answer
-        says applied, refused or failed."""
-        return swap.apply_map(self, args, token, hold_budget_s=hold_budget_s)
+        (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch, ``switch_interval_s`` is the
+        GIL's switch interval meanwhile). Never raises; the answer says applied, refused or failed."""
+        return swap.apply_map(self, args, token, hold_budget_s=hold_budget_s, switch_interval_s=switch_interval_s)
 
     def step_guard(self) -> contextlib.AbstractContextManager[None]:
         """Held around one step (``execute_model``): the step lock, after any apply batch already asking for it;

@@ -69,6 +69,7 @@ from pinsidecar_hook.swap_batches import (
     HOLD_BUDGET_S,
     IDLE_S,
     STAGING_BYTES,
+    SWITCH_INTERVAL_S,
     StepClock,
     SwapFailed,
     SwapStats,
@@ -79,8 +80,8 @@ from pinsidecar_hook.swap_rows import ApplyRefused, SwapLayer
 from pinsidecar_hook.swap_rows import _resolve as _resolve  # re-exported, the same
 from pinsidecar_hook.swap_rows import _swap_row as _swap_row  # re-exported, the same
 
-__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "ApplyRefused", "ApplyTarget", "StepClock", "SwapLayer",
-           "apply_map", "swap_layers"]
+__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "SWITCH_INTERVAL_S", "ApplyRefused", "ApplyTarget",
+           "StepClock", "SwapLayer", "apply_map", "swap_layers"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -141,13 +142,16 @@ def _fill_stats(result: ApplyResult, stats: SwapStats) -> None:
     result.hold_max_s, result.wall_s = round(stats.hold_max_s, 6), round(stats.wall_s, 6)
     result.hold_budget_s = 0.0 if math.isinf(stats.hold_budget_s) else round(stats.hold_budget_s, 6)
     result.link_GBps = round(stats.link_GBps, 3)
+    result.drain_max_s = round(max(stats.drains, default=0.0), 6)
 
 
 def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
-              hold_budget_s: float | None = None) -> ApplyResult:
+              hold_budget_s: float | None = None,
+              switch_interval_s: float | None = SWITCH_INTERVAL_S) -> ApplyResult:
     """Serve one ``apply`` request on ``target``: refuse, or swap in bounded batches between the steps and adopt
     the candidate, or fail and roll back. ``hold_budget_s`` bounds one batch (else the request's ``hold_ms``,
-    else :data:`HOLD_BUDGET_S`). Never raises; logs one line."""
+    else :data:`HOLD_BUDGET_S`); ``switch_interval_s`` is the GIL switch interval while it runs (None: Python's;
+    :mod:`pinsidecar_hook.swap_batches`, "The GIL"). Never raises; logs one line."""
     active = target.emap
     result = ApplyResult(token=token, outcome="refused", map_hash=active.content_hash, from_hash=active.content_hash)
     try:
@@ -155,7 +159,8 @@ def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
         result.to_hash = candidate.content_hash
         budget = next(b for b in (hold_budget_s, asked_budget, HOLD_BUDGET_S) if b is not None)
         stats = swap_layers(target.layers, plan, target.step_lock, on_done=lambda: target.adopt(candidate, path),
-                            clock=getattr(target, "step_clock", None), hold_budget_s=budget)
+                            clock=getattr(target, "step_clock", None), hold_budget_s=budget,
+                            switch_interval_s=switch_interval_s)
     except ApplyRefused as exc:
         result.reason = str(exc)
         log.warning("pinsidecar pin: apply %s refused: %s", token, result.reason)
@@ -179,8 +184,9 @@ def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
             candidate.content_hash else "already serving this map"
     log.info("pinsidecar pin: applied map %s (%s, hash %s) in place over %s: %d rows swapped in %d layers, "
              "%.1f MiB moved in %.3f s (%.1f GB/s over the copies), in %d batches with %d steps between: step lock "
-             "held %.3f s in all, at most %.4f s at once (budget %.4f s; waited %.3f s for it)", path,
+             "held %.3f s in all, at most %.4f s at once (budget %.4f s; waited %.3f s for it; at most %.4f s of a "
+             "hold waiting for the last step's kernels)", path,
              candidate.label or "-", candidate.short_hash, active.short_hash, stats.rows, stats.layers,
              stats.bytes_moved / 2**20, stats.wall_s, stats.link_GBps, stats.batches, stats.steps_during,
-             stats.seconds, stats.hold_max_s, stats.hold_budget_s, stats.lock_wait_s)
+             stats.seconds, stats.hold_max_s, stats.hold_budget_s, stats.lock_wait_s, result.drain_max_s)
     return result

@@ -36,6 +36,15 @@ batches) swaps every pair already swapped back, over all batches, newest first (
 restores every written row map, synchronizes, and answers ``failed`` with the exception: the old map serves
 whole, never a mix. Under a batch's lock the roll-back runs before the lock goes; outside one it takes the lock
 first. (Everything that can be refused is checked before, touching nothing: :mod:`pinsidecar_hook.swap`.)
+
+**The GIL.** Every torch call releases the GIL and takes it back, and a batch makes a dozen per pair (the copies,
+a sync). Taking it back waits until the thread holding it is made to let go, which CPython does after
+``sys.getswitchinterval()`` (5 ms by default). In a busy engine other threads of the process always want it (the
+engine core's socket threads serialize every step's outputs), and while a batch holds the step lock, every stream
+waits for those handoffs: on the H200 at 16 streams a pair took 3.5 ms under the lock instead of 0.4 ms at one
+stream, and a 20 ms budget became a 68 ms hold (``bench/results/heal_h200_c16_2026-12-02.json``). So an apply
+lowers the switch interval to :data:`SWITCH_INTERVAL_S` while it runs and puts the old value back after (the
+interval is the process's: the other threads switch more often for those seconds too, which costs them little).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -55,13 +65,29 @@ import torch
 from pinsidecar_hook.contract import SwapPlan
 from pinsidecar_hook.swap_rows import SwapLayer, _LayerWork, _resolve, _roll_back, _row_bytes, _swap_row
 
-__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "StepClock", "SwapFailed", "SwapStats", "swap_layers"]
+__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "SWITCH_INTERVAL_S", "StepClock", "SwapFailed", "SwapStats",
+           "swap_layers"]
 
 log = logging.getLogger("pinsidecar_hook")
 
 HOLD_BUDGET_S = 0.020  # one batch holds the step lock about this long at most (at least one pair per batch)
 STAGING_BYTES = 512 << 20  # prefetch slots in HBM per apply (7 pairs at 70.8 MB/expert); never a tier's copy
 IDLE_S = 0.008  # after a batch, wait this long for a step to end before taking the next (the engine may be idle)
+SWITCH_INTERVAL_S = 0.0002  # the GIL switch interval while an apply runs (module docstring, "The GIL")
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds: float | None) -> Iterator[None]:
+    """``sys.setswitchinterval(seconds)`` for the block, the old value back after (None: leave it alone)."""
+    if seconds is None:
+        yield
+        return
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 @dataclass
@@ -75,7 +101,9 @@ class SwapStats:
     seconds: float = 0.0  # the lock held, all batches together
     batches: int = 0
     holds: list[float] = field(default_factory=list)  # the lock held, per batch
+    drains: list[float] = field(default_factory=list)  # per batch, its first sync: the last step's kernels ending
     hold_budget_s: float = 0.0
+    switch_interval_s: float = 0.0  # the GIL switch interval the apply ran under (module docstring, "The GIL")
     wall_s: float = 0.0  # the whole apply, first prefetch to last release
     copy_s: float = 0.0  # the copies under the lock (each pair timed to its sync)
     prefetch_s: float = 0.0  # the prefetch copies outside the lock (device time on CUDA)
@@ -211,9 +239,9 @@ class _Apply:
 
     def __init__(self, work: list[_LayerWork], lock: AbstractContextManager[Any], *, clock: StepClock | None,
                  hold_budget_s: float, staging_bytes: int, idle_s: float, stall_s: float | None,
-                 fail_after_layers: int | None) -> None:
+                 fail_after_layers: int | None, switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
         self.work, self.lock, self.clock = work, lock, clock
-        self.budget, self.idle_s = hold_budget_s, idle_s
+        self.budget, self.idle_s, self.switch_interval_s = hold_budget_s, idle_s, switch_interval_s
         self.stall_s, self.fail_after_layers = stall_s, fail_after_layers
         self.pairs = [_Pair(entry, h, c, e_in, e_out, i == len(entry.pairs) - 1) for entry in work
                       for i, ((h, c), (e_in, e_out)) in enumerate(zip(entry.pairs, entry.experts, strict=True))]
@@ -362,6 +390,7 @@ class _Apply:
             self.stats.batch_steps.append(self.clock.steps if self.clock is not None else 0)
             try:
                 self._sync()  # the previous step's kernels may still be running (vLLM executes asynchronously)
+                self.stats.drains.append(time.perf_counter() - locked)
                 if self.fail_after_layers == 0:
                     raise RuntimeError("fail_after_layers=0: failing before the first layer (fault injection)")
                 unflipped: list[_Pair] = []
@@ -402,7 +431,8 @@ class _Apply:
         started = time.perf_counter()
         first_steps = self.clock.steps if self.clock is not None else 0
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), _switch_interval(self.switch_interval_s):
+                self.stats.switch_interval_s = sys.getswitchinterval()
                 # inference_mode: the hook's tensors may be inference tensors (vLLM builds models under it), which
                 # may only be written inside it; normal tensors may be written there too.
                 self._prefetch()
@@ -437,14 +467,15 @@ def swap_layers(layers: Sequence[SwapLayer], plan: SwapPlan, lock: AbstractConte
                 stall_s: float | None = None, fail_after_layers: int | None = None,
                 on_done: Callable[[], None] | None = None, clock: StepClock | None = None,
                 hold_budget_s: float = HOLD_BUDGET_S, staging_bytes: int = STAGING_BYTES,
-                idle_s: float = IDLE_S) -> SwapStats:
+                idle_s: float = IDLE_S, switch_interval_s: float | None = SWITCH_INTERVAL_S) -> SwapStats:
     """Carry out ``plan`` on ``layers`` in batches, each under ``lock`` (the step lock) for at most about
     ``hold_budget_s`` (at least one pair; ``math.inf``: one batch, the old behaviour), with a step between two
     batches when ``clock`` (the steps' :class:`StepClock`) is given, waiting at most ``idle_s`` for one. Each
     batch: the copies, then its pairs' row-map entries, in stream order, then a device sync; after the last,
     ``on_done()`` (the bookkeeping: which map is served), before the lock goes. Raises :class:`ApplyRefused`
     (before any lock, nothing touched) or :class:`SwapFailed` (after rolling every batch back; ``on_done`` not
-    called). ``stall_s`` / ``fail_after_layers`` inject faults (tests only: "Fault injection" in
+    called). ``switch_interval_s``: the GIL switch interval while the apply runs (None: Python's, untouched; the
+    module docstring, "The GIL"). ``stall_s`` / ``fail_after_layers`` inject faults (tests only: "Fault injection" in
     :mod:`pinsidecar_hook.swap`)."""
     work = _resolve(layers, plan)
     if not work:
@@ -459,5 +490,6 @@ def swap_layers(layers: Sequence[SwapLayer], plan: SwapPlan, lock: AbstractConte
         stats.seconds, stats.batches = stats.holds[0], 1
         return stats
     return _Apply(work, lock, clock=clock, hold_budget_s=hold_budget_s, staging_bytes=staging_bytes, idle_s=idle_s,
-                  stall_s=stall_s, fail_after_layers=fail_after_layers).run(on_done)
+                  stall_s=stall_s, fail_after_layers=fail_after_layers,
+                  switch_interval_s=switch_interval_s).run(on_done)
 

@@ -123,6 +123,9 @@ class ApplyResult:
     hold_budget_s: float = 0.0  # what one hold was bounded by (0: not bounded, one batch)
     wall_s: float = 0.0  # the whole apply, steps in between included
     link_GBps: float = 0.0  # bytes moved / time spent copying them (prefetch + copies under the lock)
+    # Where a hold goes (files written before these: 0): the longest wait, at a batch's start, for the previous
+    # step's kernels still running (vLLM launches asynchronously), part of that batch's hold.
+    drain_max_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +146,7 @@ class ApplyResult:
                        layers=int(doc.get("layers", 0)), batches=int(doc.get("batches", 0)),
                        hold_max_s=float(doc.get("hold_max_s", 0.0)),
                        hold_budget_s=float(doc.get("hold_budget_s", 0.0)), wall_s=float(doc.get("wall_s", 0.0)),
-                       link_GBps=float(doc.get("link_GBps", 0.0)))
+                       link_GBps=float(doc.get("link_GBps", 0.0)),
+                       drain_max_s=float(doc.get("drain_max_s", 0.0)))
         except (TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"meta.apply has a malformed field ({exc})") from None
