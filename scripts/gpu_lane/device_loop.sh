@@ -14,8 +14,9 @@
 #   calmodel  the same geometry with the calibrated router (the reference skew: pinsidecar demo-model --router
 #             calibrated), ~60 s
 #   callane   its count boot (code), its usage map at 23 %, and that map's cold rate on held-out code, ~200 s
-#   apply     bench/apply_gpu.py --reps 3: an in-place apply of >= 800 rows at the reference row size under decode
-#             steps, batched and one hold interleaved, 3 rounds, alone on the GPU, ~200 s (2026-12-01: one round)
+#   apply     bench/apply_gpu.py --reps 3 --gil-load 2: an in-place apply of >= 800 rows at the reference row size
+#             under decode steps and two busy Python threads; batched, one hold, and batched under Python's own GIL
+#             switch interval, interleaved, 3 rounds, alone on the GPU, ~250 s
 #   heal4     the scenario again at 4 streams
 #   heal16    the scenario again at 16 streams
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
@@ -38,7 +39,7 @@ mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=220 [heal4]=330 [heal16]=330)
+declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330)
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
@@ -62,19 +63,19 @@ step_calmodel() {
 }
 
 step_apply() {
-  timeout $(( $(left) - PACK_S )) python3 bench/apply_gpu.py --reps 3 --out "$OUT/apply_h200.json"
+  timeout $(( $(left) - PACK_S )) python3 bench/apply_gpu.py --reps 3 --gil-load 2 --out "$OUT/apply_h200.json"
 }
 
 step_guide() {
   [ -n "$WHEEL" ] || { echo "no pinsidecar wheel in .gpu_lane/wheel (pip wheel --no-deps -w .gpu_lane/wheel .)"; return 2; }
   rm -rf /tmp/op "$OPS"; mkdir -p /tmp/op/traffic
   cp pinsidecar/demo/fixtures/code.jsonl pinsidecar/demo/fixtures/prose.jsonl /tmp/op/traffic/
-  local extra='"--max-num-batched-tokens", "2048", "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"'
-  [ ${#ATTN[@]} -gt 0 ] && extra="$extra, \"--attention-backend\", \"${ATTN[1]}\""
+  local extra=$'max-num-batched-tokens = 2048\ncudagraph-capture-sizes = [1, 2, 4, 8, 16]'
+  [ ${#ATTN[@]} -gt 0 ] && extra="$extra"$'\n'"attention-backend = \"${ATTN[1]}\""
   # Not the repository: the guide runs what the wheel installed (PYTHONPATH: vLLM's packages and the wheel's).
   ( cd /tmp/op && env PYTHONPATH="/tmp/site:$OPS" PATH="$OPS/bin:$PATH" VLLM_PY=python3 MODEL="$GPU_LANE_WORK/model" \
       PS_HOME=/tmp/op WHEEL="$OLDPWD/$WHEEL" PIP_INSTALL_ARGS="--no-index --no-deps --target $OPS" \
-      EXTRA_VLLM_ARGS="$extra" HOT_ROWS=99 \
+      EXTRA_VLLM_FLAGS="$extra" HOT_ROWS=99 \
       timeout $(( $(left) - PACK_S )) python3 "$OLDPWD/scripts/gpu_lane/run_guide.py" "$OLDPWD/docs/gpu-operator.md" \
       --log "$OUT/guide.log" --json "$OUT/guide.json" )
 }

@@ -9,7 +9,7 @@ command that fails stops the run (``set -e``), and the report says which block i
 ``text`` (the systemd steps, which the lent GPU cannot run) are not run.
 
 What the guide leaves to its environment (``VLLM_PY``, ``MODEL``, ``PS_HOME``, ``WHEEL``, ``PIP_INSTALL_ARGS``,
-``EXTRA_VLLM_ARGS``, ``HOT_ROWS``) is set by the caller, e.g. ``scripts/gpu_lane/device_loop.sh`` on the H200.
+``EXTRA_VLLM_FLAGS``, ``HOT_ROWS``) is set by the caller, e.g. ``scripts/gpu_lane/device_loop.sh`` on the H200.
 
     python3 scripts/gpu_lane/run_guide.py docs/gpu-operator.md --log OUT.log --json OUT.json
     python3 scripts/gpu_lane/run_guide.py docs/gpu-operator.md --print      # the script it would run
