@@ -152,9 +152,15 @@ def gap_stats(done_at: list[float], start: float, end: float) -> dict[str, Any]:
             "steps_before": len(before)}
 
 
+GIL_BUSY_S, GIL_IDLE_S = 0.001, 0.002  # each load thread: 1 ms of pure Python, then 2 ms asleep
+
+
 class GilLoad:
-    """``threads`` threads running pure Python (no torch call: nothing that lets the GIL go on its own) until the
-    block ends: the stand-in for an engine's busy socket threads, which the apply's thread shares the GIL with."""
+    """``threads`` threads that each run pure Python for :data:`GIL_BUSY_S` (no torch call: nothing that lets the
+    GIL go on its own), then sleep :data:`GIL_IDLE_S`, until the block ends: the stand-in for an engine's socket
+    threads serializing each step's outputs, which the apply's thread shares the GIL with. Not busy all the time:
+    on 2026-12-03 two threads that never slept made every step of this benchmark's stepper (hundreds of torch
+    calls, each a GIL handoff) take 6.3 s, which no engine does (``apply_h200_gil_load_2026-12-03.log``)."""
 
     def __init__(self, threads: int) -> None:
         self.stop = threading.Event()
@@ -165,10 +171,13 @@ class GilLoad:
     def _spin(self) -> None:
         payload = [{"id": i, "text": "x" * 16, "logprobs": [0.5] * 8} for i in range(64)]
         while not self.stop.is_set():
-            total = 0
-            for item in payload:  # bytecode, not one C call: the interpreter may be asked to switch here
-                total += len(item["text"]) + sum(item["logprobs"])
-            self.loops += 1
+            until = time.perf_counter() + GIL_BUSY_S
+            while time.perf_counter() < until:
+                total = 0
+                for item in payload:  # bytecode, not one C call: the interpreter may be asked to switch here
+                    total += len(item["text"]) + sum(item["logprobs"])
+                self.loops += 1
+            time.sleep(GIL_IDLE_S)
 
     def __enter__(self) -> GilLoad:
         for t in self.threads:
