@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from pinsidecar_hook.contract import load_counts
 
 from pinsidecar.cli import main
-from pinsidecar.counts.count_boot import count_boot_config
+from pinsidecar.counts.count_boot import _mismatch_hint, count_boot_config
 from pinsidecar.engine import hooked_spec
 from pinsidecar.engine.ports import free_port
 from pinsidecar.schema import ConfigError
@@ -172,3 +172,10 @@ def test_container_launcher_config_is_refused_before_anything_starts(tmp_path: P
     code, _, stderr = run_cli("count-boot", "--config", str(cfg), "--workload", str(workload(tmp_path, 2)),
                               "--out", str(tmp_path / "c.json"), "--port", str(free_port()))
     assert code == 2 and "engine.launcher = 'container'" in stderr
+
+
+def test_a_count_off_the_replay_says_what_its_sign_points_at() -> None:
+    """Prefix caching can only count fewer tokens than the replay ran; more is other traffic or an extra step."""
+    assert "prefix caching" in _mismatch_hint(2490, 2497) and "stop string" not in _mismatch_hint(2490, 2497)
+    more = _mismatch_hint(2498, 2497)
+    assert "other traffic" in more and "stop string" in more and "prefix caching" not in more

@@ -208,6 +208,19 @@ def run_count_boot(model: Path | None, workloads: Sequence[Path], out: Path, *, 
                 p.unlink()
 
 
+def _mismatch_hint(counted: int, expected: int) -> str:
+    """What a count off the replay's token total points at, by its sign. Prefix caching skips cached prompt
+    tokens, so it only ever counts fewer. More is other traffic, or a request the engine stepped again before it
+    saw the request end. That happens when a request ends on a stop string, which the API server finds after the
+    engine has run on, and under asynchronous scheduling, which runs a step ahead. The H200 guide's prose count
+    boot counted 2498 for 2497 twice (2026-12-02 and 2026-12-03). It is a hint, not a diagnosis: counts that
+    far off still describe the traffic."""
+    if counted < expected:
+        return "fewer than the replay ran: prefix caching on (enable-prefix-caching = false for a count boot)"
+    return ("more than the replay ran: other traffic reached the engine, or requests that ended on a stop "
+            "string or under asynchronous scheduling were stepped once more before the engine saw them end")
+
+
 def _finish(counts: CountsArtifact, result: ReplayResult, label: str, workloads: Sequence[Path], concurrency: int,
             max_tokens: int | None, spec: EngineSpec) -> CountsArtifact:
     if not counts.consistent:
@@ -218,8 +231,8 @@ def _finish(counts: CountsArtifact, result: ReplayResult, label: str, workloads:
         raise CountBootError("the engine routed no tokens during the replay (is the hook counting this model?)")
     expected = result.tokens_processed
     if counts.tokens != expected:
-        log.warning("token_mismatch", counted=counts.tokens, expected=expected,
-                    hint="prefix caching on, or other traffic reached the engine")
+        log.warning("token_mismatch", counted=counts.tokens, expected=expected, hint=_mismatch_hint(counts.tokens,
+                                                                                                  expected))
     meta = dict(counts.meta)
     for key in ("seq", "pid", "write_errors", "engine_ready"):
         meta.pop(key, None)
