@@ -38,13 +38,16 @@ whole, never a mix. Under a batch's lock the roll-back runs before the lock goes
 first. (Everything that can be refused is checked before, touching nothing: :mod:`pinsidecar_hook.swap`.)
 
 **The GIL.** Every torch call releases the GIL and takes it back, and a batch makes a dozen per pair (the copies,
-a sync). Taking it back waits until the thread holding it is made to let go, which CPython does after
-``sys.getswitchinterval()`` (5 ms by default). In a busy engine other threads of the process always want it (the
-engine core's socket threads serialize every step's outputs), and while a batch holds the step lock, every stream
-waits for those handoffs: on the H200 at 16 streams a pair took 3.5 ms under the lock instead of 0.4 ms at one
-stream, and a 20 ms budget became a 68 ms hold (``bench/results/heal_h200_c16_2026-12-02.json``). So an apply
-lowers the switch interval to :data:`SWITCH_INTERVAL_S` while it runs and puts the old value back after (the
-interval is the process's: the other threads switch more often for those seconds too, which costs them little).
+a sync). Taking it back can wait until the thread holding it is made to let go, which CPython does after
+``sys.getswitchinterval()`` (5 ms by default). While a batch holds the step lock every stream waits for such
+handoffs, and a busy engine has other threads that want the GIL (the engine core's socket threads serialize
+every step's outputs). So an apply lowers the switch interval to :data:`SWITCH_INTERVAL_S` while it runs and puts
+the old value back after. The interval belongs to the process, so the other threads switch more often for
+those seconds too. It is a cheap guard, not a measured cure. It was added when a 16-stream apply on the H200
+held 67.6 ms against its 20 ms budget (``bench/results/heal_h200_c16_2026-12-02.json``). The next run
+(``heal_h200_c16_2026-12-03.json``, with the guard) showed where such a hold goes: 59.1 ms of its longest
+60.0 ms was the batch's first sync, the wait for the previous step's kernels (the stats' ``drains``). That
+wait is not the GIL's doing. The guard's own effect has not been measured in isolation.
 """
 
 from __future__ import annotations
