@@ -27,8 +27,15 @@ when they serialize each step's outputs, and a third phase to each round: the ba
 own GIL switch interval (5 ms), where the hook lowers it to ``swap.SWITCH_INTERVAL_S`` while an apply runs
 (``pinsidecar_hook.swap_batches``, "The GIL"). The two batched phases side by side show what that buys.
 
+``--async-steps`` leaves each step running on the device past its guard, as vLLM's asynchronous scheduling does
+(an apply batch that takes the lock then finds the last step's kernels still running), and adds a phase to each
+round: the batched apply ordered by host syncs under the lock (``ordering="host"``, the drain the stream order
+removes; ``pinsidecar_hook.swap_batches``, "Ordering"). Every phase also recomputes the steps it served during the
+apply (half-applied placements) over the final one: ``mid_apply_identity`` must say identical.
+
     python3 bench/apply_gpu.py --out bench/results/apply_h200.json      # the H200: about 60-90 s
     python3 bench/apply_gpu.py --reps 3 --gil-load 2   # the GIL's share of a batch, interleaved
+    python3 bench/apply_gpu.py --reps 3 --async-steps   # stream order vs host syncs, steps left running
     python3 bench/apply_gpu.py --small --device cpu --hold-ms 0 --out /tmp/a.json  # anywhere (CI: logic only)
 
 On the CPU both tiers are host memory and the times mean nothing; CI checks that it runs, that the batched phase
@@ -93,16 +100,26 @@ def hot_experts(state: PinState) -> list[torch.Tensor]:
     return out
 
 
+KEEP_STEPS = 256  # steps whose outputs a phase keeps, to recompute after the apply (the mid-apply identity)
+
+
 @dataclass
 class Stepper:
     """Decode steps back to back under the state's step guard, each routed to the experts hot at that step; the
-    completion time of each step (after its kernels: a device sync inside the guard, as vLLM's sampled tokens)."""
+    completion time of each step. ``async_steps=False``: after its kernels, a device sync inside the guard (as
+    vLLM's sampled tokens without asynchronous scheduling). True: the guard is released as soon as the step is
+    queued, and the step is waited for after the next one is queued (as vLLM's asynchronous scheduling does), so
+    an apply batch that takes the lock finds the last step still running on the device. ``keep``: the ids and
+    outputs of the steps since it was set (at most :data:`KEEP_STEPS`), for :meth:`mid_apply_identity`."""
 
     state: PinState
     geo: dict[str, int]
     device: torch.device
     dtype: torch.dtype
     impl: str
+    async_steps: bool = False
+    keep: bool = False
+    kept: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
     done_at: list[float] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     error: list[BaseException] = field(default_factory=list)
@@ -113,18 +130,50 @@ class Stepper:
         self.slots, self.template = base.ids, base  # slot ranks in 0..H-1, k distinct per token
         self.thread = threading.Thread(target=self._run, name="stepper", daemon=True)
 
-    def _step(self) -> None:
+    def _step(self, previous: Any) -> Any:
+        """One step; returns its end event when it is left running (``async_steps``), after waiting for
+        ``previous``."""
+        cuda = self.device.type == "cuda"
         with self.state.step_guard():
             ids = torch.stack([hot[ranks] for hot, ranks in zip(hot_experts(self.state), self.slots, strict=True)])
-            forward(self.state, Step(self.template.x, ids, self.template.weights), self.impl, counters=False)
-            if self.device.type == "cuda":
+            outs = forward(self.state, Step(self.template.x, ids, self.template.weights), self.impl, counters=False)
+            if self.keep and len(self.kept) < KEEP_STEPS:
+                self.kept.append((ids, outs))
+            end = None
+            if cuda and self.async_steps:
+                end = torch.cuda.Event()
+                end.record()
+            elif cuda:
                 torch.cuda.synchronize(self.device)
-        self.done_at.append(time.perf_counter())
+        if end is None:
+            self.done_at.append(time.perf_counter())
+            return None
+        if previous is not None:
+            previous.synchronize()
+            self.done_at.append(time.perf_counter())
+        return end
+
+    def mid_apply_identity(self) -> str:
+        """The kept steps (routed by the row maps *during* the apply, so over half-applied placements, their copies
+        ordered by the apply's "Ordering") recomputed now, over the final placement: the same bits, or what
+        differs. A batch's copies landing after a step that read its rows would show here."""
+        if not self.kept:
+            return "no step kept"
+        for n, (ids, outs) in enumerate(self.kept):
+            again = forward(self.state, Step(self.template.x, ids, self.template.weights), self.impl, counters=False)
+            for layer, (a, b) in enumerate(zip(outs, again, strict=True)):
+                if not torch.equal(a, b):
+                    return f"step {n} of {len(self.kept)} kept, layer {layer}: outputs differ"
+        return f"identical ({len(self.kept)} steps)"
 
     def _run(self) -> None:
         try:
+            previous = None
             while not self.stop.is_set():
-                self._step()
+                previous = self._step(previous)
+            if previous is not None:
+                previous.synchronize()
+                self.done_at.append(time.perf_counter())
         except BaseException as exc:  # reported, not swallowed: the phase's numbers would be meaningless
             self.error.append(exc)
 
@@ -229,34 +278,40 @@ def vs_fresh_rehome(state: PinState, target: ExpertMap, path: Path, steps: list[
 
 
 def phase(state: PinState, stepper_args: dict[str, Any], target: ExpertMap, path: Path, hold_budget_s: float,
-          warm_s: float, gil_load: int = 0,
-          switch_interval_s: float | None = swap.SWITCH_INTERVAL_S) -> dict[str, Any]:
+          warm_s: float, gil_load: int = 0, switch_interval_s: float | None = swap.SWITCH_INTERVAL_S,
+          ordering: str = "stream") -> dict[str, Any]:
     """Serve with the stepping thread (and ``gil_load`` busy threads), apply ``target`` in the middle under
-    ``switch_interval_s`` (None: Python's), keep serving a little; the figures."""
+    ``switch_interval_s`` (None: Python's) and ``ordering``, keep serving a little; the figures, and the identity
+    of the steps served during the apply."""
     with GilLoad(gil_load), Stepper(state, **stepper_args) as stepper:
         time.sleep(warm_s)
         deadline = time.monotonic() + 60
         while len(stepper.done_at) < 4 and time.monotonic() < deadline:  # steps before, to compare (slow under load)
             time.sleep(0.01)
         start = time.perf_counter()
+        stepper.keep = True
         result = state.apply(apply_args(path, target.content_hash), f"apply-{target.label}",
-                             hold_budget_s=hold_budget_s, switch_interval_s=switch_interval_s)
+                             hold_budget_s=hold_budget_s, switch_interval_s=switch_interval_s, ordering=ordering)
+        stepper.keep = False
         end = time.perf_counter()
         time.sleep(warm_s / 2)
     if result.outcome != "applied":
         raise RuntimeError(f"apply {target.label}: {result.outcome}: {result.reason}")
     out = {"hold_budget_ms": None if math.isinf(hold_budget_s) else hold_budget_s * 1e3,
            "switch_interval_ms": None if switch_interval_s is None else switch_interval_s * 1e3,
+           "ordering": ordering, "stream_batches": result.stream_batches, "async_steps": stepper.async_steps,
            "gil_load_threads": gil_load, "rows": result.rows,
            "bytes_moved": result.bytes_moved, "batches": result.batches, "hold_max_ms": result.hold_max_s * 1e3,
-           "drain_max_ms": result.drain_max_s * 1e3,
+           "drain_max_ms": result.drain_max_s * 1e3, "device_max_ms": result.device_max_s * 1e3,
+           "mid_apply_identity": stepper.mid_apply_identity(),
            "held_s": result.seconds, "apply_s": result.wall_s, "link_GBps": result.link_GBps,
            "of_link": result.link_GBps / LINK_GBPS, **gap_stats(stepper.done_at, start, end)}
     say("phase", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()})
     return out
 
 
-SPREAD = ("longest_gap_ms", "hold_max_ms", "drain_max_ms", "apply_s", "held_s", "link_GBps", "median_step_ms_outside")
+SPREAD = ("longest_gap_ms", "hold_max_ms", "drain_max_ms", "device_max_ms", "apply_s", "held_s", "link_GBps",
+          "median_step_ms_outside")
 
 
 def _spread(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -275,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gil-load", type=int, default=0,
                         help="busy Python threads during every phase, and a batched phase under Python's own GIL "
                              "switch interval in each round")
+    parser.add_argument("--async-steps", action="store_true",
+                        help="leave each step running past its guard, as vLLM's asynchronous scheduling does, and "
+                             "add a batched phase ordered by host syncs to each round (the stream order's baseline)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     run = run_setup(args.device, GEOMETRY, SMALL_GEOMETRY if args.small else None)
@@ -301,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         say("built in", result["build_s"], "s", state.summary["tier_bytes"])
         steps = fixed_steps(geo, device, dtype)
         before = [forward(state, s, impl, counters=False) for s in steps]  # also compiles the kernels
-        stepper_args = {"geo": geo, "device": device, "dtype": dtype, "impl": impl}
+        stepper_args = {"geo": geo, "device": device, "dtype": dtype, "impl": impl, "async_steps": args.async_steps}
 
         rounds: list[dict[str, Any]] = []
         for i in range(max(1, args.reps)):  # interleaved: batched a -> b, then one hold b -> a, then again
@@ -325,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
                                                       warm_s, args.gil_load, switch_interval_s=None)
                 phase(state, stepper_args, base, paths["a"], math.inf, warm_s, args.gil_load)
                 this["batched_python_switch"]["identity"] = {"vs_before": same_outputs(
+                    [forward(state, s, impl, counters=False) for s in steps], before)}
+            if args.async_steps:  # the same batched apply ordered by host syncs under the lock, then back
+                this["batched_host_order"] = phase(state, stepper_args, target, paths["b"], args.hold_ms / 1e3,
+                                                   warm_s, args.gil_load, ordering="host")
+                phase(state, stepper_args, base, paths["a"], math.inf, warm_s, args.gil_load)
+                this["batched_host_order"]["identity"] = {"vs_before": same_outputs(
                     [forward(state, s, impl, counters=False) for s in steps], before)}
             rounds.append(this)
             result.update(batched=rounds[0]["batched"], unbatched=rounds[0]["unbatched"], rounds=rounds,

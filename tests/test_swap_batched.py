@@ -109,10 +109,17 @@ def test_apply_request_reports_its_batches(maps: dict[str, Any]) -> None:
     assert result.outcome == "applied" and result.batches == result.rows == _plan_rows(maps)
     assert result.hold_budget_s == 0.0 and 0 < result.hold_max_s <= result.seconds <= result.wall_s
     assert result.link_GBps > 0 and 0 <= result.drain_max_s <= result.hold_max_s
+    # the CPU has no stream: every batch is ordered by host syncs, and its copies' time is its device time
+    assert result.stream_batches == 0 and 0 < result.device_max_s <= result.hold_max_s
     assert ApplyResult.from_json(result.to_json()) == result
     old = {k: v for k, v in result.to_json().items() if k not in ("batches", "hold_max_s", "hold_budget_s",
-                                                                    "wall_s", "link_GBps", "drain_max_s")}
+                                                                    "wall_s", "link_GBps", "drain_max_s",
+                                                                    "stream_batches", "device_max_s")}
     assert ApplyResult.from_json(old).batches == 0 and ApplyResult.from_json(old).drain_max_s == 0.0
+    assert ApplyResult.from_json(old).stream_batches == 0 and ApplyResult.from_json(old).device_max_s == 0.0
+    wrong = state.apply(apply_args(maps["a_path"], maps["a"].content_hash), "apply-a", ordering="device")
+    assert wrong.outcome == "refused" and "ordering must be one of ('stream', 'host')" in wrong.reason
+    assert state.emap.content_hash == maps["b"].content_hash  # refused before anything moved
     unbounded = state.apply(apply_args(maps["a_path"], maps["a"].content_hash), "apply-a", hold_budget_s=math.inf)
     assert unbounded.outcome == "applied" and unbounded.batches == 1 and unbounded.hold_budget_s == 0.0
 

@@ -41,7 +41,7 @@ def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
     apply_gpu = _bench("apply_gpu")
     out = tmp_path / "apply_cpu.json"
     assert apply_gpu.main(["--small", "--device", "cpu", "--hold-ms", "0", "--reps", "2", "--gil-load", "1",
-                           "--out", str(out)]) == 0
+                           "--async-steps", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     geo = doc["geometry"]
     rows = geo["layers"] * min(geo["cold"], geo["hot"])
@@ -52,6 +52,8 @@ def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
         assert phase["identity"]["rows_hold_original_bytes"] == f"{geo['layers'] * geo['experts']}/" \
             f"{geo['layers'] * geo['experts']}"
         assert phase["steps_before"] > 0 and phase["link_GBps"] > 0
+        # the steps served mid-apply, recomputed over the final placement (the CPU: ordered by host syncs)
+        assert phase["mid_apply_identity"].startswith("identical (") and phase["stream_batches"] == 0
     assert batched["identity"]["vs_fresh_rehome"] == "4/4"
     assert batched["batches"] == rows and batched["steps_during"] >= 1 and batched["hold_budget_ms"] == 0.0
     assert unbatched["batches"] == 1 and unbatched["hold_budget_ms"] is None
@@ -64,7 +66,11 @@ def test_apply_under_serving_bench_small_runs_on_cpu(tmp_path: Path) -> None:
     assert switch["switch_interval_ms"] is None and switch["gil_load_threads"] == 1
     assert switch["rows"] == rows and switch["identity"]["vs_before"] == "4/4"
     assert batched["switch_interval_ms"] == apply_gpu.swap.SWITCH_INTERVAL_S * 1e3
-    for name in ("batched", "unbatched", "batched_python_switch"):
+    # --async-steps: the batched apply again, ordered by host syncs (on the CPU both orders are host syncs)
+    host = doc["rounds"][1]["batched_host_order"]
+    assert host["ordering"] == "host" and batched["ordering"] == "stream" and host["async_steps"] is True
+    assert host["rows"] == rows and host["identity"]["vs_before"] == "4/4"
+    for name in ("batched", "unbatched", "batched_python_switch", "batched_host_order"):
         gap = doc["spread"][name]["longest_gap_ms"]
         assert gap["n"] == 2 and gap["min"] <= gap["median"] <= gap["max"]
         assert gap["values"] == [round(r[name]["longest_gap_ms"], 4) for r in doc["rounds"]]

@@ -143,15 +143,17 @@ def _fill_stats(result: ApplyResult, stats: SwapStats) -> None:
     result.hold_budget_s = 0.0 if math.isinf(stats.hold_budget_s) else round(stats.hold_budget_s, 6)
     result.link_GBps = round(stats.link_GBps, 3)
     result.drain_max_s = round(max(stats.drains, default=0.0), 6)
+    result.stream_batches, result.device_max_s = stats.stream_batches, round(stats.device_max_s, 6)
 
 
 def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
               hold_budget_s: float | None = None,
-              switch_interval_s: float | None = SWITCH_INTERVAL_S) -> ApplyResult:
+              switch_interval_s: float | None = SWITCH_INTERVAL_S, ordering: str = "stream") -> ApplyResult:
     """Serve one ``apply`` request on ``target``: refuse, or swap in bounded batches between the steps and adopt
     the candidate, or fail and roll back. ``hold_budget_s`` bounds one batch (else the request's ``hold_ms``,
     else :data:`HOLD_BUDGET_S`); ``switch_interval_s`` is the GIL switch interval while it runs (None: Python's;
-    :mod:`pinsidecar_hook.swap_batches`, "The GIL"). Never raises; logs one line."""
+    :mod:`pinsidecar_hook.swap_batches`, "The GIL"); ``ordering`` how batches are ordered against the steps
+    (``"stream"`` or ``"host"``; "Ordering" there). Never raises; logs one line."""
     active = target.emap
     result = ApplyResult(token=token, outcome="refused", map_hash=active.content_hash, from_hash=active.content_hash)
     try:
@@ -160,7 +162,7 @@ def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
         budget = next(b for b in (hold_budget_s, asked_budget, HOLD_BUDGET_S) if b is not None)
         stats = swap_layers(target.layers, plan, target.step_lock, on_done=lambda: target.adopt(candidate, path),
                             clock=getattr(target, "step_clock", None), hold_budget_s=budget,
-                            switch_interval_s=switch_interval_s)
+                            switch_interval_s=switch_interval_s, ordering=ordering)
     except ApplyRefused as exc:
         result.reason = str(exc)
         log.warning("pinsidecar pin: apply %s refused: %s", token, result.reason)
@@ -185,8 +187,10 @@ def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
     log.info("pinsidecar pin: applied map %s (%s, hash %s) in place over %s: %d rows swapped in %d layers, "
              "%.1f MiB moved in %.3f s (%.1f GB/s over the copies), in %d batches with %d steps between: step lock "
              "held %.3f s in all, at most %.4f s at once (budget %.4f s; waited %.3f s for it; at most %.4f s of a "
-             "hold waiting for the last step's kernels)", path,
+             "hold waiting for the last step's kernels; %d batches queued on the engine's stream, at most %.4f s on "
+             "the device)", path,
              candidate.label or "-", candidate.short_hash, active.short_hash, stats.rows, stats.layers,
              stats.bytes_moved / 2**20, stats.wall_s, stats.link_GBps, stats.batches, stats.steps_during,
-             stats.seconds, stats.hold_max_s, stats.hold_budget_s, stats.lock_wait_s, result.drain_max_s)
+             stats.seconds, stats.hold_max_s, stats.hold_budget_s, stats.lock_wait_s, result.drain_max_s,
+             stats.stream_batches, stats.device_max_s)
     return result

@@ -12,9 +12,9 @@ flipping the row-map entries of its two experts (``e_in -> h``, ``e_out -> H + c
 expert in exactly one row that holds its bytes: a valid placement, and the split is bit-identical to the unsplit
 call for *any* placement. So the apply may stop after any pair, and a step between two batches serves a
 half-applied remap with the reference bits. One batch: take the lock (saying so: the :class:`StepClock` lets
-a batch that asks go before the next step), sync the device, swap pairs (a device sync after each, to time it)
-until the next would overrun the budget (at least one per batch), write the row-map entries of the batch's pairs
-and run the layer's refreshers, sync, release. Then prefetch the next batch (overlapping the step) and wait until
+a batch that asks go before the next step), swap pairs until the next would overrun the budget (at least one per
+batch), write the row-map entries of the batch's pairs and run the layer's refreshers, release (how the copies
+are ordered against the steps: "Ordering"). Then prefetch the next batch (overlapping the step) and wait until
 a step has ended, or :data:`IDLE_S` (an idle engine: no step is coming). Python locks are not fair, hence the
 clock: without it a worker could take the lock back batch after batch, or the apply could. The served map's name
 (``on_done``: the stats' ``map_hash``) changes after the last batch, under its lock: between batches the stats
@@ -22,14 +22,29 @@ still name the old map while some rows already follow the new one, as close as a
 serves the reference bits. The answer reports the batches, the longest hold, the seconds held in all and in
 wall time, and the link bandwidth (bytes moved over the time spent copying them, prefetch included).
 
-**Ordering.** vLLM executes asynchronously: when ``execute_model`` returns, the step's kernels may still run. So
-under the lock each batch first synchronizes the device, then issues its copies and its row-map entries on *one*
-stream (the current one), each entry after its pair's copies, in stream order, and synchronizes again before it
-releases the lock. A row map flipped before its copies landed would send tokens to rows that still hold the old
+**Ordering.** vLLM executes asynchronously: when ``execute_model`` returns, the step's kernels may still run, and
+the copies of a batch must come after them (they read the rows being swapped) and before the next step's. Two
+ways, ``ordering``:
+
+- ``"stream"`` (the default, CUDA): each step notes the stream it runs on (:class:`StepClock`), and a batch queues
+  its copies, its row-map entries (from pinned host memory: a pageable copy would sync) and the refreshers on that
+  stream, after the last step's kernels *in stream order*, records an event and releases the lock without
+  waiting. Every later step makes its own stream wait for that event on the device (a no-op once it is done, the
+  ordering should it run on another stream). The host never waits under the lock, so the next step is prepared
+  while the batch runs on the device. After the lock goes, the apply waits for the event and learns from the
+  batch's device time what one pair costs; the next batch queues what the budget fits of device time (the first
+  batch one pair). So the bound a step sees is the batch's device time (``device_s``).
+- ``"host"`` (the CPU, several devices, before any step was seen, or asked for): under the lock each batch first
+  synchronizes the device, then issues its copies and its row-map entries on the current stream, each entry
+  after its pair's copies, and synchronizes again before it releases the lock. The first sync is the ``drains``:
+  on the H200 at 16 streams it was 59.1 ms of the longest 60.0 ms hold
+  (``bench/results/heal_h200_c16_2026-12-03.json``), the reason for the stream order.
+
+Either way a row map flipped before its copies landed would send tokens to rows that still hold the old
 expert (the negative controls, ``tests/test_swap_batched.py`` and the GPU benchmark, show that such an order
 diverges). Backends that derive tensors from the row map (``triton_experts``' tier maps) register a refresher on
 the layer (``row_map_listeners``), run right after each flip, on the same stream, writing their tensors in place
-too. The prefetch stream is made to wait for the current one before it reuses a slot.
+too. The prefetch stream is made to wait for the engine's stream before it reuses a slot.
 
 **Failure.** An exception anywhere in the swap (a copy, a row-map flip, a refresher, a prefetch or a wait between
 batches) swaps every pair already swapped back, over all batches, newest first (a swap is its own inverse),
@@ -45,9 +60,8 @@ every step's outputs). So an apply lowers the switch interval to :data:`SWITCH_I
 the old value back after. The interval belongs to the process, so the other threads switch more often for
 those seconds too. It is a cheap guard, not a measured cure. It was added when a 16-stream apply on the H200
 held 67.6 ms against its 20 ms budget (``bench/results/heal_h200_c16_2026-12-02.json``). The next run
-(``heal_h200_c16_2026-12-03.json``, with the guard) showed where such a hold goes: 59.1 ms of its longest
-60.0 ms was the batch's first sync, the wait for the previous step's kernels (the stats' ``drains``). That
-wait is not the GIL's doing. The guard's own effect has not been measured in isolation.
+(``heal_h200_c16_2026-12-03.json``, with the guard) showed where such a hold goes: the drain ("Ordering"),
+not the GIL. The guard's own effect has not been measured in isolation.
 """
 
 from __future__ import annotations
@@ -68,8 +82,8 @@ import torch
 from pinsidecar_hook.contract import SwapPlan
 from pinsidecar_hook.swap_rows import SwapLayer, _LayerWork, _resolve, _roll_back, _row_bytes, _swap_row
 
-__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "SWITCH_INTERVAL_S", "StepClock", "SwapFailed", "SwapStats",
-           "swap_layers"]
+__all__ = ["HOLD_BUDGET_S", "IDLE_S", "ORDERINGS", "STAGING_BYTES", "SWITCH_INTERVAL_S", "StepClock", "SwapFailed",
+           "SwapStats", "swap_layers"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -77,6 +91,7 @@ HOLD_BUDGET_S = 0.020  # one batch holds the step lock about this long at most (
 STAGING_BYTES = 512 << 20  # prefetch slots in HBM per apply (7 pairs at 70.8 MB/expert); never a tier's copy
 IDLE_S = 0.008  # after a batch, wait this long for a step to end before taking the next (the engine may be idle)
 SWITCH_INTERVAL_S = 0.0002  # the GIL switch interval while an apply runs (module docstring, "The GIL")
+ORDERINGS = ("stream", "host")  # how a batch is ordered against the steps (module docstring, "Ordering")
 
 
 @contextlib.contextmanager
@@ -105,6 +120,8 @@ class SwapStats:
     batches: int = 0
     holds: list[float] = field(default_factory=list)  # the lock held, per batch
     drains: list[float] = field(default_factory=list)  # per batch, its first sync: the last step's kernels ending
+    device_s: list[float] = field(default_factory=list)  # per batch, the device time of its copies and flips
+    stream_batches: int = 0  # batches ordered on the engine's stream, not by host syncs ("Ordering")
     hold_budget_s: float = 0.0
     switch_interval_s: float = 0.0  # the GIL switch interval the apply ran under (module docstring, "The GIL")
     wall_s: float = 0.0  # the whole apply, first prefetch to last release
@@ -118,6 +135,11 @@ class SwapStats:
     def hold_max_s(self) -> float:
         """The longest single hold: the longest a step can have waited for the apply."""
         return max(self.holds, default=0.0)
+
+    @property
+    def device_max_s(self) -> float:
+        """The longest batch on the device: what a step enqueued behind a stream-ordered batch waits there."""
+        return max(self.device_s, default=0.0)
 
     @property
     def link_GBps(self) -> float:
@@ -162,6 +184,20 @@ class StepClock:
         self._steps = 0
         self._asking = 0
         self._local = threading.local()
+        # CUDA only ("Ordering" in the module docstring): the stream the last step ran on, and the end event of the
+        # last stream-ordered batch, which every step makes its own stream wait for on the device.
+        self.stream: Any = None
+        self.pending: Any = None
+
+    def _on_device(self) -> None:
+        """Under the lock, at a step's start: note its stream, and order it after a batch still on the device."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()) or torch.cuda.is_current_stream_capturing():
+            return
+        current = torch.cuda.current_stream()
+        self.stream = current
+        pending = self.pending
+        if pending is not None:
+            current.wait_event(pending)  # a no-op once the event is done; the ordering if the stream is another
 
     @property
     def steps(self) -> int:
@@ -178,6 +214,8 @@ class StepClock:
         self._local.depth = depth + 1
         try:
             with lock:
+                if depth == 0:
+                    self._on_device()
                 yield
         finally:
             self._local.depth = depth
@@ -242,9 +280,13 @@ class _Apply:
 
     def __init__(self, work: list[_LayerWork], lock: AbstractContextManager[Any], *, clock: StepClock | None,
                  hold_budget_s: float, staging_bytes: int, idle_s: float, stall_s: float | None,
-                 fail_after_layers: int | None, switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
+                 fail_after_layers: int | None, switch_interval_s: float | None = SWITCH_INTERVAL_S,
+                 ordering: str = "stream") -> None:
+        if ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
         self.work, self.lock, self.clock = work, lock, clock
         self.budget, self.idle_s, self.switch_interval_s = hold_budget_s, idle_s, switch_interval_s
+        self.ordering = ordering
         self.stall_s, self.fail_after_layers = stall_s, fail_after_layers
         self.pairs = [_Pair(entry, h, c, e_in, e_out, i == len(entry.pairs) - 1) for entry in work
                       for i, ((h, c), (e_in, e_out)) in enumerate(zip(entry.pairs, entry.experts, strict=True))]
@@ -275,12 +317,24 @@ class _Apply:
         self._prefetch_events: list[tuple[Any, Any]] = []
         self.pair_s: dict[bool, float] = {}  # the last measured hold of one pair, prefetched (True) or not
         self.mark = 0  # steps ended when the last batch released the lock
+        # The last stream-ordered batch still to be awaited (outside the lock): its events, pairs, and what its
+        # flips copied from (pinned host tensors, alive until the copies have run).
+        self._in_flight: tuple[Any, Any, dict[bool, int]] | None = None
+        self._keep: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------------------------------ helpers
 
     def _sync(self) -> None:
         for dev in self.devices:
             torch.cuda.synchronize(dev)
+
+    def _engine_stream(self) -> Any:
+        """The stream to order this batch on ("Ordering"), or None: order by host syncs (the CPU, several devices,
+        no step seen yet, or ``ordering="host"``)."""
+        if self.ordering != "stream" or self.clock is None or len(self.devices) != 1:
+            return None
+        stream = self.clock.stream
+        return stream if stream is not None and stream.device in self.devices else None
 
     def _hold(self) -> AbstractContextManager[Any]:
         return self.clock.holding(self.lock) if self.clock is not None else self.lock
@@ -314,8 +368,11 @@ class _Apply:
         t0 = time.perf_counter()
         events = []
         with contextlib.ExitStack() as stack:
+            engine = self._engine_stream()
             for dev, stream in self.side.items():
                 stream.wait_stream(torch.cuda.current_stream(dev))  # the slots' last readers (the last batch)
+                if engine is not None:
+                    stream.wait_stream(engine)
                 stack.enter_context(torch.cuda.stream(stream))
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
@@ -355,7 +412,11 @@ class _Apply:
             if not any(e is entry for e in self.flipped):
                 self.flipped.append(entry)
             row_map = entry.layer.row_map
-            row_map.copy_(torch.tensor(entry.current, dtype=row_map.dtype).to(row_map.device, non_blocking=False))
+            rows = torch.tensor(entry.current, dtype=row_map.dtype)
+            if row_map.is_cuda:  # pinned, so the copy is queued, not waited for (a pageable one syncs the stream)
+                rows = rows.pin_memory()
+                self._keep.append(rows)
+            row_map.copy_(rows, non_blocking=row_map.is_cuda)
             for refresh in entry.layer.row_map_listeners:
                 refresh()
 
@@ -384,48 +445,98 @@ class _Apply:
 
     def _batch(self, on_done: Callable[[], None] | None, *, flip_first: bool = False) -> None:
         """Take the lock, swap pairs until the hold budget is spent (at least one), flip their row map entries,
-        sync, and (after the last pair) record the candidate as served; roll back before releasing on failure.
-        ``flip_first`` (tests only: the negative control) flips each pair's entries *before* its copies."""
+        and (after the last pair) record the candidate as served; roll back before releasing on failure. Ordered
+        on the engine's stream when there is one (queued, not waited for: :meth:`_await_batch` does that after the
+        lock goes), else by host syncs ("Ordering"). ``flip_first`` (tests only: the negative control) flips each
+        pair's entries *before* its copies."""
         asked = time.perf_counter()
         with self._hold():
             locked = time.perf_counter()
             self.stats.lock_wait_s += locked - asked
             self.stats.batch_steps.append(self.clock.steps if self.clock is not None else 0)
+            engine = self._engine_stream()
             try:
-                self._sync()  # the previous step's kernels may still be running (vLLM executes asynchronously)
-                self.stats.drains.append(time.perf_counter() - locked)
-                if self.fail_after_layers == 0:
-                    raise RuntimeError("fail_after_layers=0: failing before the first layer (fault injection)")
-                unflipped: list[_Pair] = []
-                slot = 0
-                while self.next < len(self.pairs):
-                    prefetched = slot < self.prefetched
-                    if slot and time.perf_counter() - locked + self._estimate(prefetched) > self.budget:
-                        break
-                    pair = self.pairs[self.next]
-                    t0 = time.perf_counter()
-                    if flip_first:
-                        self._flip([pair])
-                    self._swap_pair(pair, slot if prefetched else None)
-                    self._sync()
-                    self.pair_s[prefetched] = time.perf_counter() - t0
-                    self.stats.copy_s += self.pair_s[prefetched]
-                    self.next += 1
-                    slot += 1
-                    unflipped.append(pair)
-                    if pair.last_of_layer:
-                        self._layer_done(pair, unflipped)
-                self._flip(unflipped)
-                self._sync()
-                if self.next == len(self.pairs) and on_done is not None:
-                    on_done()
-            except BaseException:
-                self.rolled_back = _roll_back(self.done, self.flipped)
-                raise
+                with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
+                    self._batch_body(on_done, locked, engine, flip_first)
             finally:
                 self.stats.holds.append(time.perf_counter() - locked)
                 self.mark = self.clock.steps if self.clock is not None else 0
             self.prefetched = 0
+
+    def _batch_body(self, on_done: Callable[[], None] | None, locked: float, engine: Any, flip_first: bool) -> None:
+        """One batch under the lock (on ``engine``, the current stream, when stream-ordered)."""
+        try:
+            start = None
+            if engine is None:
+                self._sync()  # the previous step's kernels may still be running (vLLM executes asynchronously)
+            else:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(engine)  # after the last step's kernels, in stream order: nothing to wait for here
+            self.stats.drains.append(time.perf_counter() - locked)
+            if self.fail_after_layers == 0:
+                raise RuntimeError("fail_after_layers=0: failing before the first layer (fault injection)")
+            unflipped: list[_Pair] = []
+            kinds = {True: 0, False: 0}  # pairs of this batch, prefetched or not
+            slot, queued, copies = 0, 0.0, 0.0
+            while self.next < len(self.pairs):
+                prefetched = slot < self.prefetched
+                estimate = self._estimate(prefetched)
+                if slot and engine is not None and not math.isinf(self.budget) and (not estimate
+                                                    or max(time.perf_counter() - locked, queued) + estimate
+                                                    > self.budget):
+                    break  # queued device time is what the next step waits for (none measured yet: one pair)
+                if slot and engine is None and time.perf_counter() - locked + estimate > self.budget:
+                    break
+                pair = self.pairs[self.next]
+                t0 = time.perf_counter()
+                if flip_first:
+                    self._flip([pair])
+                self._swap_pair(pair, slot if prefetched else None)
+                if engine is None:
+                    self._sync()
+                    self.pair_s[prefetched] = time.perf_counter() - t0
+                    copies += self.pair_s[prefetched]
+                else:
+                    queued += estimate
+                kinds[prefetched] += 1
+                self.next += 1
+                slot += 1
+                unflipped.append(pair)
+                if pair.last_of_layer:
+                    self._layer_done(pair, unflipped)
+            self._flip(unflipped)
+            if engine is None:
+                self._sync()
+                self.stats.copy_s += copies
+                self.stats.device_s.append(copies)
+            else:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(engine)
+                self.clock.pending = end  # every step from now on waits for it on the device (StepClock._on_device)
+                self._in_flight = (start, end, kinds)
+                self.stats.stream_batches += 1
+            if self.next == len(self.pairs) and on_done is not None:
+                on_done()
+        except BaseException:
+            self.rolled_back = _roll_back(self.done, self.flipped)  # on this stream, then a device sync
+            self._in_flight, self._keep = None, []
+            raise
+
+    def _await_batch(self) -> None:
+        """Outside the lock: wait until the last stream-ordered batch ran on the device, and learn from its time
+        what one pair costs there (the next batch's budget)."""
+        if self._in_flight is None:
+            return
+        start, end, kinds = self._in_flight
+        end.synchronize()
+        device_s = start.elapsed_time(end) / 1e3
+        self.stats.device_s.append(device_s)
+        self.stats.copy_s += device_s
+        pairs = kinds[True] + kinds[False]
+        if pairs:  # a pair not prefetched costs about twice one that was (both rows cross the link)
+            self.pair_s[True] = device_s / (kinds[True] + 2 * kinds[False])
+            self.pair_s[False] = 2 * self.pair_s[True]
+        self._in_flight, self._keep = None, []
 
     # ------------------------------------------------------------------------------------------ the whole
 
@@ -442,6 +553,7 @@ class _Apply:
                 while True:
                     self._await_prefetch()
                     self._batch(on_done, flip_first=flip_first)
+                    self._await_batch()
                     if self.next == len(self.pairs):
                         break
                     self._prefetch()  # overlaps the step that runs now
@@ -450,7 +562,9 @@ class _Apply:
         except BaseException as exc:
             if self.rolled_back is None:  # raised outside the lock (a prefetch, a wait): roll back under it
                 with self._hold(), torch.inference_mode():
+                    self._sync()  # a stream-ordered batch may still run on the device: after it, on any stream
                     self.rolled_back = _roll_back(self.done, self.flipped)
+                    self._in_flight, self._keep = None, []
             self._finish(started, first_steps)
             if isinstance(exc, Exception):
                 raise SwapFailed(exc, self.stats, self.rolled_back) from exc
@@ -464,22 +578,26 @@ class _Apply:
         st.seconds = sum(st.holds)
         st.batches = len(st.holds)
         st.steps_during = (self.clock.steps if self.clock is not None else 0) - first_steps
+        if self.clock is not None and self._in_flight is None and st.stream_batches:
+            self.clock.pending = None  # every batch ran on the device: no step needs to wait for one
 
 
 def swap_layers(layers: Sequence[SwapLayer], plan: SwapPlan, lock: AbstractContextManager[Any], *,
                 stall_s: float | None = None, fail_after_layers: int | None = None,
                 on_done: Callable[[], None] | None = None, clock: StepClock | None = None,
                 hold_budget_s: float = HOLD_BUDGET_S, staging_bytes: int = STAGING_BYTES,
-                idle_s: float = IDLE_S, switch_interval_s: float | None = SWITCH_INTERVAL_S) -> SwapStats:
+                idle_s: float = IDLE_S, switch_interval_s: float | None = SWITCH_INTERVAL_S,
+                ordering: str = "stream") -> SwapStats:
     """Carry out ``plan`` on ``layers`` in batches, each under ``lock`` (the step lock) for at most about
     ``hold_budget_s`` (at least one pair; ``math.inf``: one batch, the old behaviour), with a step between two
     batches when ``clock`` (the steps' :class:`StepClock`) is given, waiting at most ``idle_s`` for one. Each
-    batch: the copies, then its pairs' row-map entries, in stream order, then a device sync; after the last,
+    batch: the copies, then its pairs' row-map entries, in stream order ("Ordering"); after the last,
     ``on_done()`` (the bookkeeping: which map is served), before the lock goes. Raises :class:`ApplyRefused`
     (before any lock, nothing touched) or :class:`SwapFailed` (after rolling every batch back; ``on_done`` not
     called). ``switch_interval_s``: the GIL switch interval while the apply runs (None: Python's, untouched; the
-    module docstring, "The GIL"). ``stall_s`` / ``fail_after_layers`` inject faults (tests only: "Fault injection" in
-    :mod:`pinsidecar_hook.swap`)."""
+    module docstring, "The GIL"). ``ordering``: ``"stream"`` queues each batch on the engine's stream where there is
+    one, ``"host"`` orders it by device syncs under the lock (module docstring, "Ordering"). ``stall_s`` /
+    ``fail_after_layers`` inject faults (tests only: "Fault injection" in :mod:`pinsidecar_hook.swap`)."""
     work = _resolve(layers, plan)
     if not work:
         stats = SwapStats(hold_budget_s=hold_budget_s)
@@ -494,5 +612,5 @@ def swap_layers(layers: Sequence[SwapLayer], plan: SwapPlan, lock: AbstractConte
         return stats
     return _Apply(work, lock, clock=clock, hold_budget_s=hold_budget_s, staging_bytes=staging_bytes, idle_s=idle_s,
                   stall_s=stall_s, fail_after_layers=fail_after_layers,
-                  switch_interval_s=switch_interval_s).run(on_done)
+                  switch_interval_s=switch_interval_s, ordering=ordering).run(on_done)
 

@@ -120,6 +120,8 @@ class ApplyAnswer:
     wall_s: float = 0.0  # the hook's: first batch to last, steps in between included
     link_GBps: float = 0.0  # bytes moved over the time the copies took
     drain_max_s: float = 0.0  # the longest part of a hold spent waiting for the last step's kernels to end
+    stream_batches: int = 0  # batches queued on the engine's stream (no host wait under the lock)
+    device_max_s: float = 0.0  # the longest batch on the device: what a step queued behind it waited there
     at: str = ""
 
     @property
@@ -137,7 +139,8 @@ def classify_answer(result: ApplyResult, stats: StatsSnapshot, *, map_hash: str,
     base = {"purpose": purpose, "map_hash": map_hash, "served_hash": stats.map_hash, "wait_s": round(wait_s, 3),
             "seconds": round(result.seconds, 6), "layers": result.layers, "batches": result.batches,
             "hold_max_s": round(result.hold_max_s, 6), "wall_s": round(result.wall_s, 6),
-            "link_GBps": round(result.link_GBps, 3), "drain_max_s": round(result.drain_max_s, 6)}
+            "link_GBps": round(result.link_GBps, 3), "drain_max_s": round(result.drain_max_s, 6),
+            "stream_batches": result.stream_batches, "device_max_s": round(result.device_max_s, 6)}
     if boot_before is not None and stats.boot_id != boot_before:
         return ApplyAnswer("engine_died", f"the engine restarted during the apply (boot {boot_before} -> "
                            f"{stats.boot_id})", **base)

@@ -14,9 +14,9 @@
 #   calmodel  the same geometry with the calibrated router (the reference skew: pinsidecar demo-model --router
 #             calibrated), ~60 s
 #   callane   its count boot (code), its usage map at 23 %, and that map's cold rate on held-out code, ~200 s
-#   apply     bench/apply_gpu.py --reps 3 --gil-load 2: an in-place apply of >= 800 rows at the reference row size
-#             under decode steps and two busy Python threads; batched, one hold, and batched under Python's own GIL
-#             switch interval, interleaved, 3 rounds, alone on the GPU, ~250 s
+#   apply     bench/apply_gpu.py --reps 2 --async-steps: an in-place apply of >= 800 rows at the reference row size
+#             under decode steps left running past their guard (as vLLM's asynchronous scheduling does); batched in
+#             stream order, one hold, and batched ordered by host syncs, interleaved, 2 rounds, alone on the GPU
 #   heal4     the scenario again at 4 streams
 #   heal16    the scenario again at 16 streams
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
@@ -63,7 +63,7 @@ step_calmodel() {
 }
 
 step_apply() {
-  timeout $(( $(left) - PACK_S )) python3 bench/apply_gpu.py --reps 3 --gil-load 2 --out "$OUT/apply_h200.json"
+  timeout $(( $(left) - PACK_S )) python3 bench/apply_gpu.py --reps 2 --async-steps --out "$OUT/apply_h200.json"
 }
 
 step_guide() {

@@ -126,6 +126,10 @@ class ApplyResult:
     # Where a hold goes (files written before these: 0): the longest wait, at a batch's start, for the previous
     # step's kernels still running (vLLM launches asynchronously), part of that batch's hold.
     drain_max_s: float = 0.0
+    # Stream-ordered batches (files written before these: 0): how many were queued on the engine's stream instead
+    # of ordered by host syncs, and the longest batch on the device, what a step queued behind one waited there.
+    stream_batches: int = 0
+    device_max_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +151,8 @@ class ApplyResult:
                        hold_max_s=float(doc.get("hold_max_s", 0.0)),
                        hold_budget_s=float(doc.get("hold_budget_s", 0.0)), wall_s=float(doc.get("wall_s", 0.0)),
                        link_GBps=float(doc.get("link_GBps", 0.0)),
-                       drain_max_s=float(doc.get("drain_max_s", 0.0)))
+                       drain_max_s=float(doc.get("drain_max_s", 0.0)),
+                       stream_batches=int(doc.get("stream_batches", 0)),
+                       device_max_s=float(doc.get("device_max_s", 0.0)))
         except (TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"meta.apply has a malformed field ({exc})") from None
