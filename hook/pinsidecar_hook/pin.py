@@ -159,7 +159,7 @@ class PinState:
     # ------------------------------------------------------------------------------------------ apply (remap)
 
     def apply(self, args: Mapping[str, Any], token: str, hold_budget_s: float | None = None,
-              switch_interval_s: float | None = swap.SWITCH_INTERVAL_S, ordering: str = "stream") -> ApplyResult:
+              switch_interval_s: float | None = swap.SWITCH_INTERVAL_S, ordering: str = "host") -> ApplyResult:
         """Serve an ``apply`` request: swap the candidate map in place, in bounded batches between steps
         (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch, ``switch_interval_s`` is the
         GIL's switch interval meanwhile, ``ordering`` how batches are ordered against the steps). Never raises; the

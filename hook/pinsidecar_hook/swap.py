@@ -148,7 +148,7 @@ def _fill_stats(result: ApplyResult, stats: SwapStats) -> None:
 
 def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
               hold_budget_s: float | None = None,
-              switch_interval_s: float | None = SWITCH_INTERVAL_S, ordering: str = "stream") -> ApplyResult:
+              switch_interval_s: float | None = SWITCH_INTERVAL_S, ordering: str = "host") -> ApplyResult:
     """Serve one ``apply`` request on ``target``: refuse, or swap in bounded batches between the steps and adopt
     the candidate, or fail and roll back. ``hold_budget_s`` bounds one batch (else the request's ``hold_ms``,
     else :data:`HOLD_BUDGET_S`); ``switch_interval_s`` is the GIL switch interval while it runs (None: Python's;

@@ -26,7 +26,8 @@ wall time, and the link bandwidth (bytes moved over the time spent copying them,
 the copies of a batch must come after them (they read the rows being swapped) and before the next step's. Two
 ways, ``ordering``:
 
-- ``"stream"`` (the default, CUDA): each step notes the stream it runs on (:class:`StepClock`), and a batch queues
+- ``"stream"`` (CUDA, asked for; not yet the default, see below): each step notes the stream it runs on
+  (:class:`StepClock`), and a batch queues
   its copies, its row-map entries (from pinned host memory: a pageable copy would sync) and the refreshers on that
   stream, after the last step's kernels *in stream order*, records an event and releases the lock without
   waiting. Every later step makes its own stream wait for that event on the device (a no-op once it is done, the
@@ -34,11 +35,17 @@ ways, ``ordering``:
   while the batch runs on the device. After the lock goes, the apply waits for the event and learns from the
   batch's device time what one pair costs; the next batch queues what the budget fits of device time (the first
   batch one pair). So the bound a step sees is the batch's device time (``device_s``).
-- ``"host"`` (the CPU, several devices, before any step was seen, or asked for): under the lock each batch first
+- ``"host"`` (the default, and what ``"stream"`` falls back to on the CPU, several devices, or before any step
+  was seen): under the lock each batch first
   synchronizes the device, then issues its copies and its row-map entries on the current stream, each entry
   after its pair's copies, and synchronizes again before it releases the lock. The first sync is the ``drains``:
   on the H200 at 16 streams it was 59.1 ms of the longest 60.0 ms hold
   (``bench/results/heal_h200_c16_2026-12-03.json``), the reason for the stream order.
+
+Why the stream order is not the default: on the H200 at 16 streams (2026-12-03, one run each,
+``bench/results/heal_h200_c16_stream_2026-12-03.json`` against ``heal_h200_c16_2026-12-03.json``) it cut the
+longest hold from 60.0 to 9.5 ms and the drain from 59.1 to 0.2 ms, but the longest gap inside one stream in the
+remap's applying stage rose from 94 ms to 997 ms, a cause not yet found. Until it is, ``"host"`` serves.
 
 Either way a row map flipped before its copies landed would send tokens to rows that still hold the old
 expert (the negative controls, ``tests/test_swap_batched.py`` and the GPU benchmark, show that such an order
@@ -281,7 +288,7 @@ class _Apply:
     def __init__(self, work: list[_LayerWork], lock: AbstractContextManager[Any], *, clock: StepClock | None,
                  hold_budget_s: float, staging_bytes: int, idle_s: float, stall_s: float | None,
                  fail_after_layers: int | None, switch_interval_s: float | None = SWITCH_INTERVAL_S,
-                 ordering: str = "stream") -> None:
+                 ordering: str = "host") -> None:
         if ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
         self.work, self.lock, self.clock = work, lock, clock
@@ -587,7 +594,7 @@ def swap_layers(layers: Sequence[SwapLayer], plan: SwapPlan, lock: AbstractConte
                 on_done: Callable[[], None] | None = None, clock: StepClock | None = None,
                 hold_budget_s: float = HOLD_BUDGET_S, staging_bytes: int = STAGING_BYTES,
                 idle_s: float = IDLE_S, switch_interval_s: float | None = SWITCH_INTERVAL_S,
-                ordering: str = "stream") -> SwapStats:
+                ordering: str = "host") -> SwapStats:
     """Carry out ``plan`` on ``layers`` in batches, each under ``lock`` (the step lock) for at most about
     ``hold_budget_s`` (at least one pair; ``math.inf``: one batch, the old behaviour), with a step between two
     batches when ``clock`` (the steps' :class:`StepClock`) is given, waiting at most ``idle_s`` for one. Each
