@@ -22,29 +22,27 @@ still name the old map while some rows already follow the new one, as close as a
 serves the reference bits. The answer reports the batches, the longest hold, the seconds held in all and in
 wall time, and the link bandwidth (bytes moved over the time spent copying them, prefetch included).
 
-**Ordering.** vLLM executes asynchronously: when ``execute_model`` returns, the step's kernels may still run, and
-the copies of a batch must come after them (they read the rows being swapped) and before the next step's. Two
-ways, ``ordering``:
+**Ordering.** vLLM executes asynchronously: when ``execute_model`` returns, the step's kernels may still run, and the
+copies of a batch must come after them (they read the rows being swapped) and before the next step's. Two ways,
+``ordering``:
 
 - ``"stream"`` (CUDA, asked for; not yet the default, see below): each step notes the stream it runs on
-  (:class:`StepClock`), and a batch queues
-  its copies, its row-map entries (from pinned host memory: a pageable copy would sync) and the refreshers on that
-  stream, after the last step's kernels *in stream order*, records an event and releases the lock without
-  waiting. Every later step makes its own stream wait for that event on the device (a no-op once it is done, the
-  ordering should it run on another stream). The host never waits under the lock, so the next step is prepared
-  while the batch runs on the device. After the lock goes, the apply waits for the event and learns from the
-  batch's device time what one pair costs; the next batch queues what the budget fits of device time (the first
-  batch one pair). So the bound a step sees is the batch's device time (``device_s``).
-- ``"host"`` (the default, and what ``"stream"`` falls back to on the CPU, several devices, or before any step
-  was seen): under the lock each batch first
-  synchronizes the device, then issues its copies and its row-map entries on the current stream, each entry
-  after its pair's copies, and synchronizes again before it releases the lock. The first sync is the ``drains``:
-  on the H200 at 16 streams it was 59.1 ms of the longest 60.0 ms hold
+  (:class:`StepClock`), and a batch queues its copies, its row-map entries (from pinned host memory: a pageable copy
+  would sync) and the refreshers on that stream, after the last step's kernels *in stream order*, records an event and
+  releases the lock without waiting. Every later step makes its own stream wait for that event on the device (a no-op
+  once it is done, the ordering should it run on another stream). The host never waits under the lock, so the next
+  step is prepared while the batch runs on the device. After the lock goes, the apply waits for the event and learns
+  from the batch's device time what one pair costs; the next batch queues what the budget fits of device time (the
+  first batch one pair). So the bound a step sees is the batch's device time (``device_s``).
+- ``"host"`` (the default, and what ``"stream"`` falls back to on the CPU, several devices, or before any step was
+  seen): under the lock each batch first synchronizes the device, then issues its copies and its row-map entries on
+  the current stream, each entry after its pair's copies, and synchronizes again before it releases the lock. The
+  first sync is the ``drains``: on the H200 at 16 streams it was 59.1 ms of the longest 60.0 ms hold
   (``bench/results/heal_h200_c16_2026-12-03.json``), the reason for the stream order.
 
-Why the stream order is not the default: on the H200 at 16 streams (2026-12-03, one run each,
-``bench/results/heal_h200_c16_stream_2026-12-03.json`` against ``heal_h200_c16_2026-12-03.json``) it cut the
-longest hold from 60.0 to 9.5 ms and the drain from 59.1 to 0.2 ms, but the longest gap inside one stream in the
+Why the stream order is not the default: on the H200 at 16 streams (2026-12-03, one run each on two machines, not
+interleaved: ``bench/results/heal_h200_c16_stream_2026-12-03.json`` against ``heal_h200_c16_2026-12-03.json``) it cut
+the longest hold from 60.0 to 9.5 ms and the drain from 59.1 to 0.2 ms, but the longest gap inside one stream in the
 remap's applying stage rose from 94 ms to 997 ms, a cause not yet found. Until it is, ``"host"`` serves.
 
 Either way a row map flipped before its copies landed would send tokens to rows that still hold the old
@@ -328,6 +326,7 @@ class _Apply:
         # flips copied from (pinned host tensors, alive until the copies have run).
         self._in_flight: tuple[Any, Any, dict[bool, int]] | None = None
         self._keep: list[torch.Tensor] = []
+        self._on_stream = False  # the batch under way is stream-ordered
 
     # ------------------------------------------------------------------------------------------ helpers
 
@@ -420,10 +419,10 @@ class _Apply:
                 self.flipped.append(entry)
             row_map = entry.layer.row_map
             rows = torch.tensor(entry.current, dtype=row_map.dtype)
-            if row_map.is_cuda:  # pinned, so the copy is queued, not waited for (a pageable one syncs the stream)
+            if self._on_stream:  # pinned, so the copy is queued, not waited for (a pageable one syncs the stream)
                 rows = rows.pin_memory()
                 self._keep.append(rows)
-            row_map.copy_(rows, non_blocking=row_map.is_cuda)
+            row_map.copy_(rows, non_blocking=self._on_stream)
             for refresh in entry.layer.row_map_listeners:
                 refresh()
 
@@ -462,6 +461,7 @@ class _Apply:
             self.stats.lock_wait_s += locked - asked
             self.stats.batch_steps.append(self.clock.steps if self.clock is not None else 0)
             engine = self._engine_stream()
+            self._on_stream = engine is not None
             try:
                 with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
                     self._batch_body(on_done, locked, engine, flip_first)
@@ -488,11 +488,7 @@ class _Apply:
             while self.next < len(self.pairs):
                 prefetched = slot < self.prefetched
                 estimate = self._estimate(prefetched)
-                if slot and engine is not None and not math.isinf(self.budget) and (not estimate
-                                                    or max(time.perf_counter() - locked, queued) + estimate
-                                                    > self.budget):
-                    break  # queued device time is what the next step waits for (none measured yet: one pair)
-                if slot and engine is None and time.perf_counter() - locked + estimate > self.budget:
+                if slot and self._full(time.perf_counter() - locked, queued, estimate):
                     break
                 pair = self.pairs[self.next]
                 t0 = time.perf_counter()
@@ -528,6 +524,16 @@ class _Apply:
             self.rolled_back = _roll_back(self.done, self.flipped)  # on this stream, then a device sync
             self._in_flight, self._keep = None, []
             raise
+
+    def _full(self, held: float, queued: float, estimate: float) -> bool:
+        """Whether one more pair (``estimate``) would overrun the budget, ``held`` seconds into the hold. Ordered
+        by host syncs the hold is the bound; stream-ordered it is the device time queued (``queued``), and with
+        none measured yet (the first batch) one pair is the batch."""
+        if not self._on_stream:
+            return held + estimate > self.budget
+        if math.isinf(self.budget):
+            return False
+        return not estimate or max(held, queued) + estimate > self.budget
 
     def _await_batch(self) -> None:
         """Outside the lock: wait until the last stream-ordered batch ran on the device, and learn from its time
