@@ -144,7 +144,10 @@ def test_bad_other_sections(tmp_path: Path, model_dir: Path, token_file: Path, e
 def test_remap_in_place_defaults_and_its_keys_are_validated(tmp_path: Path, model_dir: Path,
                                                             token_file: Path) -> None:
     cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file)))
-    assert cfg.remap.in_place is True and cfg.remap.apply_timeout_s == 60.0
+    assert cfg.remap.in_place is True and cfg.remap.apply_timeout_s == 60.0 and cfg.remap.apply_ordering == "host"
+    cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file,
+                                                '[remap.advanced]\napply_ordering = "stream"\n')))
+    assert cfg.remap.apply_ordering == "stream"
     cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file,
                                                 "[remap]\nin_place = false\napply_timeout_s = 5\n")))
     assert cfg.remap.in_place is False and cfg.remap.apply_timeout_s == 5.0
@@ -152,7 +155,9 @@ def test_remap_in_place_defaults_and_its_keys_are_validated(tmp_path: Path, mode
             ('[remap]\nin_place = "yes"\n', r"remap\.in_place: expected true or false, got 'yes'"),
             ("[remap]\napply_timeout_s = 0\n", r"remap\.apply_timeout_s: must be > 0, got 0"),
             ("[remap]\napply_timeout_s = -1.5\n", r"remap\.apply_timeout_s: must be > 0"),
-            ("[remap]\napply_tmeout_s = 5\n", r"remap\.apply_tmeout_s: unknown key")):
+            ("[remap]\napply_tmeout_s = 5\n", r"remap\.apply_tmeout_s: unknown key"),
+            ('[remap.advanced]\napply_ordering = "device"\n',
+             r"remap\.advanced\.apply_ordering: expected one of host, stream, got 'device'")):
         with pytest.raises(ConfigError, match=pattern):
             load_config(_write(tmp_path, _minimal(model_dir, token_file, extra)))
     # apply_timeout_s is how long the daemon waits for the hook's answer, not how long serving stands still (the

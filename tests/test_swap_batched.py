@@ -28,7 +28,7 @@ import pytest
 import torch
 from pinsidecar_hook import swap
 from pinsidecar_hook.backends import torch_ref
-from pinsidecar_hook.contract import ApplyResult, apply_args, apply_hold_budget_s, plan_swap
+from pinsidecar_hook.contract import ApplyResult, apply_args, apply_hold_budget_s, apply_ordering, plan_swap
 from pinsidecar_hook.pin import PinState
 from test_swap_apply import (  # the scaffolding: pin mode's state built by the production re-home
     EXPERT_BYTES,
@@ -118,7 +118,7 @@ def test_apply_request_reports_its_batches(maps: dict[str, Any]) -> None:
     assert ApplyResult.from_json(old).batches == 0 and ApplyResult.from_json(old).drain_max_s == 0.0
     assert ApplyResult.from_json(old).stream_batches == 0 and ApplyResult.from_json(old).device_max_s == 0.0
     wrong = state.apply(apply_args(maps["a_path"], maps["a"].content_hash), "apply-a", ordering="device")
-    assert wrong.outcome == "refused" and "ordering must be one of ('stream', 'host')" in wrong.reason
+    assert wrong.outcome == "refused" and "ordering must be one of ('host', 'stream')" in wrong.reason
     assert state.emap.content_hash == maps["b"].content_hash  # refused before anything moved
     unbounded = state.apply(apply_args(maps["a_path"], maps["a"].content_hash), "apply-a", hold_budget_s=math.inf)
     assert unbounded.outcome == "applied" and unbounded.batches == 1 and unbounded.hold_budget_s == 0.0
@@ -133,6 +133,36 @@ def test_a_malformed_hold_budget_is_refused(maps: dict[str, Any], hold_ms: Any) 
         apply_hold_budget_s(args)
     result = state.apply(args, "apply-bad")
     assert result.outcome == "refused" and "hold_ms" in result.reason and _same(state, before)
+
+
+@pytest.mark.parametrize("ordering", ["device", "", 1, ["stream"]])
+def test_a_malformed_ordering_is_refused(maps: dict[str, Any], ordering: Any) -> None:
+    """The daemon's ``[remap] apply_ordering`` travels in the request; a value the hook does not know is refused
+    with the request's field named, before anything moves."""
+    state = _state(maps["a"], maps["a_path"])
+    before = _clone(state)
+    args = {**apply_args(maps["b_path"], maps["b"].content_hash), "ordering": ordering}
+    with pytest.raises(ValueError, match=r"args\.ordering must be one of host, stream"):
+        apply_ordering(args)
+    with pytest.raises(ValueError, match=r"args\.ordering"):
+        apply_args(maps["b_path"], maps["b"].content_hash, ordering=ordering)
+    result = state.apply(args, "apply-bad")
+    assert result.outcome == "refused" and "args.ordering" in result.reason and _same(state, before)
+
+
+def test_the_requested_ordering_is_served_and_the_cpu_falls_back_to_host(maps: dict[str, Any]) -> None:
+    """``ordering`` "stream" in the request reaches the batches; on the CPU there is no stream, so every batch is
+    ordered by host syncs, and the outcome equals the host order's."""
+    state = _state(maps["a"], maps["a_path"])
+    args = apply_args(maps["b_path"], maps["b"].content_hash, hold_ms=0, ordering="stream")
+    assert args["ordering"] == "stream" and apply_ordering(args) == "stream"
+    assert apply_ordering(apply_args(maps["b_path"], maps["b"].content_hash)) is None
+    result = state.apply(args, "apply-b")
+    assert result.outcome == "applied" and result.batches == result.rows == _plan_rows(maps)
+    assert result.stream_batches == 0
+    host = _state(maps["a"], maps["a_path"])
+    assert host.apply(apply_args(maps["b_path"], maps["b"].content_hash, hold_ms=0), "apply-b").outcome == "applied"
+    assert _same(state, _clone(host))
 
 
 # ---------------------------------------------------------------------------------------------------- while serving

@@ -159,11 +159,11 @@ class PinState:
     # ------------------------------------------------------------------------------------------ apply (remap)
 
     def apply(self, args: Mapping[str, Any], token: str, hold_budget_s: float | None = None,
-              switch_interval_s: float | None = swap.SWITCH_INTERVAL_S, ordering: str = "host") -> ApplyResult:
+              switch_interval_s: float | None = swap.SWITCH_INTERVAL_S, ordering: str | None = None) -> ApplyResult:
         """Serve an ``apply`` request: swap the candidate map in place, in bounded batches between steps
         (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch, ``switch_interval_s`` is the
-        GIL's switch interval meanwhile, ``ordering`` how batches are ordered against the steps). Never raises; the
-        answer says applied, refused or failed."""
+        GIL's switch interval meanwhile, ``ordering`` how batches are ordered against the steps; None: the
+        request's, else the hook's default). Never raises; the answer says applied, refused or failed."""
         return swap.apply_map(self, args, token, hold_budget_s=hold_budget_s, switch_interval_s=switch_interval_s,
                               ordering=ordering)
 

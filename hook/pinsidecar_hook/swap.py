@@ -61,6 +61,7 @@ from pinsidecar_hook.contract import (
     SwapPlan,
     SwapPlanError,
     apply_hold_budget_s,
+    apply_ordering,
     load_map,
     parse_apply_args,
     plan_swap,
@@ -68,6 +69,7 @@ from pinsidecar_hook.contract import (
 from pinsidecar_hook.swap_batches import (
     HOLD_BUDGET_S,
     IDLE_S,
+    ORDERING,
     STAGING_BYTES,
     SWITCH_INTERVAL_S,
     StepClock,
@@ -104,12 +106,14 @@ class ApplyTarget(Protocol):
         ...
 
 
-def _prepare(target: ApplyTarget, args: Mapping[str, Any]) -> tuple[ExpertMap, Path, SwapPlan, float | None]:
-    """Every check that can refuse, touching nothing: raises :class:`ApplyRefused` with the reason. The last item
-    is the request's hold budget (None: the default)."""
+def _prepare(target: ApplyTarget, args: Mapping[str, Any]
+             ) -> tuple[ExpertMap, Path, SwapPlan, float | None, str | None]:
+    """Every check that can refuse, touching nothing: raises :class:`ApplyRefused` with the reason. The last two
+    items are the request's hold budget and ordering (None: the default)."""
     try:
         path, want_hash = parse_apply_args(args)
         hold_budget_s = apply_hold_budget_s(args)
+        ordering = apply_ordering(args)
     except ValueError as exc:
         raise ApplyRefused(f"malformed apply request: {exc}") from None
     if target.tp_size > 1:
@@ -133,7 +137,7 @@ def _prepare(target: ApplyTarget, args: Mapping[str, Any]) -> tuple[ExpertMap, P
         plan = plan_swap(target.emap, candidate)
     except SwapPlanError as exc:
         raise ApplyRefused(str(exc)) from None
-    return candidate, path, plan, hold_budget_s
+    return candidate, path, plan, hold_budget_s, ordering
 
 
 def _fill_stats(result: ApplyResult, stats: SwapStats) -> None:
@@ -148,18 +152,20 @@ def _fill_stats(result: ApplyResult, stats: SwapStats) -> None:
 
 def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
               hold_budget_s: float | None = None,
-              switch_interval_s: float | None = SWITCH_INTERVAL_S, ordering: str = "host") -> ApplyResult:
+              switch_interval_s: float | None = SWITCH_INTERVAL_S, ordering: str | None = None) -> ApplyResult:
     """Serve one ``apply`` request on ``target``: refuse, or swap in bounded batches between the steps and adopt
     the candidate, or fail and roll back. ``hold_budget_s`` bounds one batch (else the request's ``hold_ms``,
     else :data:`HOLD_BUDGET_S`); ``switch_interval_s`` is the GIL switch interval while it runs (None: Python's;
     :mod:`pinsidecar_hook.swap_batches`, "The GIL"); ``ordering`` how batches are ordered against the steps
-    (``"stream"`` or ``"host"``; "Ordering" there). Never raises; logs one line."""
+    (``"stream"`` or ``"host"``; "Ordering" there; else the request's ``ordering``, else :data:`ORDERING`).
+    Never raises; logs one line."""
     active = target.emap
     result = ApplyResult(token=token, outcome="refused", map_hash=active.content_hash, from_hash=active.content_hash)
     try:
-        candidate, path, plan, asked_budget = _prepare(target, args)
+        candidate, path, plan, asked_budget, asked_ordering = _prepare(target, args)
         result.to_hash = candidate.content_hash
         budget = next(b for b in (hold_budget_s, asked_budget, HOLD_BUDGET_S) if b is not None)
+        ordering = ordering or asked_ordering or ORDERING
         stats = swap_layers(target.layers, plan, target.step_lock, on_done=lambda: target.adopt(candidate, path),
                             clock=getattr(target, "step_clock", None), hold_budget_s=budget,
                             switch_interval_s=switch_interval_s, ordering=ordering)

@@ -84,11 +84,11 @@ from typing import Any
 
 import torch
 
-from pinsidecar_hook.contract import SwapPlan
+from pinsidecar_hook.contract import APPLY_ORDERINGS, SwapPlan
 from pinsidecar_hook.swap_rows import SwapLayer, _LayerWork, _resolve, _roll_back, _row_bytes, _swap_row
 
-__all__ = ["HOLD_BUDGET_S", "IDLE_S", "ORDERINGS", "STAGING_BYTES", "SWITCH_INTERVAL_S", "StepClock", "SwapFailed",
-           "SwapStats", "swap_layers"]
+__all__ = ["HOLD_BUDGET_S", "IDLE_S", "ORDERING", "ORDERINGS", "STAGING_BYTES", "SWITCH_INTERVAL_S", "StepClock",
+           "SwapFailed", "SwapStats", "swap_layers"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -96,7 +96,8 @@ HOLD_BUDGET_S = 0.020  # one batch holds the step lock about this long at most (
 STAGING_BYTES = 512 << 20  # prefetch slots in HBM per apply (7 pairs at 70.8 MB/expert); never a tier's copy
 IDLE_S = 0.008  # after a batch, wait this long for a step to end before taking the next (the engine may be idle)
 SWITCH_INTERVAL_S = 0.0002  # the GIL switch interval while an apply runs (module docstring, "The GIL")
-ORDERINGS = ("stream", "host")  # how a batch is ordered against the steps (module docstring, "Ordering")
+ORDERINGS = APPLY_ORDERINGS  # how a batch is ordered against the steps (module docstring, "Ordering")
+ORDERING = "host"  # the default (module docstring, "Ordering": why not "stream"); [remap] apply_ordering picks
 
 
 @contextlib.contextmanager
@@ -286,7 +287,7 @@ class _Apply:
     def __init__(self, work: list[_LayerWork], lock: AbstractContextManager[Any], *, clock: StepClock | None,
                  hold_budget_s: float, staging_bytes: int, idle_s: float, stall_s: float | None,
                  fail_after_layers: int | None, switch_interval_s: float | None = SWITCH_INTERVAL_S,
-                 ordering: str = "host") -> None:
+                 ordering: str = ORDERING) -> None:
         if ordering not in ORDERINGS:
             raise ValueError(f"ordering must be one of {ORDERINGS}, got {ordering!r}")
         self.work, self.lock, self.clock = work, lock, clock
@@ -600,7 +601,7 @@ def swap_layers(layers: Sequence[SwapLayer], plan: SwapPlan, lock: AbstractConte
                 on_done: Callable[[], None] | None = None, clock: StepClock | None = None,
                 hold_budget_s: float = HOLD_BUDGET_S, staging_bytes: int = STAGING_BYTES,
                 idle_s: float = IDLE_S, switch_interval_s: float | None = SWITCH_INTERVAL_S,
-                ordering: str = "host") -> SwapStats:
+                ordering: str = ORDERING) -> SwapStats:
     """Carry out ``plan`` on ``layers`` in batches, each under ``lock`` (the step lock) for at most about
     ``hold_budget_s`` (at least one pair; ``math.inf``: one batch, the old behaviour), with a step between two
     batches when ``clock`` (the steps' :class:`StepClock`) is given, waiting at most ``idle_s`` for one. Each

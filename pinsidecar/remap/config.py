@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pinsidecar_hook.contract import APPLY_ORDERINGS
+
 from pinsidecar.schema import ADVANCED, CHOICES, MIN, POSITIVE, ConfigError, written_key
 
 __all__ = ["REMAP_SECTION", "RemapConfig", "check_remap_config", "resolve_workloads"]
@@ -90,6 +92,11 @@ class RemapConfig:
     # the whole apply, so this also bounds how long serving may stand still before the remap falls back to a
     # reboot. A demo-model apply takes milliseconds; a large model's host <-> HBM copies take seconds.
     apply_timeout_s: float = field(default=60.0, metadata={POSITIVE: True, **ADVANCED})
+    # How the hook orders an in-place apply's batches against the engine's steps: "host" syncs the GPU under the
+    # step lock around each batch (a step may wait for the last one's kernels, ~60 ms at 16 streams on the H200);
+    # "stream" queues each batch on the engine's CUDA stream and lets the next step wait for it there (holds of
+    # a few ms; not yet the default: docs/remap-in-place.md, "Ordering"). The CPU always runs "host".
+    apply_ordering: str = field(default="host", metadata={CHOICES: APPLY_ORDERINGS, **ADVANCED})
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}

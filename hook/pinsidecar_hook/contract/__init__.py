@@ -40,12 +40,14 @@ from pinsidecar_hook.contract.map import (
     placement_row_map,
 )
 from pinsidecar_hook.contract.requests import (
+    APPLY_ORDERINGS,
     HOOK_OPS,
     REQUEST_POLL_S,
     HookRequest,
     HookRequestError,
     apply_args,
     apply_hold_budget_s,
+    apply_ordering,
     parse_apply_args,
     read_hook_request,
     request_and_wait,
@@ -63,6 +65,7 @@ from pinsidecar_hook.contract.swap import (
 )
 
 __all__ = [
+    "APPLY_ORDERINGS",
     "APPLY_OUTCOMES",
     "COUNTS_FORMAT",
     "ENV",
@@ -90,6 +93,7 @@ __all__ = [
     "SwapPlanError",
     "apply_args",
     "apply_hold_budget_s",
+    "apply_ordering",
     "atomic_write_bytes",
     "atomic_write_json",
     "cold_selection_ratio",

@@ -35,11 +35,13 @@ from typing import Any, NamedTuple, TypeVar
 from pinsidecar_hook.contract.io import atomic_write_json
 
 __all__ = [
+    "APPLY_ORDERINGS",
     "HOOK_OPS",
     "REQUEST_POLL_S",
     "HookRequest",
     "HookRequestError",
     "apply_args",
+    "apply_ordering",
     "parse_apply_args",
     "read_hook_request",
     "request_and_wait",
@@ -48,6 +50,10 @@ __all__ = [
 ]
 
 HOOK_OPS = ("flush", "reset", "apply")
+# How an apply's batches are ordered against the engine's steps (pinsidecar_hook.swap_batches, "Ordering"):
+# "host" syncs the device under the step lock before and after each batch; "stream" queues the batch on the
+# engine's own CUDA stream and lets the next step wait for it on the device.
+APPLY_ORDERINGS = ("host", "stream")
 # How often the hook's side thread looks for a request file, in both modes: short enough that commands waiting
 # for their request feel immediate (a request is served within this plus one engine step), long enough that the
 # stat() calls are noise.
@@ -69,16 +75,33 @@ class HookRequest(NamedTuple):
 
 
 def apply_args(map_path: str | os.PathLike[str], content_hash: str,
-               hold_ms: float | None = None) -> dict[str, Any]:
+               hold_ms: float | None = None, ordering: str | None = None) -> dict[str, Any]:
     """The arguments of an ``apply`` request: the candidate map's path as the engine sees it (absolute: the engine
     does not share the client's working directory, and may live in a container) and its content hash, which the
     hook checks against the file it reads, so a file replaced in between is refused rather than applied.
     ``hold_ms``, optional, bounds how long one batch of the apply holds the engine's step (the hook's default
-    otherwise; see :func:`apply_hold_budget_s`)."""
+    otherwise; see :func:`apply_hold_budget_s`). ``ordering``, optional, is how the batches are ordered against
+    the steps, one of :data:`APPLY_ORDERINGS` (the hook's default otherwise; see :func:`apply_ordering`)."""
     args: dict[str, Any] = {"map": str(map_path), "hash": str(content_hash)}
     if hold_ms is not None:
         args["hold_ms"] = float(hold_ms)
+    if ordering is not None:
+        args["ordering"] = _checked_ordering(ordering)
     return args
+
+
+def _checked_ordering(raw: Any) -> str:
+    if raw not in APPLY_ORDERINGS:
+        raise ValueError(f"apply args.ordering must be one of {', '.join(APPLY_ORDERINGS)}, got {raw!r}")
+    return str(raw)
+
+
+def apply_ordering(args: Mapping[str, Any]) -> str | None:
+    """The optional ``ordering`` of an ``apply`` request (None: the hook's default); ``ValueError`` when it is not
+    one of :data:`APPLY_ORDERINGS`. A field of the request rather than an engine setting because the daemon's
+    config owns how its remaps deploy, and an engine keeps serving across many remaps."""
+    raw = args.get("ordering") if isinstance(args, Mapping) else None
+    return None if raw is None else _checked_ordering(raw)
 
 
 def apply_hold_budget_s(args: Mapping[str, Any]) -> float | None:
