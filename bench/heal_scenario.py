@@ -37,7 +37,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pinsidecar_hook.contract import atomic_write_json
+from pinsidecar_hook.contract import APPLY_ORDERINGS, atomic_write_json
 
 from pinsidecar.testing.remap_lane import HOT_ROWS, OTHER_HOT_ROWS, lane_maps, load_lane_maps
 from pinsidecar.testing.scenario import FULL, SHORT, HealScenario
@@ -90,14 +90,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--window-tokens", type=int, default=None, help="drift window size (routed tokens)")
     ap.add_argument("--prose-s", type=float, default=None, help="seconds of prose under the new map")
     ap.add_argument("--settle-s", type=float, default=None, help="seconds served after the reboot and the kill")
+    ap.add_argument("--apply-ordering", choices=APPLY_ORDERINGS, default=None,
+                    help="[remap.advanced] apply_ordering: how the hook orders the in-place apply's batches")
+    ap.add_argument("--jit-cache", type=Path, default=None,
+                    help="a Triton cache folder for the engine (TRITON_CACHE_DIR): the document lists the kernels "
+                         "compiled during the run and which long gaps they overlapped")
     args = ap.parse_args(argv)
 
     base = SHORT if args.short else FULL
     changes: dict[str, Any] = {"engine": _engine_keys(args.engine_toml), "nvml": args.nvml,
                                "other_hot_rows": args.other_hot_rows}
-    for key in ("clients", "window_tokens", "prose_s", "settle_s"):
+    for key in ("clients", "window_tokens", "prose_s", "settle_s", "apply_ordering"):
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)
+    if args.jit_cache is not None:
+        args.jit_cache.mkdir(parents=True, exist_ok=True)
+        changes["jit_cache_dir"] = str(args.jit_cache.absolute())
     opts = dataclasses.replace(base, **changes)
     work = args.work.absolute()
     lane_dir = work / "lane"

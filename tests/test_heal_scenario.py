@@ -6,11 +6,14 @@ GPU form: ``bench/heal_scenario.py``).
 One run, then what must hold of it: the stages ran in order; the remap was the drift watch's own, applied in
 place and committed; the drain-reboot deployed the 56-row map; the supervisor restarted the killed engine (a new
 pid) with it; no request was lost and no more failed than were in flight at the kill; the JSON document and the
-timeline were written, with a sample a second.
+timeline were written, with a sample a second. The daemon asks for the stream-ordered apply
+(``[remap.advanced] apply_ordering``): the CPU has no stream, so the hook serves it with host syncs, and the run
+shows the key reaching the hook through the request without a refusal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def run(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, Path]:
     tmp = tmp_path_factory.mktemp("heal")
     maps = lane_maps(demo_model_dir, tmp / "lane" / "maps")
-    scenario = HealScenario(tmp / "lane", demo_model_dir, maps, SHORT)
+    scenario = HealScenario(tmp / "lane", demo_model_dir, maps, dataclasses.replace(SHORT, apply_ordering="stream"))
     try:
         scenario.run()
     finally:
@@ -57,6 +60,10 @@ def test_the_drift_watch_tripped_and_the_remap_applied_in_place(run: tuple[dict[
     assert rem["states"][0] == "choosing_workload", rem["states"]
     assert rem["apply"]["outcome"] == rem["apply"]["result"] == "applied" and rem["apply"]["rows"] > 0, rem["apply"]
     assert rem["verify"]["in_place"] and rem["verify"]["parity"]["ok"], rem["verify"]
+    waits = {w["state"]: w for w in rem["waits"]}
+    req = waits["apply_request"]  # the request's own window lies inside the applying step's
+    assert 0 < req["seconds"] <= waits["applying"]["seconds"] and req["hook_wall_s"] > 0, waits
+    assert req["longest_gap_s"] <= waits["applying"]["longest_gap_s"], waits
 
 
 def test_the_drain_reboot_deployed_the_other_geometry(run: tuple[dict[str, Any], Path, Path]) -> None:

@@ -39,8 +39,18 @@ import structlog
 
 from pinsidecar.demo.sidecar import SERVED_MODEL_NAME
 from pinsidecar.demo.timeline import Timeline
+from pinsidecar.testing.jit_cache import compiles_since, per_kernel
 from pinsidecar.testing.remap_lane import EVENT_LIMIT_S, OTHER_HOT_ROWS, LaneMap, RemapLane, domain_prompts
-from pinsidecar.testing.scenario_figures import cold_rates, gaps_in, kill_figures, per_stage, recovery, states
+from pinsidecar.testing.scenario_figures import (
+    apply_request_gaps,
+    cold_rates,
+    gaps_in,
+    kill_figures,
+    long_gaps,
+    per_stage,
+    recovery,
+    states,
+)
 from pinsidecar.testing.scenario_sampler import Sampler
 from pinsidecar.testing.streaming import ClientStats, Request, load_during
 
@@ -70,6 +80,8 @@ class ScenarioOptions:
     engine: dict[str, Any] = field(default_factory=dict)
     nvml: bool = False
     limit_s: float = EVENT_LIMIT_S  # bound of each wait (boots on a loaded box can take minutes)
+    apply_ordering: str = "host"  # [remap.advanced] apply_ordering: how the hook orders the apply's batches
+    jit_cache_dir: str = ""  # the engine's own TRITON_CACHE_DIR, so the document lists what it compiled when
 
 
 SHORT = ScenarioOptions(clients=2, code_windows=2, prose_s=8.0, settle_s=5.0, rolling_s=3, baseline_s=6)
@@ -85,11 +97,14 @@ def scenario_overrides(opts: ScenarioOptions) -> dict[str, dict[str, Any]]:
         "drift": {"auto_remap": True, "cooldown_s": 3600, "window_tokens": opts.window_tokens, "min_tokens": half,
                   "consecutive_windows": 2},
         "remap": {"source": "live", "in_place": True, "min_count_tokens": half,
-                  "verify_tokens": opts.window_tokens},
+                  "verify_tokens": opts.window_tokens, "advanced": {"apply_ordering": opts.apply_ordering}},
         "metrics": {"nvml": opts.nvml},
     }
-    if opts.engine:
-        out["engine"] = dict(opts.engine)
+    engine = dict(opts.engine)
+    if opts.jit_cache_dir:
+        engine["env"] = {**(engine.get("env") or {}), "TRITON_CACHE_DIR": opts.jit_cache_dir}
+    if engine:
+        out["engine"] = engine
     return out
 
 
@@ -258,6 +273,8 @@ class HealScenario:
         reboot = self.facts.get("reboot") or {}
         shift_t = self.facts.get("shift_t")
         prose_end = (by_stage.get("prose") or {}).get("end_s")
+        compiles = compiles_since(Path(self.opts.jit_cache_dir), self.timeline.wall0) \
+            if self.opts.jit_cache_dir else None
         doc: dict[str, Any] = {
             "figure": "heal_scenario",
             "ok": self.error is None,
@@ -281,8 +298,9 @@ class HealScenario:
                                 "seconds": req.get("seconds"), "wait_s": req.get("wait_s"),
                                 "reason": (rec.get("apply") or {}).get("reason")},
                       "verify": {k: (rec.get("verify") or {}).get(k) for k in ("in_place", "cold_rate", "parity")},
-                      "waits": [w for w in (gaps_in(rec, x, self.clients, self.timeline.wall0)
-                                            for x in ("applying", "verifying")) if w]},
+                      "waits": [w for w in (*(gaps_in(rec, x, self.clients, self.timeline.wall0)
+                                              for x in ("applying", "verifying")),
+                                            apply_request_gaps(rec, self.clients, self.timeline.wall0)) if w]},
             "reboot": {"map": self.other.label, "map_hash": self.other.hash,
                        **{k: reboot.get(k) for k in ("ok", "seconds", "drain_s", "boot_s", "hold_s",
                                                      "held_at_release", "in_flight_cut", "hash_hit", "cache_miss",
@@ -292,6 +310,13 @@ class HealScenario:
                        "note": "hash_hit: the daemon's word (false for another geometry: its compile caches key on "
                                "the hot tensor's shape); cache_miss: the supervisor's, from the engine log's "
                                "compile-cache lines, else boot seconds against the last boot of that geometry"},
+            "gaps": long_gaps(self.clients, self.timeline.wall0, stages, compiles),
+            "jit": None if compiles is None else {
+                "cache_dir": self.opts.jit_cache_dir, "compiles": len(compiles), "per_kernel": per_kernel(compiles),
+                "list": compiles[:400],
+                "note": "Triton kernels the engine compiled during the run (its own TRITON_CACHE_DIR; t, t_end: "
+                        "seconds from the run's start, first and last file written); gaps[].compiles names those "
+                        "a wait overlapped"},
             "kill": kill_figures(self.facts.get("kill"), self._requests()),
             "recovery": recovery(samples, shift_t, prose_end, baseline_s=self.opts.baseline_s,
                                  rolling_s=self.opts.rolling_s) if shift_t is not None and prose_end else None,

@@ -104,6 +104,41 @@ def gaps_in(rec: dict[str, Any], state: str, clients: list[ClientStats], wall0: 
             "longest_gap_s": round(load.longest_gap(t0, t1, None), 3)}
 
 
+def apply_request_gaps(rec: dict[str, Any], clients: list[ClientStats], wall0: float) -> dict[str, Any] | None:
+    """The longest waits while the candidate's apply request was out (sent to answered): the hook's batches lie
+    inside it, the parity reference and the verify outside, so a long gap in ``applying`` can be told apart."""
+    reqs = (rec.get("apply") or {}).get("requests") or []
+    if not reqs or not reqs[0].get("at"):
+        return None
+    t0 = _epoch(reqs[0]["at"])
+    t1 = t0 + float(reqs[0].get("wait_s") or 0.0)
+    load = LoadResult(clients, None)
+    return {"state": "apply_request", "t": round(t0 - wall0, 2), "seconds": round(t1 - t0, 3),
+            "hook_wall_s": reqs[0].get("wall_s"), "hold_max_s": reqs[0].get("hold_max_s"),
+            "longest_gap_within_stream_s": round(load.longest_gap(t0, t1, "token"), 3),
+            "longest_gap_s": round(load.longest_gap(t0, t1, None), 3)}
+
+
+def long_gaps(clients: list[ClientStats], wall0: float, stages: list[dict[str, Any]],
+              compiles: list[dict[str, Any]] | None = None, *, min_s: float = 0.25,
+              limit: int = 80) -> list[dict[str, Any]]:
+    """The ``limit`` longest waits of at least ``min_s`` the clients saw, in time order, each with its stage and
+    (given ``compiles``, :func:`pinsidecar.testing.jit_cache.compiles_since` on the run's clock) the kernels
+    compiled while it lasted: where serving stood still, and whether a JIT compile was why."""
+    found = sorted(((g, n) for n, c in enumerate(clients) for g in c.gaps if g.seconds >= min_s),
+                   key=lambda x: -x[0].seconds)[:limit]
+    out = []
+    for g, n in sorted(found, key=lambda x: x[0].start):
+        t, end = g.start - wall0, g.end - wall0
+        stage = next((s["stage"] for s in stages if s["start_s"] <= t < s["end_s"]), None)
+        item: dict[str, Any] = {"t": round(t, 2), "seconds": round(g.seconds, 3), "kind": g.kind, "client": n,
+                                "stage": stage}
+        if compiles is not None:
+            item["compiles"] = sorted({c["kernel"] for c in compiles if c["t"] <= end and c["t_end"] >= t})
+        out.append(item)
+    return out
+
+
 def kill_figures(facts: dict[str, Any] | None, reqs: list[Request]) -> dict[str, Any]:
     """What the SIGKILL cost the clients, from the kill's facts (its wall-clock ``at``, the pids) and the
     requests."""

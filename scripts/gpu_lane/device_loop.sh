@@ -19,12 +19,17 @@
 #             stream order, one hold, and batched ordered by host syncs, interleaved, 2 rounds, alone on the GPU
 #   heal4     the scenario again at 4 streams
 #   heal16    the scenario again at 16 streams
+#   heal16s   the scenario at 16 streams with the stream-ordered apply ([remap.advanced] apply_ordering)
+# Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
+# document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
 #
-# Calls (kind nvidia-h200; each within ~30 s of the previous one's end):
+# Calls (kind nvidia-h200; each within ~30 s of the previous one's end; a carry is at most 64 MiB, so chunk 1 and
+# the control files travel apart):
 #   1. carry [".gpu_lane/c00"]: the chunk-0 call of docs/gpu-lane.md's table (timeout 300)
-#   2. carry [".gpu_lane/c01", ".gpu_lane/ctl", ".gpu_lane/extra", ".gpu_lane/wheel"]: bash scripts/gpu_lane/device_loop.sh (600)
-#   3+. no carry: bash scripts/gpu_lane/device_loop.sh (600), again while it exits 3
+#   2. carry [".gpu_lane/c01"]: cp .gpu_lane/c01/* /tmp/gpu_lane/ (120)
+#   3. carry [".gpu_lane/ctl", ".gpu_lane/extra", ".gpu_lane/wheel"]: bash scripts/gpu_lane/device_loop.sh (600)
+#   4+. no carry: bash scripts/gpu_lane/device_loop.sh (600), again while it exits 3
 # .gpu_lane/extra holds structlog and watchdog (installed into vLLM's /tmp/site), .gpu_lane/wheel this checkout's wheel
 # (pip wheel --no-deps --no-build-isolation -w .gpu_lane/wheel .), which only the guide step installs, beside it.
 # Exit: 0 all done, 3 more to do, 4 done but a step failed, 20 the install failed (send calls 1 and 2 again).
@@ -39,7 +44,7 @@ mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330)
+declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330)
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
@@ -102,7 +107,7 @@ heal_maps() {
   done
 }
 
-step_heal() {  # $1 clients
+step_heal() {  # $1 clients, $2 apply ordering (default host)
   heal_maps || return 1
   local attn=""
   [ ${#ATTN[@]} -gt 0 ] && attn=", \"--attention-backend\", \"${ATTN[1]}\""
@@ -124,10 +129,12 @@ EOF
   # 4096 tokens at 1 stream (~300 routed tok/s) that was 61 s to the trip on 2026-12-02; 2048 gave 30 s.
   local window=4096
   case $1 in 1) window=2048 ;; 16) window=8192 ;; esac
+  local order=${2:-host} name="c$1"
+  [ "$order" = host ] || name="c$1_$order"
   timeout $(( $(left) - PACK_S )) python3 bench/heal_scenario.py --clients "$1" --model "$GPU_LANE_WORK/model" \
     --maps /tmp/gl/heal-maps --hot-rows 99 --other-hot-rows 92 --engine-toml /tmp/gl/heal-engine.toml --nvml \
-    --prose-s 30 --settle-s 15 --window-tokens "$window" \
-    --work "/tmp/gl/heal$1" --out "$OUT/heal_h200_c$1.json" --png "$OUT/heal_h200_c$1.png"
+    --prose-s 30 --settle-s 15 --window-tokens "$window" --apply-ordering "$order" --jit-cache /tmp/gl/triton \
+    --work "/tmp/gl/heal$name" --out "$OUT/heal_h200_$name.json" --png "$OUT/heal_h200_$name.png"
 }
 step_heal1() { step_heal 1; }
 
@@ -149,6 +156,7 @@ step_callane() {
 }
 step_heal4() { step_heal 4; }
 step_heal16() { step_heal 16; }
+step_heal16s() { step_heal 16 stream; }
 
 step_table() {
   timeout -s TERM -k 15 $(( $(left) - PACK_S )) python3 bench/gpu_lane.py --work "$GPU_LANE_WORK" --out "$OUT" \
@@ -174,7 +182,7 @@ for s in $STEPS; do
   esac
 done
 tar -czf "$OUT/loop.tgz" --exclude='*.safetensors' --exclude=vllm-cache --exclude=model \
-  -C /tmp op/daemon.log op/state op/counts op/maps gl/heal1 gl/heal4 gl/heal16 gl/heal-maps gl/logs gl/results gl/maps.json \
+  -C /tmp op/daemon.log op/state op/counts op/maps gl/heal1 gl/heal4 gl/heal16 gl/healc1 gl/healc4 gl/healc16 gl/healc16_stream gl/heal-maps gl/logs gl/results gl/maps.json \
   2>/dev/null || true
 FAILED=$(cd "$L" && ls -- *.failed 2>/dev/null | sed 's/\.failed$//' | tr '\n' ' ')
 if [ $STATUS -ne 0 ]; then echo "== more to do: call again (no carry) at $(at)${FAILED:+; failed: $FAILED}"
