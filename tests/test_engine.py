@@ -67,6 +67,17 @@ def test_env_defaults_strip_inherited_hook_vars_and_apply_spec_env(tmp_path: Pat
     assert "PINSIDECAR_HOOK_MODE" not in EngineSpec(model=tmp_path).full_env()
 
 
+def test_the_triton_cache_lives_in_the_vllm_cache_unless_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's own default (~/.triton) is not where an operator keeps vLLM's cache; a cold one stalls serving."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    env = EngineSpec(model=tmp_path, env={"VLLM_CACHE_ROOT": str(tmp_path / "vc")}).full_env()
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "vc" / "triton")
+    mine = EngineSpec(model=tmp_path, env={"TRITON_CACHE_DIR": str(tmp_path / "t")}).full_env()
+    assert mine["TRITON_CACHE_DIR"] == str(tmp_path / "t")  # the operator's choice wins
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inherited"))
+    assert EngineSpec(model=tmp_path).full_env()["TRITON_CACHE_DIR"] == str(tmp_path / "inherited")
+
+
 def test_port_in_use_is_refused_before_starting(tmp_path: Path) -> None:
     port = free_port()
     with socket.socket() as listener:

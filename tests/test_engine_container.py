@@ -63,6 +63,7 @@ def test_docker_argv(model: Path, state: Path) -> None:
     assert env["PINSIDECAR_STATS_PATH"] == "/var/lib/pinsidecar/stats.json"
     assert env["PYTHONPATH"] == "/opt/pinsidecar/hook"
     assert env["VLLM_CACHE_ROOT"] == "/root/.cache/vllm"
+    assert env["TRITON_CACHE_DIR"] == "/root/.cache/vllm/triton"  # on the cache volume: outlives the container
     # extra args before the image; the engine command after it
     image_at = argv.index(cfg.image)
     assert argv.index("--ulimit") < image_at

@@ -43,7 +43,7 @@ import structlog
 from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineError, EngineSetupError, PortInUseError
 from pinsidecar.engine.ports import port_in_use
 from pinsidecar.engine.readiness import log_tail, probe_health, wait_until_ready
-from pinsidecar.engine.spec import EngineSpec
+from pinsidecar.engine.spec import TRITON_CACHE_VAR, EngineSpec, triton_cache_dir
 from pinsidecar.schema import ADVANCED, CHOICES
 
 __all__ = ["ENGINE_LABEL", "ContainerConfig", "ContainerEngine", "container_path", "remove_leftover_containers"]
@@ -137,6 +137,7 @@ def container_env(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path) -> di
 
     env = dict(_VLLM_DEFAULTS)
     env["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_mount) / "vllm")
+    env[TRITON_CACHE_VAR] = triton_cache_dir(env["VLLM_CACHE_ROOT"])  # on the cache volume: outlives the container
     path_vars = {ENV["counts_path"], ENV["map_path"], ENV["stats_path"]}
     for k, v in spec.env.items():
         env[k] = _container_path(Path(v), state_dir, cfg.state_mount) if k in path_vars else v

@@ -81,6 +81,17 @@ def default_cache_root() -> Path:
     return Path(base) / "pinsidecar" / "vllm"
 
 
+TRITON_CACHE_VAR = "TRITON_CACHE_DIR"
+
+
+def triton_cache_dir(vllm_cache_root: str) -> str:
+    """Triton's kernel cache, kept inside vLLM's cache folder. Triton's own default (``~/.triton/cache``) is
+    outside ``~/.cache``, so a container loses it with every start, and then the first minute of serving after
+    each boot stalls streams for seconds while fused-MoE and the hook's kernels compile one batch shape at a time
+    (measured on the H200, ``docs/gpu-lane.md``). One folder for both caches is also one folder to keep."""
+    return str(Path(vllm_cache_root) / "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The ``[engine]`` table: what engine to run and how. Turned into an :class:`EngineSpec` by
@@ -215,6 +226,7 @@ class EngineSpec:
         })
         env.setdefault("VLLM_CACHE_ROOT", str(default_cache_root()))
         env.update({str(k): str(v) for k, v in self.env.items()})
+        env.setdefault(TRITON_CACHE_VAR, triton_cache_dir(env["VLLM_CACHE_ROOT"]))
         return env
 
 
