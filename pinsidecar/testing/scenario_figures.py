@@ -121,7 +121,7 @@ def apply_request_gaps(rec: dict[str, Any], clients: list[ClientStats], wall0: f
 
 def long_gaps(clients: list[ClientStats], wall0: float, stages: list[dict[str, Any]],
               compiles: list[dict[str, Any]] | None = None, *, min_s: float = 0.25,
-              limit: int = 80) -> list[dict[str, Any]]:
+              limit: int = 400) -> list[dict[str, Any]]:
     """The ``limit`` longest waits of at least ``min_s`` the clients saw, in time order, each with its stage and
     (given ``compiles``, :func:`pinsidecar.testing.jit_cache.compiles_since` on the run's clock) the kernels
     compiled while it lasted: where serving stood still, and whether a JIT compile was why."""
