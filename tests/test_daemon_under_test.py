@@ -78,6 +78,7 @@ def test_the_config_loads_and_overrides_land_where_they_say(tmp_path: Path) -> N
     assert cfg.gate.port == d.ports.gate and cfg.control.port == d.ports.control
     assert cfg.gate.max_queue == 8 and cfg.gate.max_hold_s == type(cfg.gate)().max_hold_s  # None: the default
     assert cfg.drift.auto_remap is False
+    assert cfg.deprecations == ()  # the written file is in today's layout, overrides included
     assert cfg.supervisor.health_interval_s == TEST_CHANGES["supervisor"]["health_interval_s"]
     assert d.state_dir == tmp_path / "run" / "state" and cfg.daemon.state_dir == d.state_dir
     assert len({d.ports.engine, d.ports.gate, d.ports.control, d.ports.metrics, d.ports.count}) == 5
@@ -106,3 +107,14 @@ def test_a_daemon_that_cannot_start_fails_the_wait_at_once_with_its_log(tmp_path
     assert not d.alive()
     [(_title, tail)] = [r for r in daemon_logs_for_report(since) if str(d.log_path) in r[0]]
     assert "no-such-model" in tail
+
+
+def test_a_written_config_is_laid_out_and_a_key_set_both_ways_is_refused() -> None:
+    from pinsidecar.daemon.config import ConfigError, laid_out
+
+    doc = {"drift": {"window_tokens": 512, "cooldown_s": 60}, "engine": {"enforce_eager": False, "env": {"A": "1"}}}
+    assert laid_out(doc) == {"drift": {"cooldown_s": 60, "advanced": {"window_tokens": 512}},
+                             "engine": {"env": {"A": "1"}, "vllm": {"enforce-eager": False}}}
+    assert doc["drift"] == {"window_tokens": 512, "cooldown_s": 60}  # not changed
+    with pytest.raises(ConfigError, match="engine.enforce_eager and engine.vllm.enforce-eager"):
+        laid_out({"engine": {"enforce_eager": True, "vllm": {"enforce-eager": False}}})

@@ -132,6 +132,7 @@ def test_the_demo_daemon_config_passes_the_daemons_own_validation(tmp_path: Path
     cfg = load_config(demo_config(tmp_path / "run" / "pinsidecar.toml", model_dir=model, map_path=map_path,
                                   run_dir=tmp_path / "run", ports=ports))
     assert cfg.engine.hook_mode == "pin" and cfg.engine.map == map_path and cfg.maps_dir == map_path.parent
+    assert cfg.deprecations == ()  # written in today's layout: the demo does not open on warnings about itself
     assert cfg.gate.capture_dir == tmp_path / "run" / "capture" and cfg.remap.source == "capture"
     assert cfg.remap.count_port(cfg.engine.port) == 18100 and "VLLM_CPU_OMP_THREADS_BIND" in cfg.remap.count_boot_env
     assert cfg.drift.window_tokens < cfg.drift.__class__().window_tokens  # small windows: a quick demo

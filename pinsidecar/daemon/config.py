@@ -53,14 +53,17 @@ from pinsidecar.schema import (
     Deprecation,
     apply_override,
     build_section,
+    has_field,
+    key_name,
     port_field,
     read_toml,
     replace_section,
+    set_field,
     warn_deprecations,
     written_key,
 )
 
-__all__ = ["ConfigError", "load_config"]
+__all__ = ["ConfigError", "laid_out", "load_config"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/pinsidecar/pinsidecar.toml")
 
@@ -187,6 +190,31 @@ _SECTION_TYPES: dict[str, type] = {
     "control": ControlConfig, "metrics": MetricsConfig, "maps": MapsConfig, "daemon": DaemonConfig,
     DRIFT_SECTION: DriftConfig, REMAP_SECTION: RemapConfig,
 }
+
+
+def laid_out(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (tables keyed by field name, as code builds them) with every key moved to its place in the current
+    layout (``drift.window_tokens`` to ``[drift.advanced]``, ``engine.enforce_eager`` to ``[engine.vllm]`` as
+    ``enforce-eager``). A config the package writes for an operator (the demo's, the tests' daemons) must load
+    without a deprecation warning: otherwise the first thing the demo shows is thirteen warnings about its own
+    file. ``doc`` itself is not changed; unknown sections and keys are left for the loader to refuse; a key set
+    both ways is refused here, as the loader would."""
+    out: dict[str, Any] = {}
+    for name, table in doc.items():
+        cls = _SECTION_TYPES.get(name)
+        if cls is None or not isinstance(table, dict):
+            out[name] = table
+            continue
+        placed = {k: (dict(v) if isinstance(v, dict) else v) for k, v in table.items()}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for key in [k for k in table if k in fields]:
+            value = placed.pop(key)
+            if has_field(placed, cls, key):  # tables merged from two layouts: which one meant it is not ours to say
+                raise ConfigError(f"{name}.{key} and {key_name(name, cls, key)}: the same key set in two places; "
+                                  "keep one")
+            set_field(placed, cls, key, value)
+        out[name] = placed
+    return out
 
 
 def parse_config(doc: dict[str, Any], base: Path, path: Path | None = None, check_paths: bool = True) -> Config:

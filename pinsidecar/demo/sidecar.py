@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 
 from pinsidecar.engine import free_port, port_in_use
+from pinsidecar.engine.spec import VLLM_TABLE
+from pinsidecar.schema import ADVANCED_TABLE
 
 __all__ = ["DemoPorts", "Sidecar", "daemon_tables", "demo_tables", "dump_toml", "merge_tables",
            "pinsidecar_argv"]
@@ -116,10 +118,17 @@ def count_engine_cores() -> str:
     return str(max(0, (os.cpu_count() or 1) - 1))
 
 
+# The sub-tables a section may have: written as [section.sub] tables, not inline.
+SUB_TABLES = (ADVANCED_TABLE, VLLM_TABLE)
+
+
 def dump_toml(doc: dict[str, Any]) -> str:
-    """``doc`` (tables of plain keys: strings, numbers, booleans, lists, flat dicts) as TOML: what a daemon config
-    needs, without a TOML writer dependency. Strings are written with JSON's escapes (a subset of TOML's basic
-    strings)."""
+    """``doc`` (tables of plain keys: strings, numbers, booleans, lists, flat dicts) as TOML, laid out as the
+    loader reads it today (:func:`~pinsidecar.daemon.config.laid_out`: tuning keys under ``[section.advanced]``,
+    vLLM flags under ``[engine.vllm]``), without a TOML writer dependency. Strings are written with JSON's
+    escapes (a subset of TOML's basic strings)."""
+    from pinsidecar.daemon.config import laid_out  # the daemon's config imports this package's siblings
+
     def value(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -132,8 +141,11 @@ def dump_toml(doc: dict[str, Any]) -> str:
         return json.dumps(str(v))
 
     lines: list[str] = []
-    for table, keys in doc.items():
-        lines += [f"[{table}]", *(f"{k} = {value(v)}" for k, v in keys.items()), ""]
+    for table, keys in laid_out(doc).items():
+        subs = {k: v for k, v in keys.items() if k in SUB_TABLES and isinstance(v, dict)}
+        lines += [f"[{table}]", *(f"{k} = {value(v)}" for k, v in keys.items() if k not in subs), ""]
+        for sub, sub_keys in subs.items():
+            lines += [f"[{table}.{sub}]", *(f"{k} = {value(v)}" for k, v in sub_keys.items()), ""]
     return "\n".join(lines)
 
 
