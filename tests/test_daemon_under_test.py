@@ -116,5 +116,5 @@ def test_a_written_config_is_laid_out_and_a_key_set_both_ways_is_refused() -> No
     assert laid_out(doc) == {"drift": {"cooldown_s": 60, "advanced": {"window_tokens": 512}},
                              "engine": {"env": {"A": "1"}, "vllm": {"enforce-eager": False}}}
     assert doc["drift"] == {"window_tokens": 512, "cooldown_s": 60}  # not changed
-    with pytest.raises(ConfigError, match="engine.enforce_eager and engine.vllm.enforce-eager"):
+    with pytest.raises(ConfigError, match=r"engine\.enforce_eager and engine\.vllm\.enforce-eager"):
         laid_out({"engine": {"enforce_eager": True, "vllm": {"enforce-eager": False}}})
