@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from pinsidecar.daemon.config import laid_out
 from pinsidecar.engine import free_port, port_in_use
 from pinsidecar.engine.spec import VLLM_TABLE
 from pinsidecar.schema import ADVANCED_TABLE
@@ -127,8 +128,6 @@ def dump_toml(doc: dict[str, Any]) -> str:
     loader reads it today (:func:`~pinsidecar.daemon.config.laid_out`: tuning keys under ``[section.advanced]``,
     vLLM flags under ``[engine.vllm]``), without a TOML writer dependency. Strings are written with JSON's
     escapes (a subset of TOML's basic strings)."""
-    from pinsidecar.daemon.config import laid_out  # the daemon's config imports this package's siblings
-
     def value(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
