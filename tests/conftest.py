@@ -11,6 +11,8 @@ environment.
   them still skips, with the reason.
 - ``vllm`` tests need the vLLM CPU build importable; `scripts/setup.sh` installs it, so a missing vLLM is an
   error there rather than a silent skip (set PINSIDECAR_ALLOW_NO_VLLM=1 to skip them on a machine without it).
+- A failure is also said the moment it happens (its test and the error's last line): pytest prints the tracebacks
+  only at the end, and a CI run cut off by its time limit would otherwise show a bare ``F`` and nothing else.
 """
 
 from __future__ import annotations
@@ -78,3 +80,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report.longrepr = (f"skipped under {NO_SKIP_ENV}=1, which makes a missing part a failure: {reason}. "
                        f"Install what it names (bash scripts/setup.sh does on Debian), or unset {NO_SKIP_ENV} "
                        "on a machine that cannot have it.")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Say a failure at once, in one line, beside the progress dots (the full traceback still comes at the end)."""
+    if not report.failed:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    why = f"{crash.path}:{crash.lineno}: {crash.message}" if crash is not None else str(report.longrepr)
+    why = " | ".join(why.strip().splitlines()[-6:])[:1500]
+    print(f"\nFAILED {report.nodeid} ({report.when}, {report.duration:.0f} s): {why}", flush=True)
