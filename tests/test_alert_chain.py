@@ -57,8 +57,8 @@ PROSE = [ROOT / "pinsidecar" / "demo" / "fixtures" / n for n in ("prose.jsonl", 
 ALERT = "PinsidecarDriftGain"
 HOT_ROWS = 48  # the demo's geometry: 48 of 64 experts hot
 # First prose request to a committed remap: 17 s on a 2-core box (2026-12-04: alert pending at 8.8 s, firing 2 s
-# later, the webhook at once, an in-place apply and a 256-token verification). A chain that has not committed in 5 minutes
-# is broken, and waiting 15 would only take CI's time.
+# later, the webhook at once, an in-place apply and a 256-token verification). A chain that has not committed in 5
+# minutes is broken, and waiting 15 would only take CI's time.
 CHAIN_LIMIT_S = 300.0
 CLIENTS = 3
 
