@@ -11,6 +11,8 @@ environment variables:
   artifact, and :func:`request_and_wait`, the one client-side wait for their answer;
 - :mod:`~pinsidecar_hook.contract.swap` — the swap plan between two maps of one geometry (remap in place), and
   :class:`ApplyResult`, the hook's answer to ``apply``;
+- :mod:`~pinsidecar_hook.contract.trace` — a routing trace (every token's selected experts, in order), what the
+  cache-tier simulator replays;
 - :mod:`~pinsidecar_hook.contract.env` — the ``PINSIDECAR_*`` variables and :class:`HookConfig`;
 - :mod:`~pinsidecar_hook.contract.io` — the rules every file follows (versioned, validated on read, written
   atomically).
@@ -25,6 +27,7 @@ from pinsidecar_hook.contract.io import (
     COUNTS_FORMAT,
     MAP_FORMAT,
     STATS_FORMAT,
+    TRACE_FORMAT,
     VERSION,
     ArtifactError,
     atomic_write_bytes,
@@ -63,6 +66,7 @@ from pinsidecar_hook.contract.swap import (
     SwapPlanError,
     plan_swap,
 )
+from pinsidecar_hook.contract.trace import RoutingTrace, load_trace, save_trace
 
 __all__ = [
     "APPLY_ORDERINGS",
@@ -75,6 +79,7 @@ __all__ = [
     "PIN_BACKENDS",
     "REQUEST_POLL_S",
     "STATS_FORMAT",
+    "TRACE_FORMAT",
     "VERSION",
     "ApplyResult",
     "ArtifactError",
@@ -87,6 +92,7 @@ __all__ = [
     "LayerPlacement",
     "LayerSwap",
     "ModelInfo",
+    "RoutingTrace",
     "RowMap",
     "StatsSnapshot",
     "SwapPlan",
@@ -101,12 +107,14 @@ __all__ = [
     "load_counts",
     "load_map",
     "load_stats",
+    "load_trace",
     "parse_apply_args",
     "placement_row_map",
     "plan_swap",
     "read_hook_request",
     "request_and_wait",
     "request_path",
+    "save_trace",
     "utc_now",
     "write_hook_request",
 ]

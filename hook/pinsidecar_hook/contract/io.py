@@ -26,6 +26,7 @@ __all__ = [
     "MAX_FILE_BYTES",
     "MAX_LAYERS",
     "STATS_FORMAT",
+    "TRACE_FORMAT",
     "VERSION",
     "ArtifactError",
     "atomic_write_bytes",
@@ -36,7 +37,8 @@ __all__ = [
 COUNTS_FORMAT = "pinsidecar.counts"
 MAP_FORMAT = "pinsidecar.map"
 STATS_FORMAT = "pinsidecar.stats"
-# One version for all three; bump it (and keep a reader for the old one) whenever a field changes meaning.
+TRACE_FORMAT = "pinsidecar.trace"  # an .npz, not JSON: see contract/trace.py
+# One version for all of them; bump it (and keep a reader for the old one) whenever a field changes meaning.
 VERSION = 1
 # Bounds on what a reader accepts, checked before anything is allocated from a header's dimensions: a corrupt or
 # hostile header claiming 10^12 experts is refused with a message, not an attempt to build a 10^12-entry table.
@@ -51,7 +53,7 @@ COUNT_LIMIT = 2**63 - 1
 
 
 class ArtifactError(ValueError):
-    """A counts, map or stats file that cannot be used as it is. The message names the file and the fix."""
+    """A counts, map, stats or trace file that cannot be used as it is. The message names the file and the fix."""
 
     def __init__(self, path: str | os.PathLike[str] | None, problem: str, hint: str = "") -> None:
         self.path = None if path is None else str(path)
