@@ -9,6 +9,8 @@ pipeline do the I/O around them. Import from this package; the modules behind it
 - :mod:`~pinsidecar.placement.expert_bytes` — bytes per expert per checkpoint format, read from a checkpoint
   directory (for a map built from one model's counts for its quantized twin);
 - :mod:`~pinsidecar.placement.evaluate` — cold-selection rates, leave-one-out, diffs and summaries;
+- :mod:`~pinsidecar.placement.simulate` — a routing trace replayed against hot rows plus a small expert cache
+  (the cache tier's what-if);
 - :mod:`~pinsidecar.placement.heatmap` — a PNG of a map over counts. Not re-exported here: it needs the optional
   ``plot`` extra (matplotlib), and nothing else in placement does.
 """
@@ -47,14 +49,27 @@ from pinsidecar.placement.expert_bytes import (
     gptq_expert_bytes,
     unquantized_expert_bytes,
 )
+from pinsidecar.placement.simulate import (
+    POLICIES,
+    TUNE_FRACTION,
+    HotRanking,
+    auto_split,
+    check_trace_geometry,
+    simulate,
+)
 
 __all__ = [
+    "POLICIES",
+    "TUNE_FRACTION",
     "CheckpointExperts",
     "ExpertBytesError",
+    "HotRanking",
     "PlacementMask",
+    "auto_split",
     "build_usage_map",
     "check_compatible",
     "check_hot_rows",
+    "check_trace_geometry",
     "checkpoint_experts",
     "counts_summary",
     "diff_maps",
@@ -64,6 +79,7 @@ __all__ = [
     "load_counts_files",
     "positional_for",
     "save_map",
+    "simulate",
     "sum_counts",
     "summary",
 ]
