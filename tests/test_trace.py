@@ -154,7 +154,7 @@ def test_num_experts_must_be_one_integer(tmp_path: Path) -> None:
 
 def test_top_k_beyond_num_experts_is_refused(tmp_path: Path) -> None:
     ex = np.zeros((2, 1, 5), np.uint16)
-    _refused(_savez(tmp_path / "t.npz", experts=ex, num_experts=4), "top_k", "is 5, more than num_experts (4)")
+    _refused(_savez(tmp_path / "t.npz", experts=ex, num_experts=4), "top_k must be in 1..num_experts (4), got 5")
 
 
 def test_an_expert_twice_in_one_row_is_refused(tmp_path: Path) -> None:

@@ -183,20 +183,19 @@ def _int_list(value: Any, what: str, path: Any) -> list[int]:
 
 
 def _check_dims(layer_ids: list[int], num_experts: int, top_k: int, path: Any) -> None:
+    fix = "the file is corrupt; regenerate it"  # every refusal says how to fix it, whichever artifact it is
     if not layer_ids:
-        raise ArtifactError(path, "no layers")
+        raise ArtifactError(path, "no layers", fix)
     if len(layer_ids) > MAX_LAYERS:
-        raise ArtifactError(path, f"{len(layer_ids)} layers, more than the {MAX_LAYERS} a file may describe",
-                            "the file is corrupt; regenerate it")
+        raise ArtifactError(path, f"{len(layer_ids)} layers, more than the {MAX_LAYERS} a file may describe", fix)
     if num_experts > MAX_EXPERTS:
-        raise ArtifactError(path, f"num_experts is {num_experts}, more than the {MAX_EXPERTS} a file may describe",
-                            "the file is corrupt; regenerate it")
+        raise ArtifactError(path, f"num_experts is {num_experts}, more than the {MAX_EXPERTS} a file may describe", fix)
     if len(set(layer_ids)) != len(layer_ids) or any(i < 0 for i in layer_ids):
-        raise ArtifactError(path, f"layer_ids must be distinct non-negative integers, got {layer_ids}")
+        raise ArtifactError(path, f"layer_ids must be distinct non-negative integers, got {layer_ids}", fix)
     if num_experts < 1:
-        raise ArtifactError(path, f"num_experts must be >= 1, got {num_experts}")
+        raise ArtifactError(path, f"num_experts must be >= 1, got {num_experts}", fix)
     if not 1 <= top_k <= num_experts:
-        raise ArtifactError(path, f"top_k must be in 1..num_experts ({num_experts}), got {top_k}")
+        raise ArtifactError(path, f"top_k must be in 1..num_experts ({num_experts}), got {top_k}", fix)
 
 
 def _read_dims(doc: dict[str, Any], path: Any) -> tuple[list[int], int, int]:

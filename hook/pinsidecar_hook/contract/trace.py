@@ -31,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from pinsidecar_hook.contract.io import MAX_LAYERS, TRACE_FORMAT, VERSION, ArtifactError, atomic_write_bytes
+from pinsidecar_hook.contract.io import (
+    MAX_LAYERS,
+    TRACE_FORMAT,
+    VERSION,
+    ArtifactError,
+    _check_dims,
+    atomic_write_bytes,
+)
 
 __all__ = ["RoutingTrace", "load_trace", "save_trace"]
 
@@ -60,11 +67,16 @@ class RoutingTrace:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        experts = _checked_experts(np.asarray(self.experts), self.num_experts)
-        object.__setattr__(self, "experts", experts)
-        object.__setattr__(self, "num_experts", int(self.num_experts))
-        if self.layer_ids is not None:
-            object.__setattr__(self, "layer_ids", _checked_layer_ids(self.layer_ids, experts.shape[1]))
+        arr = np.asarray(self.experts)
+        _check_experts_header(arr.shape, arr.dtype)
+        num_experts = _checked_num_experts(self.num_experts)
+        layers, top_k = arr.shape[1], arr.shape[2]
+        layer_ids = None if self.layer_ids is None else _checked_layer_ids(self.layer_ids, layers)
+        # the header every artifact shares (layer count, distinct layer ids, top_k in 1..num_experts), one checker
+        _check_dims(list(range(layers)) if layer_ids is None else list(layer_ids), num_experts, top_k, None)
+        object.__setattr__(self, "experts", _checked_ids(arr, num_experts))
+        object.__setattr__(self, "num_experts", num_experts)
+        object.__setattr__(self, "layer_ids", layer_ids)
         object.__setattr__(self, "meta", _checked_meta(self.meta))
 
     @property
@@ -92,18 +104,20 @@ class RoutingTrace:
                          for i in range(self.num_layers)]).astype(np.int64, copy=False)
 
 
-def _checked_experts(arr: np.ndarray, num_experts: Any) -> np.ndarray:
-    """``arr`` as a read-only uint16 copy, or :class:`ArtifactError` (no path: the caller adds it)."""
+def _checked_num_experts(num_experts: Any) -> int:
+    """An int within what uint16 ids can name (a trace's own bound, stricter than the other artifacts')."""
     if isinstance(num_experts, bool) or not isinstance(num_experts, int | np.integer):
         raise ArtifactError(None, f"num_experts must be an integer, got {type(num_experts).__name__}", _FIX)
     if not 1 <= int(num_experts) <= MAX_TRACE_EXPERTS:
         raise ArtifactError(None, f"num_experts must be in 1..{MAX_TRACE_EXPERTS}, got {int(num_experts)}",
                             "expert ids are stored as uint16; " + _FIX)
-    _check_experts_header(arr.shape, arr.dtype)
+    return int(num_experts)
+
+
+def _checked_ids(arr: np.ndarray, num_experts: int) -> np.ndarray:
+    """``arr`` (header already checked) as a read-only uint16 copy once every id is an expert and no token's
+    row names one twice; :class:`ArtifactError` (no path: the caller adds it) otherwise."""
     top_k = arr.shape[2]
-    if top_k > num_experts:
-        raise ArtifactError(None, f"top_k (experts' last dimension) is {top_k}, more than num_experts "
-                            f"({num_experts})", "the last axis must hold each token's top-k selections")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= num_experts:
         bad = lo if lo < 0 else hi
@@ -137,8 +151,6 @@ def _check_experts_header(shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
     if tokens < 1 or layers < 1 or top_k < 1:
         raise ArtifactError(None, f"experts has shape {shape}: a trace needs at least one token, one layer and "
                             "top_k >= 1", "record at least one token")
-    if layers > MAX_LAYERS:
-        raise ArtifactError(None, f"{layers} layers, more than the {MAX_LAYERS} a file may describe", _FIX)
     if tokens * layers * top_k > MAX_SELECTIONS:
         raise ArtifactError(None, f"{tokens * layers * top_k} selections, more than the {MAX_SELECTIONS} a trace "
                             "may hold", "split the recording into several traces")
@@ -152,10 +164,7 @@ def _checked_layer_ids(layer_ids: Any, layers: int) -> tuple[int, ...]:
     if ids.size != layers:
         raise ArtifactError(None, f"layer_ids has {ids.size} entries but experts has {layers} layers",
                             "give one layer id per layer of experts, or leave layer_ids out")
-    out = tuple(int(i) for i in ids)
-    if len(set(out)) != len(out) or any(i < 0 for i in out):
-        raise ArtifactError(None, f"layer_ids must be distinct non-negative integers, got {list(out)}", _FIX)
-    return out
+    return tuple(int(i) for i in ids)  # distinct and non-negative: io._check_dims, as for every artifact
 
 
 def _checked_meta(meta: Any) -> dict[str, Any]:
