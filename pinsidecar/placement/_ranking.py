@@ -1,7 +1,7 @@
 """The two rules every placement figure rests on, kept in one place so building and evaluating cannot drift apart.
 
 - which experts a usage placement keeps hot: per layer the most-selected, equal counts going to the lower expert
-  id (:func:`usage_order`, :func:`usage_hot_mask`);
+  id (:func:`usage_order`, :func:`usage_hot_mask`, :func:`first_ranked_mask` for any ranking);
 - what a hot mask costs on some traffic: the share of selections that land on cold experts, in all and per layer
   (:func:`cold_rates`). A layer with no selections costs 0.
 
@@ -22,10 +22,14 @@ def usage_order(counts: np.ndarray) -> np.ndarray:
 
 def usage_hot_mask(counts: np.ndarray, hot_rows: int) -> np.ndarray:
     """bool ``[layers, experts]``: the ``hot_rows`` experts of each layer that :func:`usage_order` ranks first."""
-    order = usage_order(counts)
-    hot = np.zeros(np.shape(counts), dtype=bool)
-    np.put_along_axis(hot, order[:, :hot_rows], True, axis=1)
-    return hot
+    return first_ranked_mask(usage_order(counts), hot_rows, np.shape(counts)[1])
+
+
+def first_ranked_mask(order: np.ndarray, rows: int, num_experts: int) -> np.ndarray:
+    """bool ``[layers, num_experts]``: True for the first ``rows`` experts of each layer's ``order`` (best first)."""
+    mask = np.zeros((np.shape(order)[0], num_experts), dtype=bool)
+    np.put_along_axis(mask, np.asarray(order)[:, :rows], True, axis=1)
+    return mask
 
 
 def cold_rates(hot: np.ndarray, counts: np.ndarray) -> tuple[float, np.ndarray]:

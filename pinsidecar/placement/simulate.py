@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from pinsidecar_hook.contract import ArtifactError, ExpertMap, RoutingTrace
 
-from pinsidecar.placement._ranking import usage_order
+from pinsidecar.placement._ranking import first_ranked_mask, usage_order
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -88,9 +88,7 @@ class HotRanking:
 
     def hot_mask(self, rows: int) -> np.ndarray:
         """bool ``[layers, num_experts]``: True for the first ``rows`` experts of each layer's ranking."""
-        hot = np.zeros((self.num_layers, self.num_experts), dtype=bool)
-        np.put_along_axis(hot, self.order[:, :rows], True, axis=1)
-        return hot
+        return first_ranked_mask(self.order, rows, self.num_experts)
 
 
 @dataclass(frozen=True)
