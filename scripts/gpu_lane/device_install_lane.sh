@@ -2,12 +2,18 @@
 # the carried chunks into /tmp/site (.gpu_lane/ctl/device_install.sh, written by scripts/gpu_lane/pack.py), the
 # daemon's one dependency the device lacks (.gpu_lane/extra: structlog), vLLM's patches (patch_vllm.py), then the
 # lane's environment (device_env.sh). Needs $OUT and $T0 (the caller's start, for the timing line).
-# gpu_lane_install returns 0, or: 2 chunk 1 / ctl not carried, the installer's code (3: a chunk missing or corrupt:
+# gpu_lane_install returns 0, or: 2 ctl not carried, the installer's code (3: a chunk missing or corrupt:
 # send the calls again from call 1), 4 no extra wheels, 6 the patch failed.
 GPU_LANE_INSTALLED=/tmp/gpu_lane/lane-installed  # written once all of it succeeded (kept while the machine is warm)
 
 gpu_lane_install() {
-  mkdir -p /tmp/gpu_lane && cp .gpu_lane/c01/* .gpu_lane/ctl/* /tmp/gpu_lane/ || return 2
+  # The call carries the last chunk (pack.py writes as many as the working tree leaves room for) and ctl/; the
+  # earlier chunks are in /tmp/gpu_lane already, from the calls that copied them there.
+  mkdir -p /tmp/gpu_lane && cp .gpu_lane/ctl/* /tmp/gpu_lane/ || return 2
+  local d
+  for d in .gpu_lane/c[0-9][0-9]; do
+    [ -d "$d" ] && { cp "$d"/* /tmp/gpu_lane/ || return 2; }
+  done
   bash /tmp/gpu_lane/device_install.sh > "$OUT/install.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/install.log"

@@ -20,19 +20,22 @@
 #   heal4     the scenario again at 4 streams
 #   heal16    the scenario again at 16 streams
 #   heal16s   the scenario at 16 streams with the stream-ordered apply ([remap.advanced] apply_ordering)
+#   engapply  bench/apply_engine.py: in-place applies inside one pin engine under 1, 4 and 16 streams, host and
+#             stream order interleaved, 3 each, every apply against equal windows without one, ~400 s
+#   engapplyw the same at 16 streams, 1024 rows an apply (64 hot rows against the complement map), ~300 s
 # Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
 # document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
 #
-# Calls (kind nvidia-h200; each within ~30 s of the previous one's end; a carry is at most 64 MiB, so chunk 1 and
-# the control files travel apart):
-#   1. carry [".gpu_lane/c00"]: the chunk-0 call of docs/gpu-lane.md's table (timeout 300)
-#   2. carry [".gpu_lane/c01"]: cp .gpu_lane/c01/* /tmp/gpu_lane/ (120)
-#   3. carry [".gpu_lane/ctl", ".gpu_lane/extra", ".gpu_lane/wheel"]: bash scripts/gpu_lane/device_loop.sh (600)
-#   4+. no carry: bash scripts/gpu_lane/device_loop.sh (600), again while it exits 3
+# Calls (kind nvidia-h200; each within ~30 s of the previous one's end; a call sends at most 64 MiB, working tree
+# included, so the chunks and the control files travel apart):
+#   1..N-1. the calls of .gpu_lane/device-calls.txt but its last: each copies one chunk to /tmp/gpu_lane (300)
+#   N. carry [the last chunk's folder, ".gpu_lane/ctl", ".gpu_lane/extra", ".gpu_lane/wheel"]:
+#      bash scripts/gpu_lane/device_loop.sh (600)
+#   N+1... no carry: bash scripts/gpu_lane/device_loop.sh (600), again while it exits 3
 # .gpu_lane/extra holds structlog and watchdog (installed into vLLM's /tmp/site), .gpu_lane/wheel this checkout's wheel
 # (pip wheel --no-deps --no-build-isolation -w .gpu_lane/wheel .), which only the guide step installs, beside it.
-# Exit: 0 all done, 3 more to do, 4 done but a step failed, 20 the install failed (send calls 1 and 2 again).
+# Exit: 0 all done, 3 more to do, 4 done but a step failed, 20 the install failed (send the chunk calls again).
 # Under $OUT: loop.log, and per step its JSON/PNG/log; loop.tgz with the daemon and engine logs.
 set -uo pipefail
 T0=$(date +%s)
@@ -44,14 +47,14 @@ mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330)
+declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330 [engapply]=400 [engapplyw]=300)
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
   source scripts/gpu_lane/device_env.sh
   echo "== installed by an earlier call; attention backend: ${GPU_LANE_ATTENTION_BACKEND:-auto}"
 else
-  gpu_lane_install || { echo "INSTALL FAILED ($?): on a cold machine send calls 1 and 2 again"; exit 20; }
+  gpu_lane_install || { echo "INSTALL FAILED ($?): on a cold machine send the chunk calls again"; exit 20; }
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader; free -g | head -2
 ATTN=()
@@ -107,13 +110,12 @@ heal_maps() {
   done
 }
 
-step_heal() {  # $1 clients, $2 apply ordering (default host)
-  heal_maps || return 1
+# The GPU lane's engine settings (bench/gpu_lane.py engine_for), and the compile cache the guide's pin boot filled
+# (same model and compile settings): without it the scenario's first boot compiles (150 s against 85 s on
+# 2026-12-02) and a 1-stream scenario no longer fits one call.
+heal_engine_toml() {
   local attn=""
   [ ${#ATTN[@]} -gt 0 ] && attn=", \"--attention-backend\", \"${ATTN[1]}\""
-  # The GPU lane's engine settings (bench/gpu_lane.py engine_for), and the compile cache the guide's pin boot
-  # filled (same model and compile settings): without it the scenario's first boot compiles (150 s against 85 s on
-  # 2026-12-02) and a 1-stream scenario no longer fits one call.
   cat > /tmp/gl/heal-engine.toml <<EOF
 [engine]
 enforce_eager = false
@@ -124,6 +126,11 @@ extra_args = ["--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--gpu
               "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"$attn]
 env = { VLLM_CACHE_ROOT = "/tmp/op/vllm-cache", VLLM_USE_FLASHINFER_SAMPLER = "0" }
 EOF
+}
+
+step_heal() {  # $1 clients, $2 apply ordering (default host)
+  heal_maps || return 1
+  heal_engine_toml
   # Drift windows of a few seconds of traffic: the trip needs three windows after a shift (the gain is scored out
   # of sample, on a candidate built from the window before, then two in a row), and the verify one more. With
   # 4096 tokens at 1 stream (~300 routed tok/s) that was 61 s to the trip on 2026-12-02; 2048 gave 30 s.
@@ -137,6 +144,29 @@ EOF
     --work "/tmp/gl/heal$name" --out "$OUT/heal_h200_$name.json" --png "$OUT/heal_h200_$name.png"
 }
 step_heal1() { step_heal 1; }
+
+# The in-engine apply gap (bench/apply_engine.py): host- and stream-ordered applies interleaved on one pin engine,
+# each against equal windows without an apply. engapply: the heal scenario's pair (code <-> prose at 99 hot rows,
+# 347 rows an apply) at 1, 4 and 16 streams; engapplyw: code at 64 hot rows against its complement (every cold
+# row of every layer changes: 1024 rows an apply) at 16 streams.
+step_engapply() {
+  heal_maps || return 1
+  heal_engine_toml
+  local m=/tmp/gl/heal-maps
+  timeout $(( $(left) - PACK_S )) python3 bench/apply_engine.py --model "$GPU_LANE_WORK/model" \
+    --engine-toml /tmp/gl/heal-engine.toml --pair "usage99=$m/code.json,$m/prose.json:1,4,16" --reps 3 \
+    --work /tmp/gl/engapply --out "$OUT/apply_engine_h200.json"
+}
+step_engapplyw() {
+  heal_maps || return 1
+  heal_engine_toml
+  local m=/tmp/gl/heal-maps/code-64.json
+  [ -f "$m" ] || psc map build /tmp/gl/heal-maps/code.counts.json --hot-rows 64 --label code-64 --out "$m" \
+    > /dev/null || return 1
+  timeout $(( $(left) - PACK_S )) python3 bench/apply_engine.py --model "$GPU_LANE_WORK/model" \
+    --engine-toml /tmp/gl/heal-engine.toml --pair "complement64=$m:16" --reps 3 \
+    --work /tmp/gl/engapplyw --out "$OUT/apply_engine_wide_h200.json"
+}
 
 # The calibrated lane: count its code traffic (the guide's engine table, another model), a usage map at 23 %, and
 # the map's cold rate on held-out code: the reference deployment's figure is 1.55 % (89 of 384 experts cold).

@@ -49,7 +49,9 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35,
     "manylinux1_x86_64",
 ]
 MIB = 1 << 20
-DEFAULT_CHUNK_MIB = 60  # + the working tree (~1.5 MiB) + ctl/ must stay under the tool's 64 MiB per call
+DEFAULT_CHUNK_MIB = 60  # at most; less when the working tree leaves less of CALL_LIMIT_MIB (main)
+CALL_LIMIT_MIB = 63  # the device tool's 64 MiB per call, less a margin for what travel_bytes does not see
+CTL_ROOM_BYTES = 1 << 20  # ctl/ (manifest and install script, ~13 KiB) and the call's own files
 DEVICE_SRC = "/tmp/gpu_lane"  # where each call drops its chunk on the device
 DEVICE_SITE = "/tmp/site"  # where the last call installs (used through PYTHONPATH)
 
@@ -654,9 +656,13 @@ def main(argv: list[str] | None = None) -> int:
             elif child.name in ("device-calls.txt", "device-calls.json", "pack-report.json"):
                 child.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    # As many chunks as the limit needs, of equal size: the margin under 64 MiB is then as large as it can be.
+    # As many chunks as the limit needs, of equal size: the margin under 64 MiB is then as large as it can be. The
+    # working tree travels with every call, so a chunk gets what the tree leaves of CALL_LIMIT_MIB (the tree has
+    # grown past 6 MiB of benchmark results, which a 58 MiB chunk no longer fits beside).
     payload_size = xz_path.stat().st_size
-    n_chunks = -(-payload_size // int(args.chunk_mib * MIB))
+    tree = travel_bytes(repo)
+    room = CALL_LIMIT_MIB * MIB - max(tree, 0) - CTL_ROOM_BYTES
+    n_chunks = -(-payload_size // int(min(args.chunk_mib * MIB, room)))
     chunk_bytes = -(-payload_size // n_chunks)
     chunks = []
     with xz_path.open("rb") as f:
@@ -688,7 +694,6 @@ def main(argv: list[str] | None = None) -> int:
 
     calls = device_calls(len(chunks), outname)
     (out / "device-calls.json").write_text(json.dumps(calls, indent=1) + "\n")
-    tree = travel_bytes(repo)
     ctl_bytes = sum(p.stat().st_size for p in ctl.iterdir())
     lines = [f"# Device calls for vLLM {VLLM_VERSION} ({len(chunks)} calls). Send them back to back: the machine",
              "# stays warm ~30 s after each call and /tmp is lost when it goes cold (then start again at call 1).",
