@@ -8,9 +8,11 @@ import json
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from pinsidecar_hook.contract import load_counts
+from pinsidecar_hook.contract.trace import load_trace
 
 from pinsidecar.cli import main
 from pinsidecar.counts.count_boot import _mismatch_hint, count_boot_config
@@ -40,11 +42,11 @@ def workload(tmp_path: Path, n: int = 6) -> Path:
 def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, demo_model_dir: Path) -> None:
     # The daemon's CPU example config as is: its [engine] table describes the engine, --model and --port go over it.
     out_dir = tmp_path / "out"
-    out = out_dir / "code.counts.json"
+    out, trace_out = out_dir / "code.counts.json", out_dir / "code.trace.npz"
     wl = workload(tmp_path)
     code, stdout, stderr = run_cli("count-boot", "--config", str(EXAMPLES / "cpu-demo.toml"), "--model",
                                    str(demo_model_dir), "--workload", str(wl), "--out", str(out), "--concurrency", "3",
-                                   "--port", str(free_port()), "--label", "code", "--json")
+                                   "--port", str(free_port()), "--label", "code", "--trace", str(trace_out), "--json")
     assert code == 0, stderr
     summary = json.loads(stdout)
     counts = load_counts(out)
@@ -57,9 +59,37 @@ def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, dem
     assert counts.consistent and summary["exact"] is True
     assert counts.workload == "code" and counts.flush_token == ""
     assert counts.model.path == str(demo_model_dir)
-    assert sorted(p.name for p in out_dir.iterdir()) == [out.name]  # no temp or request files left behind
+    # no temp or request files left behind
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted([out.name, trace_out.name])
+    # The routing trace: every routed token in engine order, whose counts are the counts to the last selection.
+    trace = load_trace(trace_out)
+    assert trace.tokens == counts.tokens and np.array_equal(trace.counts(), counts.counts)
+    assert trace.layer_ids == tuple(counts.layer_ids) and trace.num_experts == counts.num_experts
+    assert trace.meta["workload"] == "code" and trace.meta["full"] is False
+    assert summary["trace"] == {"out": str(trace_out), "tokens": counts.tokens, "layers": counts.num_layers,
+                                "full": False, "capacity_tokens": 65536, "matches_counts": True}
+    # ... and the simulator replays it: with the counts' hot set and no slots, its misses are the counts' cold
+    # selections at that geometry, exactly (the static map's cold rate, in sample)
+    hot = counts.num_experts * 3 // 4
+    code, stdout, stderr = run_cli("placement", "simulate", str(trace_out), "--counts", str(out), "--hbm-rows",
+                                   str(hot), "--json")
+    assert code == 0, stderr
+    (result,) = json.loads(stdout)["results"]
+    cold_rate = 1 - np.sort(counts.counts, axis=1)[:, ::-1][:, :hot].sum() / counts.selections
+    assert result["cache_slots"] == 0 and result["miss_rate"] == pytest.approx(cold_rate, abs=1e-9)
     argv = " ".join(meta["engine_argv"])  # the example's engine table reached the engine
     assert "--served-model-name demo" in argv and "--shutdown-timeout 10" in argv and "--enforce-eager" in argv
+
+
+def test_a_bad_trace_option_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    wl, out = workload(tmp_path), tmp_path / "c.json"
+    for extra, says in ((["--trace", str(out)], "a file path of its own"),
+                        (["--trace", str(tmp_path)], "a file path of its own"),
+                        (["--trace", str(tmp_path / "t.npz"), "--trace-tokens", "0"], "--trace-tokens must be")):
+        code, _stdout, stderr = run_cli("count-boot", "--model", str(tmp_path), "--workload", str(wl), "--out",
+                                        str(out), *extra)
+        assert code == 2 and says in stderr, stderr
+        assert not out.exists()
 
 
 def test_port_in_use_fails_before_starting_anything(tmp_path: Path) -> None:

@@ -12,8 +12,11 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pinsidecar_hook.contract import CountsArtifact, load_counts, request_path
+from pinsidecar_hook.contract.env import ENV
+from pinsidecar_hook.contract.trace import RoutingTrace, load_trace
 
 from pinsidecar.testing.engine import HookedEngine
 
@@ -110,23 +113,35 @@ def test_malformed_request_file_is_dropped_and_engine_keeps_serving(eager_engine
 
 
 def test_compiled_mode_counts_exactly_through_a_flush_and_the_exit_flush(
-        demo_model_dir: Path, engine_factory: Callable[..., HookedEngine]) -> None:
+        demo_model_dir: Path, engine_factory: Callable[..., HookedEngine], tmp_path: Path) -> None:
     """torch.compile traces the capture callback once; its in-place counter updates must stay live in the graph.
 
     One compiled boot checks both ways counts leave the engine. No periodic flush in sight (1 h interval): the
     counts reach the file through a flush request, then, after more traffic, only through the exit flush. With
     --shutdown-timeout > 0 vLLM shuts its worker down gracefully, so the atexit flush runs. (With the default 0 the
-    API server SIGKILLs the worker at once and only the periodic flush bounds the loss - why it exists.)"""
+    API server SIGKILLs the worker at once and only the periodic flush bounds the loss - why it exists.) The engine
+    records the routing trace too: its writes go with the same two, and its counts are the counts."""
+    trace_path = tmp_path / "routing.trace.npz"
     eng = engine_factory(demo_model_dir, "count", enforce_eager=False, flush_interval_s=3600.0,
-                         shutdown_timeout_s=5)
+                         shutdown_timeout_s=5, hook_env={ENV["trace_path"]: str(trace_path)})
     try:
         eng.hook_request("reset")
         processed = run_traffic(eng)
         assert "DYNAMO_TRACE_ONCE" in Path(eng.log_path).read_text(errors="replace")  # it really compiled
-        assert_exact(eng.hook_request("flush"), processed)
+        flushed = eng.hook_request("flush")
+        assert_exact(flushed, processed)
+        # the routing trace recorded in the compiled graph, written with the counts that answer the request
+        assert_trace_is_the_counts(load_trace(trace_path), flushed)
         processed += run_traffic(eng)
         assert load_counts(eng.counts_path).tokens < processed  # the second traffic is not in the file yet
     finally:
         code = eng.stop()
     assert code == 0
-    assert_exact(load_counts(eng.counts_path), processed)
+    final = load_counts(eng.counts_path)
+    assert_exact(final, processed)
+    assert_trace_is_the_counts(load_trace(trace_path), final)  # and the exit write took the trace along
+
+
+def assert_trace_is_the_counts(trace: RoutingTrace, counts: CountsArtifact) -> None:
+    assert trace.tokens == counts.tokens and trace.layer_ids == tuple(counts.layer_ids)
+    assert np.array_equal(trace.counts(), counts.counts)

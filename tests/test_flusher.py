@@ -122,7 +122,7 @@ def test_histogram_off_leaves_it_out(tmp_path: Path) -> None:
 def test_count_snapshot_is_exact_and_carries_the_write_info(tmp_path: Path) -> None:
     state = _count_state(tmp_path / "counts.json")
     _count_traffic(state, 4)
-    art = state.snapshot(WriteInfo(seq=3, flush_token="t", errors={"counts_write": 2}))
+    art = state.snapshot(WriteInfo(seq=3, flush_token="t", errors={"counts_write": 2})).counts
     assert art.tokens == 4 and art.consistent and art.counts[0].tolist() == [4, 0, 0, 0, 0, 0, 0, 4]
     assert art.flush_token == "t" and art.meta["seq"] == 3 and art.meta["write_errors"] == 2
     assert art.workload == "w" and art.model.path == "/m"

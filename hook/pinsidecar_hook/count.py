@@ -40,9 +40,11 @@ H200 with vLLM 0.26: selections == layers x tokens x top_k) and on the CPU (no p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,16 +52,20 @@ import numpy as np
 import torch
 
 from pinsidecar_hook import vllm_seam
-from pinsidecar_hook.contract import CountsArtifact, ModelInfo, utc_now
+from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ModelInfo, utc_now
 from pinsidecar_hook.contract.env import HookConfig, HookConfigError
+from pinsidecar_hook.contract.trace import RoutingTrace, save_trace
 from pinsidecar_hook.flusher import Flusher, WriteInfo
 from pinsidecar_hook.kernels.partition import partition_triton, triton_available
+from pinsidecar_hook.trace_record import TraceRecorder
 
 __all__ = ["CountState", "attach", "current", "on_engine_ready", "step_guard"]
 
 log = logging.getLogger("pinsidecar_hook")
 
 _state: CountState | None = None
+# How often a growing routing trace is written without a request asking for it (CountState.snapshot).
+TRACE_WRITE_INTERVAL_S = 30.0
 
 
 class CountState:
@@ -71,7 +77,7 @@ class CountState:
 
     def __init__(self, layer_ids: list[int], cfg: HookConfig, num_experts: int, top_k: int, device: torch.device,
                  writer: bool, meta: dict[str, Any], model_info: ModelInfo,
-                 real_tokens: torch.Tensor | None = None) -> None:
+                 real_tokens: torch.Tensor | None = None, trace: TraceRecorder | None = None) -> None:
         self.cfg = cfg
         self.layer_ids = list(layer_ids)
         self.num_experts = num_experts
@@ -98,6 +104,10 @@ class CountState:
         self.started_at = utc_now()
         self.engine_ready = False
         self.flusher: Flusher | None = None
+        self.trace = trace  # the routing trace recorder (cfg.trace_path), or None
+        self.trace_write_errors = 0
+        self._traced_token = ""  # the request token of the last write that took the trace along
+        self._trace_at = time.monotonic()  # ... and when
 
     # ---------------------------------------------------------------------------------------- step path
 
@@ -110,9 +120,13 @@ class CountState:
         if getattr(previous, "_pinsidecar_count", False):
             previous = None  # a second attach (weights reloaded) replaces our old counter rather than chaining it
 
+        trace = self.trace
+
         def capture(topk_ids: torch.Tensor) -> None:
             if previous is not None:  # e.g. vLLM's own routed-experts capturer, when enabled
                 previous(topk_ids)
+            if trace is not None:
+                trace.capture(index, topk_ids, real)
             if self._kernel and topk_ids.is_cuda:
                 partition_triton(topk_ids, self._identity, self.num_experts, counts_row, self._cold_sink,
                                  num_real=real, token_counts=tokens_cell)
@@ -137,25 +151,80 @@ class CountState:
         with self.step_lock:
             for t in (*self.counts, *self.tokens):
                 t.zero_()
+            if self.trace is not None:
+                self.trace.reset()
             self.started_at = utc_now()
+        if self.trace is not None and self.cfg.trace_path is not None:
+            # a trace on disk describes the recording under way, or there is none
+            with contextlib.suppress(OSError):
+                self.cfg.trace_path.unlink()
 
-    def snapshot(self, info: WriteInfo) -> CountsArtifact:
-        """The counters as a counts artifact, copied between two steps."""
+    def snapshot(self, info: WriteInfo) -> CountsWrite:
+        """The counters as a counts artifact (and the trace, when it grew), copied between two steps.
+
+        The trace is large (tens of MB to compress and write), so it goes with a write that answers a new request
+        (its client reads it beside those counts), with the exit write, and otherwise at most every
+        :data:`TRACE_WRITE_INTERVAL_S`."""
+        want_trace = self.trace is not None and (info.final or info.flush_token != self._traced_token
+                                                 or time.monotonic() - self._trace_at >= TRACE_WRITE_INTERVAL_S)
         with self.step_lock:
             counts = torch.stack(self.counts)
             tokens = torch.cat(self.tokens)
             started = self.started_at
+            trace = self.trace.snapshot() if want_trace and self.trace is not None else None
+            recorded = None if self.trace is None else int(self.trace.cursor.item())
+        if want_trace:
+            self._traced_token, self._trace_at = info.flush_token, time.monotonic()
         counts_np, tokens_np = counts.cpu().numpy(), tokens.cpu().numpy()
         meta = dict(self.meta, seq=info.seq, pid=os.getpid(), engine_ready=self.engine_ready,
                     tokens_per_layer=[int(t) for t in tokens_np], write_errors=sum(info.errors.values()))
+        if recorded is not None:
+            meta["trace"] = {"path": str(self.cfg.trace_path), "tokens": recorded,
+                             "write_errors": self.trace_write_errors}
         if info.apply is not None:  # an apply request was refused (count mode has no map): the client's answer
             meta["apply"] = dict(info.apply)
-        return CountsArtifact(
+        artifact = CountsArtifact(
             layer_ids=list(self.layer_ids), num_experts=self.num_experts, top_k=self.top_k,
             counts=counts_np.astype(np.int64), tokens=int(tokens_np[0]), model=self.model_info,
             workload=self.cfg.workload, started_at=started, ended_at=utc_now(), flush_token=info.flush_token,
             meta=meta,
         )
+        return CountsWrite(artifact, trace, self)
+
+    def save_trace(self, trace: RoutingTrace) -> None:
+        """Write the trace; a failure is counted (the next counts' ``meta.trace.write_errors``) and logged once,
+        never raised: the counts still get written, and serving goes on."""
+        assert self.cfg.trace_path is not None and self.trace is not None
+        try:
+            save_trace(self.cfg.trace_path, trace)
+        except (OSError, ArtifactError) as exc:
+            self.trace.unwritten()  # the next trace write tries again
+            self.trace_write_errors += 1
+            if self.trace_write_errors == 1:
+                log.error("pinsidecar count: cannot write the routing trace to %s (%s); the counts go on (errors "
+                          "counted in meta.trace.write_errors, logged once)", self.cfg.trace_path, exc)
+
+
+class CountsWrite:
+    """What count mode hands the flusher: the counts artifact, and the trace to write before it when it grew.
+
+    The trace goes first, so a client that sees its request's token in the counts finds the trace of the same
+    snapshot already on disk."""
+
+    def __init__(self, counts: CountsArtifact, trace: RoutingTrace | None, state: CountState) -> None:
+        self.counts = counts
+        self.trace = trace
+        self._state = state
+
+    @property
+    def flush_token(self) -> str:
+        return self.counts.flush_token
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        if self.trace is not None:
+            self._state.save_trace(self.trace)
+            self.trace = None  # written once, even if the counts go to a fallback after
+        self.counts.save(path)
 
 
 def current() -> CountState | None:
@@ -221,9 +290,15 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
         "device": str(device), "moe_layers": [ref.name for ref, _ in layers],
         "counter": "router capture_fn", "padding_mask": "real-token scalar",
     }
-    state = CountState([ref.layer_id for ref, _ in layers], cfg, num_experts, top_k, device,
-                       writer=first.tp_rank == 0, meta=meta, model_info=vllm_seam.model_info(worker),
-                       real_tokens=vllm_seam.real_token_count(device))
+    layer_ids = [ref.layer_id for ref, _ in layers]
+    writer = first.tp_rank == 0
+    model_info = vllm_seam.model_info(worker)
+    trace = None
+    if cfg.trace_path is not None and writer:  # the ranks of a TP group see the same ids: one records them
+        trace = TraceRecorder(layer_ids, num_experts, top_k, device, capacity=cfg.trace_tokens, every=cfg.trace_every,
+                              meta={"workload": cfg.workload, "model": dataclasses.asdict(model_info)})
+    state = CountState(layer_ids, cfg, num_experts, top_k, device, writer=writer, meta=meta, model_info=model_info,
+                       real_tokens=vllm_seam.real_token_count(device), trace=trace)
     for i, (_ref, geo) in enumerate(layers):
         vllm_seam.bind_router_capture(geo, lambda previous, i=i: state.capture_fn(i, previous))
     if state.writer:
@@ -236,6 +311,9 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
     _state = state
     log.info("pinsidecar count: counting %d MoE layers x %d experts (top-%d) on %s -> %s", len(layers), num_experts,
              top_k, device, cfg.counts_path)
+    if trace is not None:
+        log.info("pinsidecar count: recording the routing trace (at most %d tokens, every %d step(s)) -> %s",
+                 cfg.trace_tokens, cfg.trace_every, cfg.trace_path)
     return state
 
 

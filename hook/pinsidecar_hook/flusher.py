@@ -65,6 +65,7 @@ class WriteInfo:
     flush_token: str  # the last request served ("" before the first), to echo in the artifact
     errors: dict[str, int] = field(default_factory=dict)  # the flusher's error counters, a copy
     apply: dict[str, Any] | None = None  # the last apply's answer (ApplyResult.to_json()), for meta["apply"]
+    final: bool = False  # the exit write (flush_at_exit): a source's last chance to write what it held back
 
 
 class FlushSource(Protocol):
@@ -115,18 +116,18 @@ class Flusher:
         self.errors[key] = self.errors.get(key, 0) + 1
         return self.errors[key]
 
-    def _info(self) -> WriteInfo:
+    def _info(self, final: bool = False) -> WriteInfo:
         return WriteInfo(seq=self.seq, flush_token=self.flush_token, errors=dict(self.errors),
-                         apply=self.last_apply)
+                         apply=self.last_apply, final=final)
 
-    def flush(self, token: str | None = None) -> Path | None:
-        """Write a snapshot now; ``token``, when given, becomes the echoed ``flush_token``. Returns the path
-        written (``path``, or the fallback), or None when nothing was written."""
+    def flush(self, token: str | None = None, *, final: bool = False) -> Path | None:
+        """Write a snapshot now; ``token``, when given, becomes the echoed ``flush_token``; ``final``: the exit
+        write. Returns the path written (``path``, or the fallback), or None when nothing was written."""
         with self._state_lock:
             if token is not None:
                 self.flush_token = token
             self.seq += 1
-            info = self._info()
+            info = self._info(final)
         # The snapshot may wait for the step lock (count mode), so no lock of ours is held while taking it: the
         # SIGTERM handler runs on the main thread, which may be mid-step holding that lock.
         artifact = self.source.snapshot(info)
@@ -251,7 +252,7 @@ class Flusher:
         def final_flush() -> None:
             self._stop.set()
             with contextlib.suppress(Exception):
-                self.flush()
+                self.flush(final=True)
 
         atexit.register(final_flush)
         if threading.current_thread() is not threading.main_thread():

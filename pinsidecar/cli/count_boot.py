@@ -21,7 +21,16 @@ def _human(summary: dict[str, Any]) -> str:
             f"in {s['wall_s']:.1f} s (engine boot {s['boot_s']:.1f} s)\n"
             f"  {s['num_layers']} MoE layers x {s['num_experts']} experts, top-{s['top_k']}: {s['tokens']} tokens, "
             f"{s['selections']} selections ({check}: layers x tokens x top_k = "
-            f"{s['num_layers'] * s['tokens'] * s['top_k']}, tokens processed per usage = {s['tokens_processed']})")
+            f"{s['num_layers'] * s['tokens'] * s['top_k']}, tokens processed per usage = {s['tokens_processed']})"
+            + _trace_line(s.get("trace")))
+
+
+def _trace_line(trace: dict[str, Any] | None) -> str:
+    if trace is None:
+        return ""
+    held = "its counts are the counts" if trace["matches_counts"] else (
+        f"the first {trace['tokens']} tokens (its bound, --trace-tokens)" if trace["full"] else "NOT the counts")
+    return f"\n  routing trace {trace['out']}: {trace['tokens']} tokens x {trace['layers']} layers; {held}"
 
 
 @click.command("count-boot")
@@ -38,13 +47,18 @@ def _human(summary: dict[str, Any]) -> str:
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Config file whose [engine] table describes the engine (the daemon's config as is; other "
                    "tables are not read). The count boot runs eager unless the table sets enforce_eager.")
+@click.option("--trace", type=click.Path(path_type=Path), default=None,
+              help="Also record the routing trace (every token's experts, in order) and write it here, an .npz for "
+                   "`pinsidecar placement simulate`.")
+@click.option("--trace-tokens", type=int, default=None,
+              help="The trace's bound in tokens (default 65536); a longer replay records its first tokens.")
 @click.option("--engine-log", type=click.Path(path_type=Path), default=None,
               help="Keep the engine's log here (default: a temp file).")
 @json_option
 @handle_errors
 def count_boot_cmd(model: Path | None, workloads: tuple[Path, ...], out: Path, concurrency: int,
                 max_tokens: int | None, port: int | None, label: str | None, config_path: Path | None,
-                engine_log: Path | None, as_json: bool) -> None:
+                trace: Path | None, trace_tokens: int | None, engine_log: Path | None, as_json: bool) -> None:
     """Count boot: start vLLM with the hook counting, replay the workload, write the counts to OUT.
 
     The engine is the [engine] table of --config (the daemon's config file as is), with --model and --port over
@@ -59,7 +73,8 @@ def count_boot_cmd(model: Path | None, workloads: tuple[Path, ...], out: Path, c
         with term.engine_boot(f"http://127.0.0.1:{engine.port}", "count engine booting"):
             result = count_boot.run_count_boot(None, list(workloads), out, concurrency=concurrency,
                                             max_tokens=max_tokens, label=label, engine=engine,
-                                            engine_log=engine_log, progress=term.bars)
+                                            engine_log=engine_log, progress=term.bars, trace=trace,
+                                            trace_tokens=trace_tokens)
     except count_boot.USER_ERRORS as exc:
         raise UserError(str(exc)) from None
     except count_boot.RUN_ERRORS as exc:

@@ -43,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 from pinsidecar_hook.contract import CountsArtifact, HookRequestError, load_counts, request_and_wait, request_path
-from pinsidecar_hook.contract.env import HookConfig
+from pinsidecar_hook.contract.env import DEFAULT_TRACE_TOKENS, MAX_TRACE_TOKENS, HookConfig
+from pinsidecar_hook.contract.trace import load_trace
 
 from pinsidecar.counts.workload import ReplayResult, WorkloadError, WorkloadRequest, load_workload, replay
 from pinsidecar.engine import (
@@ -102,6 +104,7 @@ class ProfileResult:
     replay: ReplayResult
     boot_s: float
     engine_exit_code: int | None
+    trace: dict[str, Any] | None = None  # the routing trace written beside the counts (--trace), what it holds
 
     def summary(self) -> dict[str, Any]:
         c = self.counts
@@ -113,6 +116,7 @@ class ProfileResult:
             and c.selections == c.num_layers * c.tokens * c.top_k,
             **{k: v for k, v in self.replay.summary().items() if k != "tokens_processed"},
             "boot_s": round(self.boot_s, 2), "engine_exit_code": self.engine_exit_code,
+            **({"trace": self.trace} if self.trace is not None else {}),
         }
 
 
@@ -137,13 +141,16 @@ def _default_label(paths: Sequence[Path]) -> str:
 def run_count_boot(model: Path | None, workloads: Sequence[Path], out: Path, *, concurrency: int = 4,
                 max_tokens: int | None = None, port: int | None = None, label: str | None = None,
                 engine: EngineConfig | None = None, progress: bool | None = None,
-                engine_log: Path | None = None, pid_file: Path | None = None) -> ProfileResult:
+                engine_log: Path | None = None, pid_file: Path | None = None, trace: Path | None = None,
+                trace_tokens: int | None = None) -> ProfileResult:
     """Run one count boot end to end (see the module docstring) on ``engine`` (default:
     :func:`count_boot_config` without a file); ``model`` and ``port``, when given, replace the table's. Raises
     :class:`WorkloadError`, :class:`PortInUseError` or ``ValueError`` for bad input (before anything starts),
     :class:`EngineBootError` when the engine does not come up, :class:`CountBootError` when the boot ran and
     failed. ``pid_file``: where the count engine records itself while it runs (see
-    :func:`~pinsidecar.engine.process.stop_recorded_engine`), so a parent killed mid-boot can be cleaned up after."""
+    :func:`~pinsidecar.engine.process.stop_recorded_engine`), so a parent killed mid-boot can be cleaned up after.
+    ``trace``: also record the routing trace (:mod:`pinsidecar_hook.contract.trace`, at most ``trace_tokens``
+    tokens) and write it there, beside the counts."""
     if engine is None:
         engine = count_boot_config(model=model, port=port)
     else:
@@ -167,6 +174,11 @@ def run_count_boot(model: Path | None, workloads: Sequence[Path], out: Path, *, 
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory (pass a file path for the counts)")
+    if trace is not None and (Path(trace).is_dir() or Path(trace).resolve() == out.resolve()):
+        raise ValueError(f"--trace {trace}: pass a file path of its own for the trace, e.g. {out.with_suffix('')}"
+                         ".trace.npz")
+    if trace_tokens is not None and not 1 <= trace_tokens <= MAX_TRACE_TOKENS:
+        raise ValueError(f"--trace-tokens must be between 1 and {MAX_TRACE_TOKENS}, got {trace_tokens}")
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(out.parent, os.W_OK):
         raise ValueError(f"--out {out}: directory {out.parent} is not writable")
@@ -176,8 +188,12 @@ def run_count_boot(model: Path | None, workloads: Sequence[Path], out: Path, *, 
     label = label if label is not None else _default_label(workloads)
 
     tmp_counts = out.with_name(f".{out.name}.{os.getpid()}.engine-counts.json")
+    tmp_trace = None if trace is None else Path(trace).with_name(f".{Path(trace).name}.{os.getpid()}.engine-trace.npz")
+    if tmp_trace is not None:
+        tmp_trace.parent.mkdir(parents=True, exist_ok=True)
     hook = HookConfig(mode="count", counts_path=tmp_counts.resolve(), flush_interval_s=COUNT_FLUSH_INTERVAL_S,
-                      workload=label)
+                      workload=label, trace_path=None if tmp_trace is None else tmp_trace.resolve(),
+                      trace_tokens=trace_tokens or DEFAULT_TRACE_TOKENS)
     spec = hooked_spec(engine, hook)
     eng = EngineProcess(spec, pid_file=pid_file)
     exit_code: int | None = None
@@ -194,18 +210,37 @@ def run_count_boot(model: Path | None, workloads: Sequence[Path], out: Path, *, 
         counts = request_counts(tmp_counts, "flush", eng)
         exit_code = eng.stop(engine.stop_timeout_s)
         final = _finish(counts, result, label, workloads, concurrency, max_tokens, spec)
+        traced = None if tmp_trace is None or trace is None else _keep_trace(tmp_trace, Path(trace), final)
         final.save(out)
         if eng.owns_log:  # a clean run needs no log; a failed one keeps it (its path is in the error)
             with contextlib.suppress(OSError):
                 eng.log_path.unlink()
         log.info("count_boot_done", out=str(out), tokens=final.tokens, selections=final.selections)
-        return ProfileResult(final, out, result, boot_s, exit_code)
+        return ProfileResult(final, out, result, boot_s, exit_code, traced)
     finally:
         if eng.alive():
             eng.stop()
-        for p in (tmp_counts, request_path(tmp_counts)):
+        for p in (tmp_counts, request_path(tmp_counts), *([tmp_trace] if tmp_trace is not None else [])):
             with contextlib.suppress(OSError):
                 p.unlink()
+
+
+def _keep_trace(engine_trace: Path, out: Path, counts: CountsArtifact) -> dict[str, Any]:
+    """Move the trace the hook wrote into place once it reads back whole; what it holds, and whether its counts are
+    the counts' (they must be, unless the recording hit its bound). Raises :class:`CountBootError` otherwise."""
+    try:
+        trace = load_trace(engine_trace)
+    except (OSError, ValueError) as exc:
+        raise CountBootError(f"the hook wrote no readable routing trace ({exc}); the engine log says why") from None
+    full = bool(trace.meta.get("full"))
+    matches = trace.tokens == counts.tokens and np.array_equal(trace.counts(), counts.counts)
+    if not full and not matches:
+        raise CountBootError(f"the routing trace ({trace.tokens} tokens) does not match the counts ({counts.tokens} "
+                             "tokens) although it did not reach its bound: the hook recorded other steps than it "
+                             "counted")
+    os.replace(engine_trace, out)
+    return {"out": str(out), "tokens": trace.tokens, "layers": trace.num_layers, "full": full,
+            "capacity_tokens": trace.meta.get("capacity_tokens"), "matches_counts": matches}
 
 
 def _mismatch_hint(counted: int, expected: int) -> str:

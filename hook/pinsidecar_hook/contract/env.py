@@ -40,6 +40,11 @@ ENV = {
     # 1: at attach, compare every layer's split with vLLM's unsplit call on generated routing, bit for bit, and
     # report it (engine log, stats meta "selfcheck"); a few forwards per layer at boot, nothing while serving.
     "selfcheck": "PINSIDECAR_PIN_SELFCHECK",
+    # count mode only: also record the routing trace (contract.trace) here, at most trace_tokens tokens, every
+    # trace_every-th step
+    "trace_path": "PINSIDECAR_TRACE_PATH",
+    "trace_tokens": "PINSIDECAR_TRACE_TOKENS",
+    "trace_every": "PINSIDECAR_TRACE_EVERY",
 }
 
 MODES = ("off", "count", "pin")
@@ -50,6 +55,11 @@ PIN_REFUSED_MARKER = "pinsidecar pin refused: "
 # Periodic flush: often enough that a SIGKILLed worker loses at most a few seconds of counts, rarely enough
 # that the copy of a [layers, experts] int64 tensor is noise.
 DEFAULT_FLUSH_INTERVAL_S = 5.0
+# A trace is a device buffer of tokens x layers x top_k ids for the whole recording (no host copy per step), so its
+# size is fixed at boot: 65536 tokens of a 48-layer top-8 model is 48 MiB as int16 on the device, 48 MiB on disk
+# before compression, enough for a simulator's reuse statistics (they live within tens of tokens).
+DEFAULT_TRACE_TOKENS = 65536
+MAX_TRACE_TOKENS = 1 << 24
 
 
 class HookConfigError(ValueError):
@@ -79,6 +89,9 @@ class HookConfig:
     histogram: bool = True
     backend: str = AUTO_BACKEND  # canonical (aliases are resolved on construction)
     selfcheck: bool = False
+    trace_path: Path | None = None  # count mode: record the routing trace here too (None: no trace)
+    trace_tokens: int = DEFAULT_TRACE_TOKENS  # the recording's bound, in tokens
+    trace_every: int = 1  # record every n-th step (1: all of them, so the trace's counts equal the counts')
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", pin_backend_name(self.backend))
@@ -94,6 +107,18 @@ class HookConfig:
             raw = env.get(ENV[key], "").strip()
             return Path(raw) if raw else None
 
+        def positive_int(key: str, default: int, most: int) -> int:
+            raw = env.get(ENV[key], "").strip()
+            if not raw:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise HookConfigError(f"{ENV[key]}={raw!r} is not an integer") from None
+            if not 1 <= value <= most:
+                raise HookConfigError(f"{ENV[key]} must be between 1 and {most}, got {value}")
+            return value
+
         raw_interval = env.get(ENV["flush_interval_s"], "").strip()
         try:
             interval = float(raw_interval) if raw_interval else DEFAULT_FLUSH_INTERVAL_S
@@ -107,7 +132,14 @@ class HookConfig:
             histogram=env.get(ENV["histogram"], "1").strip() not in ("0", "false", "no"),
             backend=pin_backend_name(env.get(ENV["backend"], AUTO_BACKEND)),
             selfcheck=env.get(ENV["selfcheck"], "0").strip().lower() in ("1", "true", "yes"),
+            trace_path=path("trace_path"),
+            trace_tokens=positive_int("trace_tokens", DEFAULT_TRACE_TOKENS, MAX_TRACE_TOKENS),
+            trace_every=positive_int("trace_every", 1, 1 << 20),
         )
+        if cfg.trace_path is not None and mode != "count":
+            raise HookConfigError(f"{ENV['trace_path']} is set, but only count mode records a routing trace "
+                                  f"(mode is {mode}); unset it, or boot a count engine (pinsidecar count-boot "
+                                  "--trace)")
         if mode == "count" and cfg.counts_path is None:
             raise HookConfigError(f"count mode needs {ENV['counts_path']} (where to write the counts)")
         if mode == "pin" and cfg.map_path is None:
@@ -120,7 +152,10 @@ class HookConfig:
                ENV["histogram"]: "1" if self.histogram else "0", ENV["backend"]: self.backend}
         if self.selfcheck:
             out[ENV["selfcheck"]] = "1"
-        for key in ("counts_path", "map_path", "stats_path"):
+        if self.trace_path is not None:
+            out[ENV["trace_tokens"]] = str(self.trace_tokens)
+            out[ENV["trace_every"]] = str(self.trace_every)
+        for key in ("counts_path", "map_path", "stats_path", "trace_path"):
             value = getattr(self, key)
             if value is not None:
                 out[ENV[key]] = str(value)
