@@ -50,3 +50,25 @@ def test_a_fault_must_be_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         hook_faults.engine_env(tmp_path)
     with pytest.raises(ValueError, match="no fault given"):
         hook_faults.inject(monkeypatch)
+
+
+LIVE_PROBE = ("import pinsidecar_hook.swap as s\n"
+              "try:\n    s._prepare(None, {})\nexcept s.ApplyRefused as e:\n    print('refused:', e)\n")
+REAL = "refused: malformed apply request"  # the real checks refuse these empty arguments
+
+
+def test_live_faults_are_read_at_each_call_and_scoped_to_ranks(tmp_path: Path) -> None:
+    folder = tmp_path / "live"
+    env = hook_faults.live_engine_env(folder)
+
+    def probe() -> str:
+        return subprocess.run([sys.executable, "-c", LIVE_PROBE], env={**os.environ, **env}, capture_output=True,
+                              text=True, timeout=120, check=True).stdout.strip()
+
+    assert probe().startswith(REAL)  # no fault set: the real checks run
+    hook_faults.set_live_faults(folder, refuse="no such file on this node")
+    assert probe() == "refused: no such file on this node"
+    hook_faults.set_live_faults(folder, ranks=[1], refuse="no such file on this node")
+    assert probe().startswith(REAL)  # not rank 1 (no process group at all here)
+    hook_faults.set_live_faults(folder)
+    assert probe().startswith(REAL)

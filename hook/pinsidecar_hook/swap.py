@@ -28,9 +28,10 @@ each ``execute_model`` (:func:`pinsidecar_hook.pin.step_guard`). So:
   the daemon's gate never needs to hold for an in-place remap.
 
 **Refusals.** Everything that can be refused is checked first, outside the lock, touching nothing
-(:func:`_prepare`): arguments, tensor parallel (only rank 0 runs the side thread, and the other ranks would keep
-their old rows: refused, "reboot instead"), expert parallel, the candidate file and its hash, the model (the same
-checks as at boot), the geometry (the plan), and that the row maps agree with the active map
+(:func:`_prepare`): arguments, tensor parallel without vLLM's group to reach the other ranks through (only rank 0
+runs the side thread, and the other ranks would keep their old rows: refused, "reboot instead"; with the group,
+:mod:`pinsidecar_hook.swap_tp` applies on every rank), expert parallel, the candidate file and its hash, the
+model (the same checks as at boot), the geometry (the plan), and that the row maps agree with the active map
 (:func:`~pinsidecar_hook.swap_rows._resolve`). A failure during the swap is rolled back, and the old map serves
 whole ("Failure" in :mod:`pinsidecar_hook.swap_batches`).
 
@@ -106,17 +107,18 @@ class ApplyTarget(Protocol):
         ...
 
 
-def _prepare(target: ApplyTarget, args: Mapping[str, Any]
+def _prepare(target: ApplyTarget, args: Mapping[str, Any], *, tensor_parallel: bool = False
              ) -> tuple[ExpertMap, Path, SwapPlan, float | None, str | None]:
     """Every check that can refuse, touching nothing: raises :class:`ApplyRefused` with the reason. The last two
-    items are the request's hold budget and ordering (None: the default)."""
+    items are the request's hold budget and ordering (None: the default). ``tensor_parallel``: the caller is one
+    rank of :mod:`pinsidecar_hook.swap_tp`'s apply on every rank, so several ranks are expected."""
     try:
         path, want_hash = parse_apply_args(args)
         hold_budget_s = apply_hold_budget_s(args)
         ordering = apply_ordering(args)
     except ValueError as exc:
         raise ApplyRefused(f"malformed apply request: {exc}") from None
-    if target.tp_size > 1:
+    if target.tp_size > 1 and not tensor_parallel:
         raise ApplyRefused(f"in-place apply needs one worker (this engine runs tensor parallel {target.tp_size}: "
                            "only rank 0 serves requests, the other ranks would keep the old rows); reboot instead")
     if any(bool((layer.row_map < 0).any()) for layer in target.layers):

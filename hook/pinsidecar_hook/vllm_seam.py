@@ -219,6 +219,20 @@ def worker_rank(worker: Any) -> tuple[int, int]:
     return rank, int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
 
+def tp_cpu_group() -> tuple[Any, int, int] | None:
+    """vLLM's tensor-parallel group as ``(its CPU process group, this rank in it, its size)``, for the hook's own
+    collectives between ranks (:mod:`pinsidecar_hook.swap_tp`); None when vLLM has none initialized. The CPU
+    group (gloo) rather than the device one: the apply exchanges a few small Python objects between steps, and a
+    CPU collective neither touches the device stream nor needs a graph-safe op."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        return group.cpu_group, int(group.rank_in_group), int(group.world_size)
+    except Exception:  # not initialized (a test's fake worker), or a vLLM without the group: no coordinated apply
+        return None
+
+
 def model_info(worker: Any = None) -> ModelInfo:
     """Which model the worker serves (path, revision, served name), from its ``vllm_config`` or, failing that,
     vLLM's current config; empty when neither says."""
