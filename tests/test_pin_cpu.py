@@ -440,6 +440,48 @@ def test_pin_attach_refuses_a_corrupt_map_before_touching_the_model(case: str, f
     assert str(path) in str(info.value) and fragment in str(info.value)
 
 
+def test_a_map_built_for_another_tensor_parallel_size_is_refused_with_the_numbers() -> None:
+    import dataclasses
+
+    from pinsidecar_hook import pin
+
+    emap = ExpertMap(layer_ids=(0,), num_experts=E, top_k=8, hot_rows=40, expert_bytes=1000,
+                     layers=(LayerPlacement(0, tuple(range(40)), tuple(range(40, E))),), meta={"tp_size": 1})
+    facts = pin.ModelFacts(layer_ids=(0,), num_experts=E, top_k=8, first_tensors=(), expert_bytes=500,
+                           names_by_layer={}, problems=())
+    with pytest.raises(pin.PinMapMismatch) as info:
+        pin.check_map(emap, facts, 2, "m.json")
+    message = str(info.value)
+    assert "built for tp_size 1" in message and "runs tp_size 2" in message and "1000 bytes" in message
+    assert "500 bytes per expert per rank" in message and "count-boot" in message
+    pin.check_map(dataclasses.replace(emap, expert_bytes=500, meta={"tp_size": 2}), facts, 2, "m.json")  # fits
+    pin.check_map(dataclasses.replace(emap, meta={}), facts, 2, "m.json")  # no tp_size said: the bytes decide
+
+
+def test_pin_mode_refuses_to_serve_under_eplb_naming_it() -> None:
+    from types import SimpleNamespace
+
+    from pinsidecar_hook import pin
+
+    layers = [(SimpleNamespace(layer_id=i), SimpleNamespace(eplb=i == 3)) for i in range(5)]
+    with pytest.raises(pin.PinMapMismatch) as info:
+        pin.refuse_eplb(layers, "m.json")
+    assert "EPLB" in str(info.value) and "--enable-eplb" in str(info.value) and "first: 3" in str(info.value)
+    pin.refuse_eplb([(SimpleNamespace(layer_id=0), SimpleNamespace(eplb=False))], "m.json")  # no EPLB: fine
+
+
+def test_the_seam_reads_eplb_from_the_router() -> None:
+    from types import SimpleNamespace
+
+    def module(eplb_state: object) -> SimpleNamespace:
+        owner = SimpleNamespace(global_num_experts=8, local_num_experts=8, expert_map=None, quant_method=None)
+        return SimpleNamespace(routed_experts=owner, router=SimpleNamespace(top_k=2, eplb_state=eplb_state),
+                               moe_config=SimpleNamespace(moe_parallel_config=None))
+
+    assert vllm_seam.moe_geometry(module(object())).eplb is True
+    assert vllm_seam.moe_geometry(module(None)).eplb is False
+
+
 @pytest.mark.vllm
 def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: Any, demo_model_dir: Path,
                                                                 demo_geometry: ExpertMap, tmp_path: Path,

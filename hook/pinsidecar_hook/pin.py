@@ -317,6 +317,19 @@ def model_facts(layers: list[tuple[vllm_seam.MoELayerRef, vllm_seam.MoEGeometry]
         first_fates=tuple(fates_by_layer[first]))
 
 
+def refuse_eplb(layers: list[tuple[Any, Any]], source: str) -> None:
+    """Refuse to pin when vLLM's expert-parallel load balancer (EPLB) runs: it rebalances by moving experts between
+    ranks and rewriting the expert weights in place while the engine serves, so the rows pin mode re-homed by the
+    map would hold other experts than the map says, and the map would be stale from the first rebalance on."""
+    balanced = [ref.layer_id for ref, geo in layers if geo.eplb]
+    if balanced:
+        raise PinMapMismatch(
+            f"pin mode refuses map {source}: EPLB (vLLM's expert-parallel load balancer, --enable-eplb) runs on "
+            f"{len(balanced)} MoE layer(s) (first: {balanced[0]}); it moves experts between ranks while serving, "
+            "and a row map cannot follow it. Boot without --enable-eplb to pin, or serve without pin mode "
+            "(count mode works with EPLB: it counts the router's logical ids)")
+
+
 def check_map(emap: ExpertMap, facts: ModelFacts, tp_size: int, source: str) -> None:
     """Compare a map with the model's facts; raise :class:`PinMapMismatch` listing every difference."""
     if not facts.layer_ids:
@@ -335,7 +348,13 @@ def check_map(emap: ExpertMap, facts: ModelFacts, tp_size: int, source: str) -> 
         if sorted(map(str, want_tensors)) != found:
             problems.append(f"per-expert tensors: map was built for {sorted(map(str, want_tensors))}, model has "
                             f"{found}")
-    if emap.expert_bytes and facts.expert_bytes:
+    built_tp = emap.meta.get("tp_size")
+    if isinstance(built_tp, int) and not isinstance(built_tp, bool) and built_tp != tp_size:
+        problems.append(f"tensor parallel: map was built for tp_size {built_tp} (from counts of an engine at "
+                        f"{built_tp} ranks: {emap.expert_bytes} bytes per expert per rank there), this engine runs "
+                        f"tp_size {tp_size} ({facts.expert_bytes} bytes per expert per rank); count-boot this "
+                        f"engine's [engine] table (its --tensor-parallel-size) and build the map from those counts")
+    elif emap.expert_bytes and facts.expert_bytes:
         per_rank = facts.expert_bytes
         if emap.expert_bytes not in (per_rank, per_rank * tp_size):
             problems.append(f"bytes per expert: map says {emap.expert_bytes}, model has {per_rank} per rank "
@@ -373,6 +392,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     layers = [(ref, vllm_seam.moe_geometry(ref.module)) for ref in vllm_seam.moe_layers(model)]
     if not layers:
         raise PinMapMismatch(f"map {cfg.map_path}: the loaded model has no MoE layers")
+    refuse_eplb(layers, str(cfg.map_path))
     geo0 = layers[0][1]
     device = geo0.device
     try:

@@ -299,6 +299,9 @@ class MoEGeometry:
     use_ep: bool
     hidden_size: int = 0  # the layer's input width (0: unknown)
     act_dtype: Any = None  # the activations' torch dtype (None: unknown)
+    # vLLM's expert-parallel load balancer runs on this layer (its router carries an EplbLayerState): it moves
+    # experts between ranks while the engine serves, so which experts are local, and where, changes under a map.
+    eplb: bool = False
 
     @property
     def device(self) -> Any:
@@ -326,6 +329,7 @@ def moe_geometry(module: Any) -> MoEGeometry:
         use_ep=bool(getattr(pc, "use_ep", False)),
         hidden_size=int(getattr(moe_config, "hidden_dim", 0) or getattr(owner, "hidden_size", 0) or 0),
         act_dtype=getattr(moe_config, "in_dtype", None),
+        eplb=getattr(router, "eplb_state", None) is not None,
     )
 
 
