@@ -292,3 +292,18 @@ def test_status_says_when_the_split_backend_is_unverified() -> None:
     st["pin"] = {"backend": "triton_experts", "backend_verified": True, "selfcheck": None}
     assert "split    triton_experts (verified)" in _fmt_status(st)
     assert "split" not in _fmt_status({**st, "pin": None})
+
+
+def test_status_shows_the_tensor_parallel_ranks_and_the_lane_total() -> None:
+    from pinsidecar.cli.daemon import _fmt_status
+
+    tiers = {"hbm": 3 * 2**30, "host": 2**30}
+    st = {"engine": {"state": "ready"}, "maps": {"entries": [], "dir": "/m"}, "daemon": {},
+          "pin": {"backend": "triton_experts", "backend_verified": True, "expert_bytes": 4700160, "tp_size": 2,
+                  "tier_bytes": tiers, "lane_tier_bytes": {k: 2 * v for k, v in tiers.items()}}}
+    text = _fmt_status(st)
+    assert "4700160 bytes per expert per rank" in text
+    assert ("ranks    tensor parallel 2: each rank holds an equal shard; hbm 3.00 GiB per rank, 6.00 GiB in all, "
+            "host 1.00 GiB per rank, 2.00 GiB in all") in text
+    st["pin"]["tp_size"] = 1
+    assert "ranks" not in _fmt_status(st) and "per rank" not in _fmt_status(st)

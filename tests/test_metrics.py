@@ -180,6 +180,18 @@ def test_stats_ratios_counters_tiers_and_errors(tmp_path: Path, engine: FakeEngi
     assert value(s, "pinsidecar_hook_errors_total", kind="stats_write") == 1
     assert value(s, "pinsidecar_stats_age_seconds") == 30.0
     assert value(s, "pinsidecar_engine_map_info", map_hash="sha256:feed", map_label="code") == 1
+    assert "pinsidecar_tensor_parallel_ranks" not in names(s)  # the stats do not say
+
+
+def test_tensor_parallel_ranks_are_exported_beside_one_rank_s_bytes(tmp_path: Path,
+                                                                     engine: FakeEngineMetrics) -> None:
+    import dataclasses
+
+    exp = full_exporter(tmp_path, engine)
+    dataclasses.replace(stats(), meta={"tp_size": 2}).save(tmp_path / "stats.json")
+    s = samples(exp)
+    assert value(s, "pinsidecar_tensor_parallel_ranks") == 2
+    assert value(s, "pinsidecar_expert_bytes", tier="hbm") == 6 * 2**20  # one rank's
 
 
 def test_routing_totals_stay_monotonic_over_engine_restarts_and_resets(tmp_path: Path) -> None:

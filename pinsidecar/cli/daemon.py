@@ -108,7 +108,13 @@ def _fmt_status(st: dict[str, Any]) -> str:
         verified = "verified" if p.get("backend_verified") else (
             "UNVERIFIED: this backend has not run on hardware against vLLM's unsplit kernel")
         lines.append(f"split    {p['backend']} ({verified})"
-                     + (f", {p['expert_bytes']} bytes per expert" if p.get("expert_bytes") else ""))
+                     + (f", {p['expert_bytes']} bytes per expert" if p.get("expert_bytes") else "")
+                     + (" per rank" if p.get("expert_bytes") and (p.get("tp_size") or 1) > 1 else ""))
+        if (p.get("tp_size") or 1) > 1:
+            per, lane = p.get("tier_bytes") or {}, p.get("lane_tier_bytes") or {}
+            lines.append(f"ranks    tensor parallel {p['tp_size']}: each rank holds an equal shard; "
+                         + ", ".join(f"{tier} {per[tier] / 2**30:.2f} GiB per rank, {lane.get(tier, 0) / 2**30:.2f}"
+                                     " GiB in all" for tier in sorted(per)))
         sc = p.get("selfcheck")
         if sc:
             lines.append("         self-check " +

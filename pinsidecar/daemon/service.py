@@ -360,9 +360,13 @@ class Daemon:
         except (ArtifactError, OSError):
             return None
         meta = snap.meta or {}
+        ranks = meta.get("tp_size") if isinstance(meta.get("tp_size"), int) else 1
+        tiers = dict(snap.tier_bytes or {})
+        # Rank 0 writes the stats; under tensor parallel every rank holds an equal shard of every expert, and
+        # routing (so every count) is the same on all of them.
         return {"backend": meta.get("backend"), "backend_verified": bool(meta.get("backend_verified", True)),
-                "expert_bytes": meta.get("expert_bytes"), "tier_bytes": dict(snap.tier_bytes or {}),
-                "selfcheck": meta.get("selfcheck")}
+                "expert_bytes": meta.get("expert_bytes"), "tier_bytes": tiers, "tp_size": ranks,
+                "lane_tier_bytes": {k: v * ranks for k, v in tiers.items()}, "selfcheck": meta.get("selfcheck")}
 
     def _drift_status(self) -> dict[str, Any] | None:
         watch = self.watch

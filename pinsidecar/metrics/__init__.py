@@ -33,7 +33,8 @@ Names (all ``pinsidecar_``-prefixed, with units; dashboards and alert rules in `
 ``pinsidecar_layer_expert_cold_selections_total{layer}``
 ``pinsidecar_cold_selection_ratio``                           cold / selections since the engine booted
 ``pinsidecar_layer_cold_selection_ratio{layer}``
-``pinsidecar_expert_bytes{tier="hbm"|"host"}``                expert weight bytes per tier (the hook's tier_bytes)
+``pinsidecar_expert_bytes{tier="hbm"|"host"}``                expert weight bytes per tier on one rank (tier_bytes)
+``pinsidecar_tensor_parallel_ranks``                          the engine's TP ranks (lane bytes: the above x this)
 ``pinsidecar_hook_errors_total{kind}``                        the hook's own error counters (e.g. stats_write)
 ``pinsidecar_stats_age_seconds``                              now - the stats file's written_at
 ``pinsidecar_engine_map_info{map_hash,map_label}``            the map the *engine* reports serving (stats file)

@@ -114,11 +114,15 @@ class RoutingCollector:
                 per_layer.add_metric([str(lid)], layer_ratio)
         yield per_layer
         if snap.tier_bytes:
-            tiers = GaugeMetricFamily("pinsidecar_expert_bytes", "Expert weight bytes by memory tier.",
-                                      labels=["tier"])
+            tiers = GaugeMetricFamily("pinsidecar_expert_bytes", "Expert weight bytes by memory tier, on one "
+                                      "tensor-parallel rank (every rank holds an equal shard).", labels=["tier"])
             for tier in sorted(snap.tier_bytes):
                 tiers.add_metric([tier], snap.tier_bytes[tier])
             yield tiers
+        ranks = (snap.meta or {}).get("tp_size")
+        if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1:
+            yield GaugeMetricFamily("pinsidecar_tensor_parallel_ranks", "Tensor-parallel ranks of the engine: "
+                                    "the lane's expert bytes are pinsidecar_expert_bytes times this.", value=ranks)
         errs = CounterMetricFamily("pinsidecar_hook_errors", "Errors the hook counted inside the engine, by kind.",
                                    labels=["kind"])
         for kind in sorted(errors):
