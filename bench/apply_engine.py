@@ -46,7 +46,6 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -65,7 +64,7 @@ from pinsidecar.remap.apply import request_apply
 from pinsidecar.testing.remap_lane import domain_prompts
 from pinsidecar.testing.streaming import ClientStats, LoadResult, load_during
 
-__all__ = ["baseline_windows", "complement_map", "main", "run_pair"]
+__all__ = ["complement_map", "gap_figures", "main", "run_pair"]
 
 TARGET_GAP_MS = 50.0  # the issue's bound on the longest gap between tokens during an apply
 SETTLE_S = 1.0  # the quiet time's first second is left out of the baseline: the previous apply's tail
@@ -91,29 +90,13 @@ def complement_map(emap: ExpertMap, label: str = "") -> ExpertMap:
                                predicted_cold_rate=None, meta={"complement_of": emap.content_hash})
 
 
-def baseline_windows(start: float, end: float, length: float) -> list[tuple[float, float]]:
-    """The non-overlapping windows of ``length`` seconds that fit in [start, end], from ``end`` backwards (the
-    time right before an apply is the traffic the apply meets)."""
-    if length <= 0:
-        return []
-    out = []
-    b = end
-    while b - length >= start:
-        out.append((b - length, b))
-        b -= length
-    return out[::-1]
-
-
 def gap_figures(load: LoadResult, sent: float, answered: float, quiet_from: float) -> dict[str, Any]:
-    """``gap_ms`` over the apply request and ``baseline`` over equal windows of the quiet time before it."""
+    """``gap_ms`` over the apply request and ``baseline`` over equal windows of the quiet time before it
+    (:meth:`~pinsidecar.testing.streaming.LoadResult.window_baseline`)."""
     gap = load.longest_gap(sent, answered, "token") * 1e3
-    wins = baseline_windows(quiet_from, sent, answered - sent)
-    base = [load.longest_gap(a, b, "token") * 1e3 for a, b in wins]
-    med = statistics.median(base) if base else None
-    return {"window_s": round(answered - sent, 3), "gap_ms": round(gap, 2),
-            "baseline": {"windows": len(base), "median_ms": None if med is None else round(med, 2),
-                         "max_ms": round(max(base), 2) if base else None},
-            "excess_ms": None if med is None else round(gap - med, 2)}
+    base = load.window_baseline(quiet_from, sent, answered - sent)
+    return {"window_s": round(answered - sent, 3), "gap_ms": round(gap, 2), "baseline": base,
+            "excess_ms": None if base["median_ms"] is None else round(gap - base["median_ms"], 2)}
 
 
 def _maps(spec: str) -> tuple[str, Path, Path | None, list[int] | None]:

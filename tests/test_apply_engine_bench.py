@@ -8,15 +8,18 @@ from pathlib import Path
 import pytest
 from pinsidecar_hook.contract import plan_swap
 
-from bench.apply_engine import _maps, baseline_windows, complement_map, gap_figures
+from bench.apply_engine import _maps, complement_map, gap_figures
 from pinsidecar.testing.artifacts import make_map
 from pinsidecar.testing.streaming import ClientStats, Gap, LoadResult
 
 
-def test_baseline_windows_have_the_apply_length_and_end_at_the_apply() -> None:
-    assert baseline_windows(0.0, 10.0, 3.0) == [(1.0, 4.0), (4.0, 7.0), (7.0, 10.0)]
-    assert baseline_windows(5.0, 6.0, 2.0) == []  # too short for one: no baseline rather than a shorter one
-    assert baseline_windows(0.0, 10.0, 0.0) == []
+def test_the_baseline_windows_have_the_apply_length_and_end_at_the_apply() -> None:
+    # one 30 ms gap in each of [1,4] [4,7] [7,10] (from the end back), 90 ms before 1 s: outside every window
+    load = _load([(0.5, 0.59, "token"), (2.0, 2.03, "token"), (5.0, 5.03, "token"), (8.0, 8.03, "token")])
+    assert load.window_baseline(0.0, 10.0, 3.0) == {"windows": 3, "median_ms": pytest.approx(30.0),
+                                                     "max_ms": pytest.approx(30.0)}
+    assert load.window_baseline(5.0, 6.0, 2.0) == {"windows": 0, "median_ms": None, "max_ms": None}
+    assert load.window_baseline(0.0, 10.0, 0.0)["windows"] == 0
 
 
 def _load(gaps: list[tuple[float, float, str]]) -> LoadResult:

@@ -36,6 +36,11 @@ def test_the_apply_request_window_tells_its_gaps_from_the_rest_of_applying() -> 
     assert got is not None and got["state"] == "apply_request" and got["t"] == 10.5 and got["seconds"] == 1.5
     assert got["longest_gap_within_stream_s"] == 0.04 and got["longest_gap_s"] == 0.3  # the first-token wait
     assert got["hook_wall_s"] == 0.6 and got["hold_max_s"] == 0.009
+    # against the prose stage's windows of the request's length (1.5 s): 20 ms in each of two, nothing in a third
+    prose = [_client((20.2, 20.22, "token"), (22.0, 22.02, "token"))]
+    based = apply_request_gaps(rec, clients + prose, WALL0, (WALL0 + 19.0, WALL0 + 23.5))
+    assert based is not None and based["baseline"] == {"windows": 3, "median_ms": 20.0, "max_ms": 20.0}
+    assert based["excess_ms"] == 20.0  # 40 ms during the apply, 20 ms in an equal window without one
     assert apply_request_gaps({"apply": {"requests": []}}, clients, WALL0) is None
     assert apply_request_gaps({}, clients, WALL0) is None
 

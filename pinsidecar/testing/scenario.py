@@ -165,6 +165,11 @@ class HealScenario:
         if self.on_stage is not None:
             self.on_stage(stage)
 
+    def _wall_span(self, stage: str) -> tuple[float, float] | None:
+        """A finished stage's wall-clock span (None: it did not run)."""
+        span = self._spans.get(stage)
+        return None if span is None else (self.timeline.wall0 + span[0], self.timeline.wall0 + span[1])
+
     def run(self) -> None:
         """All stages; the daemon is stopped and the sampler ended whatever happens (an error is kept in the
         document and raised)."""
@@ -300,7 +305,8 @@ class HealScenario:
                       "verify": {k: (rec.get("verify") or {}).get(k) for k in ("in_place", "cold_rate", "parity")},
                       "waits": [w for w in (*(gaps_in(rec, x, self.clients, self.timeline.wall0)
                                               for x in ("applying", "verifying")),
-                                            apply_request_gaps(rec, self.clients, self.timeline.wall0)) if w]},
+                                            apply_request_gaps(rec, self.clients, self.timeline.wall0,
+                                                               self._wall_span("prose"))) if w]},
             "reboot": {"map": self.other.label, "map_hash": self.other.hash,
                        **{k: reboot.get(k) for k in ("ok", "seconds", "drain_s", "boot_s", "hold_s",
                                                      "held_at_release", "in_flight_cut", "hash_hit", "cache_miss",

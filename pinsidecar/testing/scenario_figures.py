@@ -104,19 +104,29 @@ def gaps_in(rec: dict[str, Any], state: str, clients: list[ClientStats], wall0: 
             "longest_gap_s": round(load.longest_gap(t0, t1, None), 3)}
 
 
-def apply_request_gaps(rec: dict[str, Any], clients: list[ClientStats], wall0: float) -> dict[str, Any] | None:
+def apply_request_gaps(rec: dict[str, Any], clients: list[ClientStats], wall0: float,
+                       baseline: tuple[float, float] | None = None) -> dict[str, Any] | None:
     """The longest waits while the candidate's apply request was out (sent to answered): the hook's batches lie
-    inside it, the parity reference and the verify outside, so a long gap in ``applying`` can be told apart."""
+    inside it, the parity reference and the verify outside, so a long gap in ``applying`` can be told apart.
+    ``baseline`` (a wall-clock span with no apply, the same traffic: the prose stage after the commit): the longest
+    gap inside a stream in each window of the request's length there, so the apply's gap reads against what the
+    traffic alone does (``excess_ms``: the apply's gap minus the windows' median)."""
     reqs = (rec.get("apply") or {}).get("requests") or []
     if not reqs or not reqs[0].get("at"):
         return None
     t0 = _epoch(reqs[0]["at"])
     t1 = t0 + float(reqs[0].get("wait_s") or 0.0)
     load = LoadResult(clients, None)
-    return {"state": "apply_request", "t": round(t0 - wall0, 2), "seconds": round(t1 - t0, 3),
-            "hook_wall_s": reqs[0].get("wall_s"), "hold_max_s": reqs[0].get("hold_max_s"),
-            "longest_gap_within_stream_s": round(load.longest_gap(t0, t1, "token"), 3),
-            "longest_gap_s": round(load.longest_gap(t0, t1, None), 3)}
+    out = {"state": "apply_request", "t": round(t0 - wall0, 2), "seconds": round(t1 - t0, 3),
+           "hook_wall_s": reqs[0].get("wall_s"), "hold_max_s": reqs[0].get("hold_max_s"),
+           "longest_gap_within_stream_s": round(load.longest_gap(t0, t1, "token"), 3),
+           "longest_gap_s": round(load.longest_gap(t0, t1, None), 3)}
+    if baseline is not None:
+        base = load.window_baseline(baseline[0], baseline[1], t1 - t0)
+        out["baseline"] = base
+        out["excess_ms"] = None if base["median_ms"] is None else round(
+            out["longest_gap_within_stream_s"] * 1e3 - base["median_ms"], 2)
+    return out
 
 
 def long_gaps(clients: list[ClientStats], wall0: float, stages: list[dict[str, Any]],

@@ -90,6 +90,23 @@ class LoadResult:
         return max((g.seconds for s in self.clients for g in s.gaps
                     if (kind is None or g.kind == kind) and g.end >= start and g.start <= end), default=0.0)
 
+    def window_baseline(self, start: float, end: float, length: float, kind: str | None = "token"
+                        ) -> dict[str, Any]:
+        """The longest gap in each window of ``length`` seconds that fits in [start, end] (non-overlapping, from
+        ``end`` back): what an event of that length would have met without the event. The longest of more gaps is
+        longer, so an event's longest gap compares with windows of its own length, not with a whole stage.
+        ``windows``, and in milliseconds the windows' ``median_ms`` and ``max_ms`` (None without a window)."""
+        found = []
+        b = end
+        while length > 0 and b - length >= start:
+            found.append(self.longest_gap(b - length, b, kind) * 1e3)
+            b -= length
+        found.sort()
+        med = None if not found else (found[len(found) // 2] if len(found) % 2 else
+                                      (found[len(found) // 2 - 1] + found[len(found) // 2]) / 2)
+        return {"windows": len(found), "median_ms": None if med is None else round(med, 2),
+                "max_ms": round(found[-1], 2) if found else None}
+
 
 async def stream_client(base_url: str, model: str, i: int, stats: ClientStats, stop: asyncio.Event,
                         after: asyncio.Event, *, max_tokens: int = 32, timeout_s: float = 900.0,
