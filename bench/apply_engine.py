@@ -143,7 +143,7 @@ async def _level(engine: Any, maps: dict[str, tuple[Path, ExpertMap]], clients: 
                                                timeout_s=APPLY_TIMEOUT_S, alive=engine.alive, ordering=ordering)
         answered = time.time()
         if result.outcome != "applied" or snap.map_hash != emap.content_hash:
-            raise SystemExit(f"apply to {target} ({ordering}) came to {result.outcome}: {result.reason} "
+            raise RuntimeError(f"apply to {target} ({ordering}) came to {result.outcome}: {result.reason} "
                              f"(serving {snap.map_hash})")
         on[0] = target
         last_window[ordering] = answered - sent
@@ -191,14 +191,20 @@ async def _level(engine: Any, maps: dict[str, tuple[Path, ExpertMap]], clients: 
             "tokens": sum(s.tokens for s in stats), "summary": summary, "applies": applies}
 
 
+def _pair_maps(a: Path, b: Path) -> dict[str, tuple[Path, ExpertMap]]:
+    maps = {"a": (a, load_map(a)), "b": (b, load_map(b))}
+    if not maps["a"][1].same_geometry(maps["b"][1]):
+        raise ValueError(f"{a} and {b} have different geometries ({maps['a'][1].geometry} vs "
+                         f"{maps['b'][1].geometry}); an apply needs the same one")
+    return maps
+
+
 def run_pair(engine: Any, a: Path, b: Path, clients: Sequence[int], *, reps: int = 3,
              orderings: Sequence[str] = APPLY_ORDERINGS, quiet_s: float = 6.0, warmup: bool = True,
              max_tokens: int = 32, prompts: Sequence[str] | None = None) -> dict[str, Any]:
     """The figures of one map pair on ``engine`` (a :class:`~pinsidecar.testing.engine.HookedEngine` in pin mode
     serving ``a``), one level per entry of ``clients``; the engine serves ``a`` again afterwards."""
-    maps = {"a": (a, load_map(a)), "b": (b, load_map(b))}
-    if not maps["a"][1].same_geometry(maps["b"][1]):
-        raise SystemExit(f"{a} and {b} have different geometries; an apply needs the same one")
+    maps = _pair_maps(a, b)
     prompts = list(prompts) if prompts else [p for pair in zip(domain_prompts("code"), domain_prompts("prose"),
                                                                  strict=False) for p in pair]
     before = engine.greedy_outputs()
@@ -268,18 +274,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             complement_map(load_map(a)).save(b)
         clients = levels or [int(c) for c in args.clients.split(",")]
         t0 = time.monotonic()
-        engine = start_engine(args.model, "pin", work, map_path=a.resolve(), **keys)
         try:
-            pair = {"boot_s": round(time.monotonic() - t0, 1),
-                    **run_pair(engine, a, b, clients, reps=args.reps, orderings=orderings, quiet_s=args.quiet_s,
-                               max_tokens=args.max_tokens)}
-        finally:
-            engine.stop()
+            _pair_maps(a, b)  # before a boot: a pair that cannot apply costs no engine
+            engine = start_engine(args.model, "pin", work, map_path=a.resolve(), **keys)
+            try:
+                pair = {"boot_s": round(time.monotonic() - t0, 1),
+                        **run_pair(engine, a, b, clients, reps=args.reps, orderings=orderings, quiet_s=args.quiet_s,
+                                   max_tokens=args.max_tokens)}
+            finally:
+                engine.stop()
+        except Exception as exc:  # one pair's failure (a boot, an apply refused) is its result; the next pair runs
+            pair = {"error": f"{type(exc).__name__}: {exc}", "seconds": round(time.monotonic() - t0, 1)}
         doc["pairs"][name] = pair
         atomic_write_json(args.out, doc)  # a pair at a time: what ran survives a cut-off call
-        print(json.dumps({name: {lv["clients"]: lv["summary"] for lv in pair["levels"]}}, indent=1), flush=True)
+        print(json.dumps({name: pair.get("error") or {lv["clients"]: lv["summary"] for lv in pair["levels"]}},
+                         indent=1), flush=True)
     doc["seconds"] = round(time.monotonic() - started, 1)
     atomic_write_json(args.out, doc)
+    if any("error" in p for p in doc["pairs"].values()):
+        raise SystemExit(f"apply_engine: a pair failed; its error is in {args.out}")
     return doc
 
 

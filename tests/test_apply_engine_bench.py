@@ -57,3 +57,18 @@ def test_pair_argument() -> None:
     assert _maps("c=a.json") == ("c", Path("a.json"), None, None)  # B: the complement; --clients
     with pytest.raises(SystemExit, match=r"NAME=A\.json"):
         _maps("nothing")
+
+
+def test_a_pair_that_cannot_apply_is_its_own_result_and_boots_nothing(tmp_path: Path) -> None:
+    import json
+
+    from bench.apply_engine import main
+
+    make_map(num_layers=2, num_experts=16, hot_rows=10, seed=1).save(tmp_path / "a.json")
+    make_map(num_layers=2, num_experts=16, hot_rows=8, seed=2).save(tmp_path / "b.json")
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit, match="a pair failed"):
+        main(["--model", str(tmp_path), "--pair", f"x={tmp_path / 'a.json'},{tmp_path / 'b.json'}",
+              "--work", str(tmp_path / "w"), "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert "different geometries" in doc["pairs"]["x"]["error"]
