@@ -174,16 +174,14 @@ class PinState:
         return swap.apply_map(self, args, token, hold_budget_s=hold_budget_s, switch_interval_s=switch_interval_s,
                               ordering=ordering)
 
-    @contextlib.contextmanager
-    def step_guard(self) -> Iterator[None]:
+    def step_guard(self) -> contextlib.AbstractContextManager[None]:
         """Held around one step (``execute_model``): the step lock, after any apply batch already asking for it;
         the step is counted when it ends, so the apply knows one ran between two of its batches. Under tensor
         parallel every rank first passes its step boundary (:meth:`~pinsidecar_hook.swap_tp.TPApply.at_step_boundary`),
         where a pending apply runs on all of them."""
         if self.tp is not None:
             self.tp.at_step_boundary(self)
-        with self.step_clock.step(self.step_lock):
-            yield
+        return self.step_clock.step(self.step_lock)
 
     def check_candidate(self, candidate: ExpertMap, source: str) -> None:
         """The boot checks (:func:`check_map`) for a candidate; :class:`PinMapMismatch` when it does not fit."""

@@ -160,19 +160,17 @@ class TPApply:
         if self.group.max_int(job.epoch if job is not None else 0) == 0:
             return
         args, token = self.group.broadcast((job.args, job.token) if job is not None else None)
+        result = ApplyResult(token=token, outcome="failed", map_hash=target.emap.content_hash)
         try:
             result = self.run(target, args, token)
         except Exception as exc:  # a collective broke: the ranks no longer agree, nothing sane is left to do
             log.exception("pinsidecar pin: tensor-parallel apply %s broke off", token)
-            result = ApplyResult(token=token, outcome="failed", reason=f"{type(exc).__name__}: {exc}",
-                                 map_hash=target.emap.content_hash)
-            if job is not None:
+            result.reason = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if job is not None:  # rank 0's side thread hears back either way
                 job.result = result
                 job.done.set()
-            raise
-        if job is not None:
-            job.result = result
-            job.done.set()
 
     def run(self, target: Any, args: Mapping[str, Any], token: str) -> ApplyResult:
         """The apply on this rank, in step with the others (all ranks call it with the same request)."""
