@@ -88,5 +88,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     crash = getattr(report.longrepr, "reprcrash", None)
     why = f"{crash.path}:{crash.lineno}: {crash.message}" if crash is not None else str(report.longrepr)
-    why = " | ".join(why.strip().splitlines()[-6:])[:1500]
+    # The first line says what failed ("not within 300 s: X"); the last ones are usually a log's tail.
+    lines = why.strip().splitlines()
+    why = " | ".join(lines if len(lines) <= 6 else [lines[0], "...", *lines[-5:]])[:1500]
     print(f"\nFAILED {report.nodeid} ({report.when}, {report.duration:.0f} s): {why}", flush=True)

@@ -36,11 +36,13 @@ import numpy as np
 import pytest
 
 from pinsidecar.placement import build_usage_map
+from pinsidecar.remap.record import TERMINAL_STATES
 from pinsidecar.testing.alertmanager import AlertmanagerServer, alertmanager_binary, example_config
 from pinsidecar.testing.artifacts import counts_from, model_geometry
 from pinsidecar.testing.daemon import BOOT_LIMIT_S, DaemonUnderTest
 from pinsidecar.testing.figures import record_figure
 from pinsidecar.testing.prometheus import PrometheusServer, prometheus_binary, rules_with_for
+from pinsidecar.testing.wait import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -155,13 +157,13 @@ class ProseTraffic:
 
 
 class StatusPoller:
-    """Polls the daemon's status in a thread: when the alert's remap first showed up, and when it ended."""
+    """Polls the daemon's status in a thread: the alert's remap as last seen, and when it ended."""
 
     def __init__(self, chain: DaemonUnderTest) -> None:
         self.chain = chain
-        self.remap_seen: float | None = None
         self.remap_ended: float | None = None
         self.record: dict[str, Any] | None = None
+        self.last_seen: dict[str, Any] | None = None
         self.drift_trips: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -182,20 +184,44 @@ class StatusPoller:
                     self.drift_trips.append(rec)
                 if rec.get("trigger") != "alert":
                     continue
-                if self.remap_seen is None:
-                    self.remap_seen = now
-                if rec.get("state") in ("committed", "rolled_back", "refused", "aborted") and \
-                        self.remap_ended is None and rec is remap.get("last"):
+                self.last_seen = rec
+                if rec.get("state") in TERMINAL_STATES and self.remap_ended is None and rec is remap.get("last"):
                     self.remap_ended, self.record = now, rec
             time.sleep(0.2)
+
+    def describe(self) -> str:
+        """What the poller saw of the alert's remap, for a failure message."""
+        if self.last_seen is None:
+            return "no remap with trigger 'alert' in the daemon's status yet (the webhook was never called)"
+        steps = [(s.get("state"), s.get("seconds")) for s in self.last_seen.get("steps") or []]
+        return (f"the alert's remap {self.last_seen.get('id')}: state {self.last_seen.get('state')}, steps {steps}, "
+                f"error {self.last_seen.get('error')}")
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
 
 
-def _firing(prom: PrometheusServer) -> dict[str, Any] | None:
-    return next((a for a in prom.alerts() if a["labels"].get("alertname") == ALERT and a["state"] == "firing"), None)
+def _alert_active_at(prom: PrometheusServer, since: float) -> float:
+    """When the alert went pending (Unix seconds), from Prometheus's history: ``ALERTS_FOR_STATE`` holds an alert's
+    active-at time as its value; and the alert must have fired (``ALERTS{alertstate="firing"}``), not only been
+    pending, for Alertmanager to have called the webhook."""
+    now = time.time()
+    fired = prom.query_range(f'ALERTS{{alertname="{ALERT}", alertstate="firing"}}', since, now, step_s=1.0)
+    assert fired, f"{ALERT} never fired in Prometheus, yet a remap with trigger 'alert' ran"
+    active = prom.query_range(f'ALERTS_FOR_STATE{{alertname="{ALERT}"}}', since, now, step_s=1.0)
+    assert active, f"Prometheus holds no ALERTS_FOR_STATE series for {ALERT}"
+    return float(active[0]["values"][0][1])
+
+
+def _chain_detail(prom: PrometheusServer, poller: StatusPoller, chain: DaemonUnderTest) -> str:
+    """Where the chain stopped: the alert in Prometheus, the remap in the daemon, the daemon's log."""
+    try:
+        alerts = [(a["labels"].get("alertname"), a["state"]) for a in prom.alerts()]
+    except Exception as exc:  # the failure message must not hide the failure
+        alerts = [f"(prometheus: {type(exc).__name__}: {exc})"]
+    return (f"alerts in Prometheus now: {alerts}\n{poller.describe()}\n"
+            f"daemon log {chain.log_path} ends:\n{chain.log_tail()}")
 
 
 def _epoch(stamp: str) -> float:
@@ -221,11 +247,13 @@ def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(
         poller = StatusPoller(chain)
         traffic.start()
         try:
-            alert = chain.wait_for(lambda: _firing(prom), f"{ALERT} firing in Prometheus", CHAIN_LIMIT_S)
-            # pending from activeAt; firing once `for:` (2 s) has passed, at the next evaluation (1 s)
-            timeline["alert_pending"] = _epoch(alert["activeAt"].replace("+00:00", "Z")[:23] + "Z")
-            chain.wait_for(lambda: poller.remap_seen, "the alert's remap in the daemon (webhook)", 120)
-            chain.wait_for(lambda: poller.remap_ended, "the alert's remap ended", CHAIN_LIMIT_S, step_s=1.0)
+            # Wait on what persists (the daemon's record of the remap), not on the alert's firing state: that lasts
+            # only from the firing evaluation to the first window after the commit, a few seconds that a starved
+            # poller can miss. Prometheus's own history says afterwards when the alert was pending and firing.
+            wait_until(lambda: poller.remap_ended, "the alert's remap ended (Prometheus fires the alert, "
+                       "Alertmanager calls the webhook, the pipeline runs)", CHAIN_LIMIT_S, step_s=1.0,
+                       gone=chain.exited, detail=lambda: _chain_detail(prom, poller, chain))
+            timeline["alert_pending"] = _alert_active_at(prom, run_start)
             boots_after_remap = chain.status()["engine"]["boots"]
             # The remap applied in place, so nothing booted; the dashboard's boot panels and annotation need a boot
             # in the run, and the committed map must be what a boot serves: a drain-reboot, under the same traffic.
