@@ -4,12 +4,8 @@ we read are the ones the engine and the hook actually write, and that promtool a
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 from pinsidecar_hook.contract import load_map
@@ -17,25 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pinsidecar.live_stats import request_stats
 from pinsidecar.metrics import Exporter
-from pinsidecar.testing.artifacts import write_map
-from pinsidecar.testing.engine import HookedEngine
+from pinsidecar.testing.fixtures import ServedPin
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["def parse_args(items, node):", "The river was quiet in the early morning, and"]
-
-
-@pytest.fixture(scope="module")
-def pin_engine(engine_factory: Any, demo_model_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HookedEngine, Path]]:
-    cfg = json.loads((demo_model_dir / "config.json").read_text())
-    tmp = tmp_path_factory.mktemp("exporter-pin")
-    n = cfg["num_experts"]
-    map_path = write_map(tmp / "map.json", num_layers=cfg["num_hidden_layers"], num_experts=n,
-                         hot_rows=n * 5 // 8, top_k=cfg["num_experts_per_tok"], label="exporter-test")
-    engine = engine_factory(demo_model_dir, "pin", map_path=map_path, tmp_path=tmp)
-    yield engine, map_path
-    engine.stop()
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -43,8 +25,9 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def test_exporter_reads_a_real_pin_mode_engine(pin_engine: tuple[HookedEngine, Path]) -> None:
-    engine, map_path = pin_engine
+def test_exporter_reads_a_real_pin_mode_engine(pin_engine: ServedPin) -> None:
+    """On the session's shared pin engine (:mod:`pinsidecar.testing.fixtures`): 24 of its 64 experts are cold."""
+    engine, map_path, label = pin_engine.engine, pin_engine.map_path, pin_engine.label
     generated = 0
     for prompt in PROMPTS:
         generated += engine.complete(prompt, max_tokens=16, ignore_eos=True)["usage"]["completion_tokens"]
@@ -67,7 +50,7 @@ def test_exporter_reads_a_real_pin_mode_engine(pin_engine: tuple[HookedEngine, P
         assert 0 <= s[("pinsidecar_layer_cold_selection_ratio", (("layer", str(lid)),))] <= 1
     assert s[("pinsidecar_engine_generation_tokens_total", ())] >= generated
     emap = load_map(map_path)
-    assert s[("pinsidecar_engine_map_info", (("map_hash", emap.content_hash), ("map_label", "exporter-test")))] == 1
+    assert s[("pinsidecar_engine_map_info", (("map_hash", emap.content_hash), ("map_label", label)))] == 1
     if snap.tier_bytes:
         assert s[("pinsidecar_expert_bytes", (("tier", "host"),))] == snap.tier_bytes["host"]
     if s.get(("pinsidecar_exporter_source_up", (("source", "cgroup"),))) == 1:

@@ -1,9 +1,10 @@
 """The parity gate: reference files, the exact comparison, the CLI's exit codes, and one real record/check.
 
-The real-engine part records a reference from an engine serving the all-hot map, then checks a boot with a
-skewed map against it through the CLI (exit 0: placement changes nothing), and a doctored reference against the
-running engine (exit 1, with the first difference named). Count mode (the unsplit kernel) is checked against the
-pin-mode reference too: on the engine's float32 default it is identical (see ``pinsidecar_hook.backends.cpu``).
+The real-engine part records a reference from the session's shared pin engine (a skewed map), then checks a boot
+with another skewed map against it through the CLI (exit 0: placement changes nothing), and a doctored reference
+against the running engine (exit 1, with the first difference named). Count mode (the unsplit kernel) is checked
+against the pin-mode reference too: on the engine's float32 default it is identical (see
+``pinsidecar_hook.backends.cpu``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -20,6 +20,7 @@ from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 from pinsidecar.cli import main
 from pinsidecar.counts.parity import ParityError, ParityRef, PromptOutput, compare, load_ref
 from pinsidecar.engine.ports import free_port
+from pinsidecar.testing.fixtures import ServedPin
 
 PROMPTS = [
     {"prompt": "def parse_rows(items, node):\n    total = 0\n", "max_tokens": 10},
@@ -100,16 +101,18 @@ def _map(path: Path, model_dir: Path, hot_rows: int, seed: int) -> Path:
 
 
 @pytest.mark.vllm
-def test_parity_record_then_check_across_maps(engine_factory: Any, demo_model_dir: Path,
+def test_parity_record_then_check_across_maps(pin_engine: ServedPin, demo_model_dir: Path,
                                               tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Recorded on the session's shared pin engine (40 of 64 hot), checked against it with a doctored reference,
+    then against full CLI boots on another skewed map (24 hot) and in count mode."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    all_hot = _map(tmp_path / "all-hot.json", demo_model_dir, 64, 0)
+    served = pin_engine.map_path
     skew = _map(tmp_path / "skew.json", demo_model_dir, 24, 5)
     runner = CliRunner()
-    engine = engine_factory(demo_model_dir, "pin", map_path=all_hot)
+    engine = pin_engine.engine
     ref = tmp_path / "ref.json"
-    out = runner.invoke(main, ["parity", "record", "--model", str(demo_model_dir), "--map", str(all_hot),
+    out = runner.invoke(main, ["parity", "record", "--model", str(demo_model_dir), "--map", str(served),
                                "--prompts", str(prompts), "--out", str(ref), "--base-url", engine.base_url, "--json"])
     assert out.exit_code == 0, out.output
     recorded = load_ref(ref)
@@ -119,14 +122,13 @@ def test_parity_record_then_check_across_maps(engine_factory: Any, demo_model_di
     doctored["outputs"][1]["logprobs"][4] += 1e-6
     bad_ref = tmp_path / "doctored.json"
     bad_ref.write_text(json.dumps(doctored))
-    out = runner.invoke(main, ["parity", "check", "--model", str(demo_model_dir), "--map", str(all_hot),
+    out = runner.invoke(main, ["parity", "check", "--model", str(demo_model_dir), "--map", str(served),
                                "--prompts", str(prompts), "--ref", str(bad_ref), "--base-url", engine.base_url,
                                "--json"])
     assert out.exit_code == 1, out.output
     report = json.loads(out.stdout)
     assert report["differing_prompts"] == 1 and report["diffs"][0]["index"] == 4
     assert report["diffs"][0]["source"].endswith("prompts.jsonl:2")
-    engine.stop()
 
     # A full boot through the CLI with a skewed map: placement must not change a single token or logprob.
     out = runner.invoke(main, ["parity", "check", "--model", str(demo_model_dir), "--map", str(skew),

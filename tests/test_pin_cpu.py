@@ -27,6 +27,7 @@ from pinsidecar_hook.contract import ExpertMap, LayerPlacement
 from pinsidecar_hook.kernels.partition import partition_torch
 
 from pinsidecar.testing.engine import PARITY_MAX_TOKENS, PARITY_PROMPTS
+from pinsidecar.testing.fixtures import ServedPin
 
 E, HIDDEN, INTER = 64, 128, 64
 # How the loaded cpu_fused_moe library sums a token's weighted rows (one FMA, or a multiply then an add): what the
@@ -284,34 +285,24 @@ def demo_geometry(demo_model_dir: Path) -> ExpertMap:
 
 
 @pytest.fixture(scope="module")
-def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: ExpertMap,
+def pin_engines(engine_factory: Any, demo_model_dir: Path, demo_geometry: ExpertMap, pin_engine: ServedPin,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Boot the demo model twice in pin mode (all-hot map with an unwritable stats dir; skewed map), one at a
-    time to spare the 2-core box, and keep their outputs."""
+    """The demo model in pin mode twice: an all-hot map with an unwritable stats dir (booted here, and stopped once
+    its outputs are kept), and the session's shared engine on a skewed map (``pin_engine``, 40 of 64 hot, which
+    also runs the attach-time self-check: the counts the other tests check exactly must not see its forwards)."""
     tmp = tmp_path_factory.mktemp("pin-maps")
-    results: dict[str, Any] = {}
     blocker = tmp / "not-a-dir"
     blocker.write_text("a file where the stats directory should be")
-    for name, hot_rows, seed, stats in (("all-hot", demo_geometry.num_experts, 0, blocker / "stats.json"),
-                                        ("skew", demo_geometry.num_experts * 5 // 8, 11, None)):
-        map_path = _write_map(tmp / f"{name}.json", demo_geometry, hot_rows=hot_rows, seed=seed, label=name)
-        # The skewed engine also runs the attach-time self-check (test_selfcheck_runs_in_the_engine): the counts
-        # the other tests check exactly must not see its forwards.
-        engine = engine_factory(demo_model_dir, "pin", map_path=map_path, stats_path=stats,
-                                hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1",
-                                          "PINSIDECAR_PIN_SELFCHECK": "1" if name == "skew" else "0"})
-        prompt_tokens = 0
-        gen = engine.greedy_outputs()
-        for prompt in PARITY_PROMPTS:
-            prompt_tokens += engine.complete(prompt, max_tokens=1)["usage"]["prompt_tokens"]
-        results[name] = {"engine": engine, "outputs": gen, "map": map_path, "log": engine.spec.log_path,
-                         "prompt_tokens": prompt_tokens}
-        if name == "skew":
-            results[name]["stats"] = engine.hook.stats_path
-        engine_stats = engine.hook.stats_path
-        results[name]["stats_path"] = engine_stats
-        if name == "all-hot":
-            engine.stop()
+    map_path = _write_map(tmp / "all-hot.json", demo_geometry, hot_rows=demo_geometry.num_experts, seed=0,
+                          label="all-hot")
+    engine = engine_factory(demo_model_dir, "pin", map_path=map_path, stats_path=blocker / "stats.json",
+                            hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1", "PINSIDECAR_PIN_SELFCHECK": "0"})
+    results: dict[str, Any] = {"all-hot": {"engine": engine, "outputs": engine.greedy_outputs(), "map": map_path,
+                                           "log": engine.spec.log_path, "stats_path": engine.hook.stats_path}}
+    engine.stop()
+    skew = pin_engine.engine
+    results["skew"] = {"engine": skew, "outputs": pin_engine.reference, "map": pin_engine.map_path,
+                       "log": skew.spec.log_path, "stats": pin_engine.stats_path, "stats_path": pin_engine.stats_path}
     yield results
 
 

@@ -1,8 +1,8 @@
 """Remap in place inside a real vLLM CPU engine: the demo model served in pin mode, candidate maps applied through the
 hook's request file (``apply``), no reboot.
 
-One engine boot is shared by the module (a boot costs 10-40 s on the 2-core box). Each test leaves the engine
-serving map A. What they show:
+The session's shared pin engine (``pin_engine``, :mod:`pinsidecar.testing.fixtures`) serves map A, the map it
+booted with (a boot costs 40-60 s on the 2-core box). Each test leaves the engine serving map A. What they show:
 
 - an apply answers ``applied`` in ``meta["apply"]``, the stats carry the candidate's hash and label, the counters
   were not reset, and greedy tokens and logprobs are bit for bit what they were before (the CPU backend is
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from pinsidecar_hook.contract import (
     StatsSnapshot,
     apply_args,
     cold_selection_ratio,
+    load_map,
     load_stats,
     plan_swap,
     request_and_wait,
@@ -42,6 +42,7 @@ from pinsidecar_hook.contract import (
 
 from pinsidecar.testing.artifacts import make_map
 from pinsidecar.testing.engine import PARITY_PROMPTS
+from pinsidecar.testing.fixtures import ServedPin
 
 pytestmark = pytest.mark.vllm
 
@@ -54,23 +55,20 @@ def _map(num_experts: int, top_k: int, layer_ids: tuple[int, ...], hot_rows: int
 
 
 @pytest.fixture(scope="module")
-def served(engine_factory: Any, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-           ) -> Iterator[dict[str, Any]]:
-    cfg = json.loads((demo_model_dir / "config.json").read_text())
-    n, k, layers = cfg["num_experts"], cfg["num_experts_per_tok"], tuple(range(cfg["num_hidden_layers"]))
+def served(pin_engine: ServedPin, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    a = load_map(pin_engine.map_path)
+    n, k, layers = a.num_experts, a.top_k, a.layer_ids
     tmp = tmp_path_factory.mktemp("swap-maps")
-    maps = {"a": _map(n, k, layers, n * 5 // 8, 11, "map-a"), "b": _map(n, k, layers, n * 5 // 8, 23, "map-b"),
+    maps = {"a": a, "b": _map(n, k, layers, a.hot_rows, 23, "map-b"),
             "wide": _map(n, k, layers, n * 6 // 8, 5, "map-wide")}
-    paths = {}
-    for name, emap in maps.items():
+    paths = {"a": pin_engine.map_path}
+    for name in ("b", "wide"):
         paths[name] = (tmp / f"{name}.json").absolute()
-        emap.save(paths[name])
-    engine = engine_factory(demo_model_dir, "pin", map_path=paths["a"], hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1"})
-    try:
-        yield {"engine": engine, "stats": Path(engine.hook.stats_path), "maps": maps, "paths": paths,
-               "reference": engine.greedy_outputs()}
-    finally:
-        engine.stop()
+        maps[name].save(paths[name])
+    served = {"engine": pin_engine.engine, "stats": pin_engine.stats_path, "maps": maps, "paths": paths,
+              "label": pin_engine.label, "reference": pin_engine.reference}
+    assert _request(served, "flush").map_hash == a.content_hash, "the shared pin engine does not serve its map"
+    yield served
 
 
 def _request(served: dict[str, Any], op: str, args: dict[str, Any] | None = None) -> StatsSnapshot:
@@ -101,7 +99,9 @@ def _rss(pid: int) -> int:
 def test_apply_in_place_keeps_the_bits_and_the_live_cold_count_follows_the_candidate(served: dict[str, Any]) -> None:
     a, b = served["maps"]["a"], served["maps"]["b"]
     before = _request(served, "flush")
-    assert before.map_hash == a.content_hash and before.map_label == "map-a"
+    assert before.map_hash == a.content_hash and before.map_label == served["label"]
+    log_path = Path(served["engine"].spec.log_path)
+    applied_before = log_path.read_text().count("pinsidecar pin: applied map")
     snap, result = _apply(served, "b")
     try:
         assert result.outcome == "applied", result.reason
@@ -110,8 +110,7 @@ def test_apply_in_place_keeps_the_bits_and_the_live_cold_count_follows_the_candi
         assert snap.map_hash == b.content_hash and snap.map_label == "map-b"
         assert snap.meta["predicted_cold_rate"] == b.predicted_cold_rate
         assert snap.boot_id == before.boot_id and snap.tokens >= before.tokens  # same boot, counters kept
-        log = Path(served["engine"].spec.log_path).read_text()
-        assert log.count("pinsidecar pin: applied map") == 1
+        assert log_path.read_text().count("pinsidecar pin: applied map") == applied_before + 1
 
         _request(served, "reset")
         after = served["engine"].greedy_outputs()

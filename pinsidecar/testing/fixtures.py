@@ -21,6 +21,11 @@ once per session.
 - ``engine_factory`` (session): ``engine_factory(model_dir, mode="count", **kw)`` starts a ready
   :class:`~pinsidecar.testing.engine.HookedEngine` (arguments of :func:`~pinsidecar.testing.engine.start_engine`)
   and stops every engine it started at the end of the session, so a module can keep one boot for all its tests.
+- ``pin_engine`` (session): a :class:`ServedPin`, the demo model served in pin mode on a random map with 40 of 64
+  experts hot per layer (the live histogram and the attach-time self-check on), with its greedy outputs at boot.
+  One boot for every module that needs a pin engine to read, count on or apply maps to, not a fresh one of its own:
+  a boot costs 40-60 s on a 2-core box. A test that applies another map in place puts this one back before it
+  ends, so every test finds the engine serving :attr:`ServedPin.map_path`; a test that counts resets first;
 - ``tmpfs``: a 64 KiB tmpfs mounted for the test under its ``tmp_path`` (a disk that really fills: ENOSPC from the
   kernel, not from a mock); skips with the mount's reason where mounting is not permitted (CI runs as root);
 - ``podman_lane`` (session): a :class:`~pinsidecar.testing.container.PodmanLane`, podman with its own storage and
@@ -37,17 +42,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pinsidecar.testing.artifacts import model_geometry, write_map
 from pinsidecar.testing.container import PodmanLane, PodmanUnavailable
 from pinsidecar.testing.container import podman_lane as build_podman_lane
 from pinsidecar.testing.daemon import daemon_logs_for_report
 from pinsidecar.testing.engine import MODEL_DIR_ENV, HookedEngine, start_engine
 
-__all__ = ["demo_model_dir", "demo_model_factory", "engine_factory", "fresh_logging", "podman_lane"]
+__all__ = ["ServedPin", "demo_model_dir", "demo_model_factory", "engine_factory", "fresh_logging", "pin_engine",
+           "podman_lane"]
 
 _TEST_STARTED = pytest.StashKey[float]()
 
@@ -131,6 +139,37 @@ def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
     yield factory
     for eng in started:
         eng.stop()
+
+
+@dataclass(frozen=True)
+class ServedPin:
+    """The session's shared pin engine (``pin_engine``): the engine, the map it serves, and its greedy outputs on
+    :data:`~pinsidecar.testing.engine.PARITY_PROMPTS` at boot (placement must never change them)."""
+
+    engine: HookedEngine
+    map_path: Path
+    label: str
+    hot_rows: int
+    reference: list[dict[str, list[Any]]]
+
+    @property
+    def stats_path(self) -> Path:
+        assert self.engine.hook.stats_path is not None
+        return Path(self.engine.hook.stats_path)
+
+
+@pytest.fixture(scope="session")
+def pin_engine(engine_factory: Callable[..., HookedEngine], demo_model_dir: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> ServedPin:
+    """The shared pin engine (module docstring); stopped with the session's other engines."""
+    geo = model_geometry(demo_model_dir)
+    n, label = geo["num_experts"], "skew"
+    hot_rows = n * 5 // 8
+    map_path = write_map(tmp_path_factory.mktemp("pin-engine") / "skew.json", num_layers=geo["num_layers"],
+                         num_experts=n, hot_rows=hot_rows, seed=11, top_k=geo["top_k"], label=label)
+    engine = engine_factory(demo_model_dir, "pin", map_path=map_path,
+                            hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1", "PINSIDECAR_PIN_SELFCHECK": "1"})
+    return ServedPin(engine, map_path.absolute(), label, hot_rows, engine.greedy_outputs())
 
 
 @pytest.fixture(scope="session")
