@@ -1,8 +1,8 @@
 """The daemon end to end, against the real vLLM CPU engine: THE drain-reboot figure, plus systemd notify, metrics,
-status, an engine killed from outside, and SIGTERM.
+status, and SIGTERM (an engine killed from outside and restarted is tests/test_engine_faults.py's first case).
 
 One daemon process (``pinsidecar run``, exactly what the unit starts) serves the whole module, so the engine boots
-three times in all (start, drain-reboot, crash restart). It runs with a real ``$NOTIFY_SOCKET`` (an AF_UNIX datagram
+twice in all (start, drain-reboot). It runs with a real ``$NOTIFY_SOCKET`` (an AF_UNIX datagram
 socket read by a thread here) and ``$WATCHDOG_USEC``, like under systemd.
 
 The drain-reboot figure: 8 concurrent streaming clients send completions through the gate in a loop; a drain-reboot
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import socket
@@ -142,31 +141,10 @@ def test_drain_reboot_under_load_loses_nothing(daemon: DaemonUnderTest, tmp_path
     assert after["gate"]["counters"].get("rejected_hold_timeout", 0) == 0
 
 
-def test_engine_killed_from_outside_is_restarted(daemon: DaemonUnderTest) -> None:
-    st = daemon.status()["engine"]
-    assert st["state"] == "ready"
-    pid = st["pid"]
-    killed_at = time.monotonic()
-    os.killpg(pid, signal.SIGKILL)  # the engine's whole process group, as an OOM killer or an operator might
-    noticed = daemon.seconds_until_status(lambda s: s["engine"]["state"] != "ready", "the daemon noticing the kill",
-                                          15.0)
-    print(f"\nengine SIGKILL noticed after {noticed:.2f} s")
-    daemon.wait_ready("the engine restarted")
-    after = daemon.status()["engine"]
-    assert after["pid"] != pid
-    assert after["last_boot"]["reason"] == "crash"
-    assert after["restarts_total"] >= 1
-    assert "restarting" in daemon.log_text()
-    # served again through the gate
-    assert daemon.complete("x", timeout=120).status_code == 200
-    assert time.monotonic() - killed_at > noticed
-
-
 def test_metrics_scrape_cleanly(daemon: DaemonUnderTest, tmp_path: Path) -> None:
     text = daemon.metrics()
     assert 'pinsidecar_engine_state{state="ready"} 1.0' in text
     assert 'pinsidecar_engine_boots_total{reason="drain-reboot"}' in text
-    assert 'pinsidecar_engine_boots_total{reason="crash"}' in text
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed")

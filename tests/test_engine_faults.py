@@ -187,6 +187,8 @@ def test_engine_sigkilled_in_service_under_8_streams_fails_only_what_was_in_flig
     assert counters.get("bad_gateway", 0) + counters.get("upstream_broken", 0) <= CLIENTS
     # the restart really happened, requests waited it out, and nothing said ready while no engine lived
     assert after["engine"]["last_boot"]["reason"] == "crash" and after["engine"]["state"] == "ready"
+    assert after["engine"]["restarts_total"] >= 1 and "restarting" in lane.log_text()
+    assert 'pinsidecar_engine_boots_total{reason="crash"}' in lane.metrics()
     assert fig["longest_stall_s"] >= 0.5 * fig["boot_s"]
     assert timing["noticed_s"] < 2.0
     assert "restarting" in watcher.states()

@@ -1,7 +1,7 @@
 """Supervisor faults that need no vLLM: an engine that never becomes ready, one that exits while booting, the
 backoff and crash-loop limit, the cache-miss rule; and how the supervisor and the daemon feed the exporter (the
 ``BootObserver`` protocol, and the live inputs read at scrape time). (The engine killed from outside is tested
-against the real vLLM engine in test_daemon_drain.py, which shares that boot.)
+against the real vLLM engine in test_engine_faults.py.)
 
 The failing "engines" are real processes started by the real :class:`~pinsidecar.engine.EngineProcess` with
 ``engine.python`` pointing at a small script, exactly how a broken interpreter or a hung vLLM looks to the daemon.
