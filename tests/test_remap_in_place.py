@@ -1,9 +1,10 @@
 """Remap in place on the real vLLM CPU engine, through a real ``pinsidecar run`` daemon on the demo lane.
 
 One daemon serves the module (:class:`~pinsidecar.testing.remap_lane.RemapLane`; maps of the demo's code and prose
-traffic at 48 hot rows and, another geometry, 56), so the engine boots four times in all: the start, the reboot
-the geometry change needs, a restart of the daemon with a stall injected into the hook, and the supervisor's
-restart after the engine is killed mid-apply. In order:
+traffic at 48 hot rows and, another geometry, 56), so the engine boots three times in all: the start, the reboot
+the geometry change needs, and the supervisor's restart after the engine is killed mid-apply. The engine runs
+with live hook faults (:func:`~pinsidecar.testing.hook_faults.live_engine_env`), none until step 3 sets a stall,
+so that no restart is needed to inject it. In order:
 
 1. 8 clients stream prose through the gate while an operator names the prose map (same geometry) for the code map
    the engine serves: the remap goes ``evaluating`` -> ``applying`` -> ``verifying`` -> ``committed`` with no
@@ -49,7 +50,7 @@ def maps(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 @pytest.fixture(scope="module")
 def lane(demo_model_dir: Path, maps: dict[str, LaneMap]) -> Iterator[RemapLane]:
     tmp = maps["code"].path.parent.parent
-    lane = RemapLane(tmp, demo_model_dir, maps["code"].path)
+    lane = RemapLane(tmp, demo_model_dir, maps["code"].path, engine_env=hook_faults.live_engine_env(tmp / "faults"))
     try:
         st = lane.start()
         assert st["engine"]["map"]["hash"] == maps["code"].hash
@@ -126,7 +127,8 @@ def test_a_map_of_another_geometry_falls_back_to_a_reboot_saying_why(lane: Remap
 def test_an_engine_killed_mid_apply_restarts_with_the_committed_map(lane: RemapLane,
                                                                    maps: dict[str, LaneMap]) -> None:
     committed = maps["code-56"]  # what step 2 committed
-    lane.restart(hook_faults.engine_env(lane.state_dir.parent / "faults", stall_s=STALL_S))
+    faults = lane.tmp / "faults"
+    hook_faults.set_live_faults(faults, stall_s=STALL_S)  # the next apply holds the step lock
     st = lane.status()
     assert st["engine"]["map"]["hash"] == committed.hash
     engine_log = lane.state_dir / "engine.log"
@@ -140,6 +142,7 @@ def test_an_engine_killed_mid_apply_restarts_with_the_committed_map(lane: RemapL
             assert time.monotonic() < end, "the hook never stalled in the apply"
             await asyncio.sleep(0.1)
         killed = await asyncio.to_thread(lane.kill_engine)
+        hook_faults.set_live_faults(faults)  # none for the engine the supervisor starts next
         return {"remap_id": remap_id, "killed": killed, "record": await asyncio.to_thread(lane.wait_remap_end,
                                                                                           remap_id)}
 
