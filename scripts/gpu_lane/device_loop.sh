@@ -25,7 +25,8 @@
 #   engapplyw the same at 16 streams, 1024 rows an apply (64 hot rows against the complement map), ~300 s
 # Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
 # document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
-# GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1").
+# GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1"); GPU_LANE_ENGAPPLY_REPS the rounds of
+# engapplyw (default 3), for a call with little device time left.
 #
 # Calls (kind nvidia-h200; each within ~30 s of the previous one's end; a call sends at most 64 MiB, working tree
 # included, so the chunks and the control files travel apart):
@@ -48,6 +49,7 @@ exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
 declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330 [engapply]=400 [engapplyw]=300)
+[ "${GPU_LANE_ENGAPPLY_REPS:-3}" -lt 3 ] && EST[engapplyw]=230  # a boot, 2 warm-up applies, 4 measured
 
 source scripts/gpu_lane/device_install_lane.sh
 if gpu_lane_installed; then
@@ -164,7 +166,7 @@ step_engapplyw() {
   [ -f "$m" ] || psc map build /tmp/gl/heal-maps/code.counts.json --hot-rows 64 --label code-64 --out "$m" \
     > /dev/null || return 1
   timeout $(( $(left) - PACK_S )) python3 bench/apply_engine.py --model "$GPU_LANE_WORK/model" \
-    --engine-toml /tmp/gl/heal-engine.toml --pair "complement64=$m:16" --reps 3 \
+    --engine-toml /tmp/gl/heal-engine.toml --pair "complement64=$m:16" --reps "${GPU_LANE_ENGAPPLY_REPS:-3}" \
     --work /tmp/gl/engapplyw --out "$OUT/apply_engine_wide_h200.json"
 }
 
