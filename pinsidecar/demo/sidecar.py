@@ -114,8 +114,7 @@ def _another_port(host: str, taken: set[int]) -> int:
 
 def count_engine_cores() -> str:
     """The count engine's cores: the last one. vLLM CPU binds every engine's OpenMP threads to the first cores by
-    default, and the serving engine under traffic then starves a second engine's boot (measured on 2 cores: no
-    progress in 10 minutes); on a single core there is no choice."""
+    default, so the two engines' compute would share core 0; on a single core there is no choice."""
     return str(max(0, (os.cpu_count() or 1) - 1))
 
 

@@ -19,9 +19,9 @@ callers never care which one they hold. What it guarantees, and why:
   the engine).
 
 - **A pid file, when asked** (``pid_file``): the group's pid, pgid and the leader's start time, written when it
-  starts and removed when it stops. The group lives in its own session, so it survives a SIGKILLed parent (the
-  sidecar) and keeps holding its port; the next parent calls :func:`stop_recorded_engine` on the file and stops
-  that leftover group, but only when the leader's start time matches, so a pid the kernel has since reused is
+  starts and removed when it stops. The group outlives a SIGKILLed parent (the sidecar): it is reparented,
+  not signalled, and keeps holding its port; the next parent calls :func:`stop_recorded_engine` on the file and
+  stops that leftover group, but only when the leader's start time matches, so a pid the kernel has since reused is
   never signalled.
 
 The environment is :meth:`~pinsidecar.engine.spec.EngineSpec.full_env`: ours without inherited ``PINSIDECAR_*``
@@ -96,7 +96,10 @@ class EngineProcess:
         try:
             self._proc = subprocess.Popen(
                 argv, env=self.spec.full_env(), stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: stop() signals vLLM's children too
+                # Its own process group, so stop() signals vLLM's children too, but the launcher's session:
+                # autogroup scheduling shares a core between sessions first, and an engine in a session of its own
+                # starved a count engine booting beside it (docs/remap.md, "A count boot beside a serving engine").
+                process_group=0,
             )
         except OSError as exc:
             fh.close()
@@ -135,7 +138,7 @@ class EngineProcess:
         proc = self._proc
         if proc is None:
             return None
-        pgid = proc.pid  # start_new_session: the group id is the leader's pid
+        pgid = proc.pid  # process_group=0: the group id is the leader's pid
         if proc.poll() is None:
             log.info("engine_stop", pid=proc.pid, timeout_s=timeout_s)
             # SIGTERM to the leader only (systemd's KillMode=mixed): vLLM's API server shuts its engine core and

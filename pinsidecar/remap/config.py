@@ -63,8 +63,7 @@ class RemapConfig:
     count_boot_concurrency: int = field(default=4, metadata={POSITIVE: True, **ADVANCED})
     # More environment for the count engine, over engine.env. On the CPU lane give it its own cores, e.g.
     # {VLLM_CPU_OMP_THREADS_BIND = "1"}: vLLM CPU binds every engine's OpenMP threads to the same first cores by
-    # default, and a serving engine under traffic then starves the count engine's boot (measured: no progress in
-    # 10 minutes on a 2-core box).
+    # default, and two engines' compute threads would share core 0.
     count_boot_env: dict[str, str] = field(default_factory=dict)
     # live: at most this many windows of the current drift streak build the candidate (never older traffic:
     # a map of a blend of traffic classes serves each class worse than its own map).
