@@ -54,7 +54,7 @@ from pinsidecar.testing.container import podman_lane as build_podman_lane
 from pinsidecar.testing.daemon import daemon_logs_for_report
 from pinsidecar.testing.engine import MODEL_DIR_ENV, HookedEngine, start_engine
 
-__all__ = ["ServedPin", "demo_model_dir", "demo_model_factory", "engine_factory", "fresh_logging", "pin_engine",
+__all__ = ["demo_model_dir", "demo_model_factory", "engine_factory", "fresh_logging", "pin_engine",
            "podman_lane"]
 
 _TEST_STARTED = pytest.StashKey[float]()
