@@ -186,6 +186,7 @@ class _Layer:
         self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
         self.cold_counts = torch.zeros(1, dtype=torch.int64)
         self.token_counts = torch.zeros(1, dtype=torch.int64)
+        self.cache, self.cache_slots, self.cache_key = None, 0, -1  # no cache tier
 
 
 def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True,

@@ -541,3 +541,35 @@ def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: 
         assert "on all 2 tensor-parallel ranks at one step boundary" in log
     finally:
         engine.stop()
+
+
+def test_the_cache_tier_inside_the_compiled_op_fills_hits_and_keeps_the_bits(experts: dict[str, Any]) -> None:
+    """The cache tier (pinsidecar_hook.cache) as a compiled engine runs it: inside the opaque op, writing the row
+    map and the slot rows in place. Every step's output equals the all-hot split's, bit for bit, while the slots
+    fill from the cold tier and later steps hit them."""
+    from pinsidecar_hook.cache import ExpertCache, register
+
+    hot_rows, slots = 16, 8
+    names = ("w13_weight", "w2_weight")
+    hot = {n: torch.cat([experts[n][:hot_rows], torch.zeros_like(experts[n][:slots])]) for n in names}
+    cold = {n: experts[n][hot_rows:].contiguous() for n in names}
+    rows = [*range(hot_rows), *range(hot_rows + slots, E + slots), -1, -1]
+    row_map_ext = torch.tensor(rows, dtype=torch.int32)
+    counters = (torch.zeros(E, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    cache = ExpertCache(row_map_ext, hot_rows, slots, "lru", counters[1])
+    key, row_map = register(cache), row_map_ext[:E]
+
+    def layer(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pinsidecar.cpu_split_moe(x, weights, ids, row_map, *counters, hot["w13_weight"],
+                                                  hot["w2_weight"], None, None, cold["w13_weight"],
+                                                  cold["w2_weight"], None, None, hot_rows + slots, "silu",
+                                                  experts["isa"], False, FMA, key)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    steps = [_routing(4, 8, seed=30 + s, dtype=experts["dtype"]) for s in range(3)]
+    for x, weights, ids in [*steps, *steps]:  # the second round reuses the first round's experts
+        out = compiled(x, weights, ids)
+        assert torch.equal(_bits(out), _bits(_split(experts, x, weights, ids, list(range(E)), E)))
+    assert int(cache.fills.item()) > 0 and int(cache.hits.item()) > 0
+    assert any(hot_rows <= r < hot_rows + slots for r in row_map.tolist())  # the row map follows the slots
+    assert int(counters[1].item()) + int(cache.hits.item()) == int(counters[0][hot_rows:].sum())

@@ -46,6 +46,7 @@ import torch
 
 from pinsidecar_hook import swap, swap_tp, vllm_seam
 from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, describe_experts, select_backend
+from pinsidecar_hook.cache import ExpertCache, register
 from pinsidecar_hook.contract import ApplyResult, ExpertMap, StatsSnapshot, fallback_stats_path, load_map
 from pinsidecar_hook.contract.env import HookConfig
 from pinsidecar_hook.flusher import Flusher, WriteInfo
@@ -82,7 +83,7 @@ class LayerPin:
     layer_id: int
     name: str
     row_map: torch.Tensor  # int32 [global experts]: global id -> row (hot 0..H-1, cold H..), -1 not on this rank
-    hot_rows: int  # H on this rank
+    hot_rows: int  # H on this rank: the HBM rows, cache slots included (the split's tier boundary)
     cold_rows: int
     hot: dict[str, torch.Tensor]
     cold: dict[str, torch.Tensor]
@@ -96,11 +97,18 @@ class LayerPin:
     # Backends that derive tensors from the row map (triton_experts' tier maps) add a refresher here; an in-place
     # apply calls them right after it flips the row map.
     row_map_listeners: list[Callable[[], None]] = field(default_factory=list)
+    # The cache tier (pinsidecar_hook.cache): the last ``cache_slots`` of the HBM rows are slots; the split runs
+    # ``cache.step`` before its tiers. None without one.
+    cache: ExpertCache | None = None
+    cache_slots: int = 0
+    cache_key: int = -1  # the cache's registry key, for the compiled split's custom op
 
     def reset(self) -> None:
         self.expert_counts.zero_()
         self.cold_counts.zero_()
         self.token_counts.zero_()
+        if self.cache is not None:
+            self.cache.reset_counters()
 
 
 def _file_identity(path: Path | None) -> tuple[int, int, int] | None:
@@ -206,6 +214,10 @@ class PinState:
         hist = [layer.expert_counts.to("cpu").tolist() for layer in self.layers]
         cold = [int(layer.cold_counts.to("cpu").item()) for layer in self.layers]
         tokens = int(self.layers[0].token_counts.to("cpu").item()) if self.layers else 0
+        caches = [layer.cache.counters() for layer in self.layers if layer.cache is not None]
+        cache_stats = None if len(caches) != len(self.layers) or not caches else {
+            "slots": emap.cache_slots, "policy": emap.cache_policy,
+            **{key: [c[key] for c in caches] for key in ("hits", "fills", "evictions")}}
         return StatsSnapshot(
             boot_id=self.boot_id, seq=info.seq, layer_ids=[layer.layer_id for layer in self.layers],
             num_experts=emap.num_experts, top_k=emap.top_k, selections=[int(sum(row)) for row in hist],
@@ -219,6 +231,7 @@ class PinState:
                   "peak_extra_bytes": self.summary["peak_extra_total_bytes"],
                   "predicted_cold_rate": emap.predicted_cold_rate, "stats_path": str(self.cfg.stats_path or ""),
                   **({"apply": dict(info.apply)} if info.apply is not None else {})},
+            cache=cache_stats,
         )
 
     def make_flusher(self) -> Flusher:
@@ -401,6 +414,11 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
                 raise BackendUnavailable(f"layer {ref.layer_id} ({describe_experts(geo.experts)}): {reason}")
     except BackendUnavailable as exc:
         raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
+    slots = emap.cache_slots
+    if slots and not backend.CACHE:
+        raise PinMapMismatch(f"map {cfg.map_path} has a cache tier ({slots} slots per layer), which the "
+                             f"{backend.NAME} backend does not run; serve a map built without --cache-slots, or "
+                             "use a backend that runs the cache (cpu, triton_experts)")
     backend_name = backend.NAME
     if not backend.VERIFIED:
         log.warning("pinsidecar pin: the %s backend has not run on hardware against vLLM's unsplit kernel "
@@ -419,24 +437,31 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     for ref, geo in layers:  # one layer at a time: each layer's original is freed before the next is copied
         expert_map = None if geo.expert_map is None else [int(v) for v in geo.expert_map.tolist()]
         rows, hot_local, cold_local = emap.layer(ref.layer_id).row_map(emap.num_experts, expert_map)
-        row_map = torch.tensor(rows, dtype=torch.int32, device=device)
+        hbm_rows = len(hot_local) + slots  # with a cache the slots follow the hot rows, the cold rows move up
+        # Two spare elements after the experts: the cache's masked writes land there (pinsidecar_hook.cache).
+        row_map_ext = torch.tensor([r + slots if r >= len(hot_local) else r for r in rows] + [-1, -1],
+                                   dtype=torch.int32, device=device)
+        row_map = row_map_ext[: emap.num_experts]
         check = None
         if checker is not None:
             hidden = geo.hidden_size or int(geo.param_owner.w2_weight.shape[1])
             check = checker.before(geo, ref.layer_id, selfcheck_cases(
                 emap.num_experts, geo.top_k, hidden, geo.act_dtype or torch.bfloat16, device, row_map,
-                len(hot_local), seed=ref.layer_id))
+                hbm_rows, seed=ref.layer_id))
         rehomed = rehome_layer(geo.param_owner, names_by_layer[ref.name], hot_local, cold_local, ledger,
-                               aliases=facts.aliases_by_layer.get(ref.name))
+                               aliases=facts.aliases_by_layer.get(ref.name), slot_rows=slots)
         pin = LayerPin(
             layer_id=ref.layer_id, name=ref.name, row_map=row_map,
-            hot_rows=len(hot_local), cold_rows=len(cold_local), hot=rehomed.hot, cold=rehomed.cold,
+            hot_rows=hbm_rows, cold_rows=len(cold_local), hot=rehomed.hot, cold=rehomed.cold,
             expert_counts=torch.zeros(emap.num_experts, dtype=torch.int64, device=device),
             cold_counts=torch.zeros(1, dtype=torch.int64, device=device),
             token_counts=torch.zeros(1, dtype=torch.int64, device=device),
             hot_bytes=rehomed.hot_bytes, cold_bytes=rehomed.cold_bytes, keepalive=list(rehomed.cold_host.values()),
-            cold_host=dict(rehomed.cold_host),
+            cold_host=dict(rehomed.cold_host), cache_slots=slots,
         )
+        if slots:
+            pin.cache = ExpertCache(row_map_ext, len(hot_local), slots, emap.cache_policy, pin.cold_counts)
+            pin.cache_key = register(pin.cache)
         split = backend(geo.experts, pin)
         pin.row_map_listeners.append(split.refresh)  # an in-place apply flips the row map: the split follows
         vllm_seam.install_split(geo, split)
@@ -449,7 +474,9 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     summary = {
         "map": str(cfg.map_path), "map_hash": emap.content_hash, "label": emap.label, "backend": backend_name,
         "rank": rank, "tp_size": tp_size, "layers": len(pins), "hot_rows": emap.hot_rows, "cold_rows": emap.cold_rows,
-        "rank_hot_rows": sorted({p.hot_rows for p in pins}), "rank_cold_rows": sorted({p.cold_rows for p in pins}),
+        "cache_slots": slots, "cache_policy": emap.cache_policy if slots else None,
+        "rank_hot_rows": sorted({p.hot_rows - p.cache_slots for p in pins}),
+        "rank_cold_rows": sorted({p.cold_rows for p in pins}),
         # "hbm" is the hot tier and "host" the cold one; on the CPU engine both are host memory.
         "tier_bytes": {"hbm": hbm, "host": host},
         "predicted_cold_rate": emap.predicted_cold_rate,

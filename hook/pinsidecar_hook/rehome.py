@@ -171,6 +171,7 @@ def rehome_layer(
     cold_local: Sequence[int],
     ledger: MemoryLedger,
     aliases: dict[str, str] | None = None,
+    slot_rows: int = 0,
 ) -> RehomedLayer:
     """Split each of ``owner``'s per-expert tensors ``names`` into hot rows ``hot_local`` and cold rows
     ``cold_local`` (local expert indices, in row order), re-point the parameters at the hot rows, free the rest.
@@ -179,6 +180,8 @@ def rehome_layer(
     stay), then the hot copy (device grows by the hot bytes), then the original goes (device shrinks by all).
     ``aliases`` maps another attribute name of a split parameter to that parameter's name (vLLM's Marlin layers
     keep ``w13_weight`` as a second name of ``w13_qweight``): the tiers carry both names for the same tensors.
+    ``slot_rows`` (the cache tier, :mod:`pinsidecar_hook.cache`) adds that many rows after the hot ones, zero until
+    a fill.
     """
     device = next(iter(getattr(owner, n) for n in names)).device
     on_cuda = device.type == "cuda"
@@ -205,7 +208,11 @@ def rehome_layer(
         else:
             view = host
         # hot rows -> a fresh tensor on the layer's device
-        hot_t = data.index_select(0, hot_idx).contiguous()
+        if slot_rows:  # one allocation: the hot rows, then the slots
+            hot_t = data.new_zeros((len(hot_local) + slot_rows, *data.shape[1:]))
+            torch.index_select(data, 0, hot_idx, out=hot_t[: len(hot_local)])
+        else:
+            hot_t = data.index_select(0, hot_idx).contiguous()
         ledger.alloc(hot_tier, tensor_bytes(hot_t))
         # the original goes: re-point the parameter (same object, so outside references follow) and drop ours
         if isinstance(original, torch.nn.Parameter):

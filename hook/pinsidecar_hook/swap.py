@@ -131,6 +131,10 @@ def _prepare(target: ApplyTarget, args: Mapping[str, Any], *, tensor_parallel: b
     if candidate.content_hash != want_hash:
         raise ApplyRefused(f"candidate map {path} has hash {candidate.content_hash}, the request asked for "
                            f"{want_hash} (the file changed since the request was made?)")
+    if target.emap.cache_slots or candidate.cache_slots:
+        raise ApplyRefused(f"in-place apply of a map with a cache tier (active map: {target.emap.cache_slots} "
+                           f"slots, candidate: {candidate.cache_slots}) is not supported: the swap does not move "
+                           "the slots' copies; deploy it with a drain-reboot")
     try:
         target.check_candidate(candidate, str(path))
     except Exception as exc:

@@ -39,8 +39,11 @@ class SplitLayer(Protocol):
     hot: dict[str, torch.Tensor]  # per-expert tensors of the hot rows, by parameter name
     cold: dict[str, torch.Tensor]  # the same for the cold rows (a device view of host memory on CUDA)
     expert_counts: torch.Tensor  # int64 [global experts]: live selections per expert
-    cold_counts: torch.Tensor  # int64 [1]: live selections landing on a cold row
+    cold_counts: torch.Tensor  # int64 [1]: live selections landing on a cold row (with a cache: the misses)
     token_counts: torch.Tensor  # int64 [1]: tokens through this layer
+    cache: Any  # pinsidecar_hook.cache.ExpertCache or None; its slots are the last cache_slots of the HBM rows
+    cache_slots: int
+    cache_key: int
 
 
 class SplitBackend(abc.ABC):
@@ -63,6 +66,9 @@ class SplitBackend(abc.ABC):
     # Equal to the unsplit kernel bit for bit (what the self-check compares). The CPU kernel reduces inside, so
     # its split guarantees placement invariance instead (backends/cpu.py).
     BIT_IDENTICAL: ClassVar[bool] = True
+    # Runs the cache tier (pinsidecar_hook.cache): calls ``layer.cache.step`` before its tiers, treats the slots as
+    # HBM rows, and lets the cache count the misses. A map with cache slots is refused on a backend without it.
+    CACHE: ClassVar[bool] = False
 
     def __init__(self, experts: Any, layer: SplitLayer) -> None:
         self.experts = experts

@@ -43,6 +43,7 @@ import torch
 
 from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.backends.base import SplitBackend
+from pinsidecar_hook.cache import registered
 
 __all__ = ["CpuSplit", "cpu_split_moe", "finalize_rows", "split_moe", "tier_rows"]
 
@@ -177,12 +178,15 @@ def _split_impl(
     expert_counts: torch.Tensor, cold_counts: torch.Tensor, token_counts: torch.Tensor,
     hot_w13: torch.Tensor, hot_w2: torch.Tensor, hot_b13: torch.Tensor | None, hot_b2: torch.Tensor | None,
     cold_w13: torch.Tensor, cold_w2: torch.Tensor, cold_b13: torch.Tensor | None, cold_b2: torch.Tensor | None,
-    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool,
+    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool, cache_key: int = -1,
 ) -> torch.Tensor:
-    return split_moe(torch.empty_like(x), x, topk_weights, topk_ids, row_map, hot_rows, expert_counts, cold_counts,
-                     token_counts, {"w13_weight": hot_w13, "w2_weight": hot_w2, "w13_bias": hot_b13, "w2_bias": hot_b2},
-                     {"w13_weight": cold_w13, "w2_weight": cold_w2, "w13_bias": cold_b13, "w2_bias": cold_b2},
-                     activation, isa, skip_weighted, fma=fma)
+    hot = {"w13_weight": hot_w13, "w2_weight": hot_w2, "w13_bias": hot_b13, "w2_bias": hot_b2}
+    cold = {"w13_weight": cold_w13, "w2_weight": cold_w2, "w13_bias": cold_b13, "w2_bias": cold_b2}
+    if cache_key >= 0:  # the cache tier fills its slots and counts the misses first (pinsidecar_hook.cache)
+        registered(cache_key).step(topk_ids, hot, cold, misses=cold_counts)
+    return split_moe(torch.empty_like(x), x, topk_weights, topk_ids, row_map, hot_rows, expert_counts,
+                     None if cache_key >= 0 else cold_counts, token_counts, hot, cold, activation, isa,
+                     skip_weighted, fma=fma)
 
 
 @torch.library.custom_op("pinsidecar::cpu_split_moe", mutates_args=("expert_counts", "cold_counts", "token_counts"),
@@ -192,12 +196,15 @@ def cpu_split_moe(
     expert_counts: torch.Tensor, cold_counts: torch.Tensor, token_counts: torch.Tensor,
     hot_w13: torch.Tensor, hot_w2: torch.Tensor, hot_b13: torch.Tensor | None, hot_b2: torch.Tensor | None,
     cold_w13: torch.Tensor, cold_w2: torch.Tensor, cold_b13: torch.Tensor | None, cold_b2: torch.Tensor | None,
-    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool,
+    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool, cache_key: int = -1,
 ) -> torch.Tensor:
-    """Partition + count + split + finalize as one op that ``torch.compile`` treats as opaque."""
+    """Partition + count + split + finalize as one op that ``torch.compile`` treats as opaque. With a cache
+    (``cache_key`` >= 0) the op also fills the slots and flips the row map in place, before its tiers: the row
+    map and the weights are read by address, never copied by the compiler, so the writes land in the real
+    tensors and the next layer and step see them."""
     return _split_impl(x, topk_weights, topk_ids, row_map, expert_counts, cold_counts, token_counts,
                        hot_w13, hot_w2, hot_b13, hot_b2, cold_w13, cold_w2, cold_b13, cold_b2,
-                       hot_rows, activation, isa, skip_weighted, fma)
+                       hot_rows, activation, isa, skip_weighted, fma, cache_key)
 
 
 @cpu_split_moe.register_fake
@@ -216,6 +223,7 @@ class CpuSplit(SplitBackend):
     NAME = "cpu"
     SPLIT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
     BIT_IDENTICAL = False  # placement invariance (module docstring)
+    CACHE = True  # a slot is one more hot row: placement invariance makes a cached step's bits the uncached ones
 
     @classmethod
     def supports(cls, experts: Any, device: torch.device) -> str | None:
@@ -242,11 +250,13 @@ class CpuSplit(SplitBackend):
         args = (hidden_states, topk_weights, topk_ids, layer.row_map, layer.expert_counts, layer.cold_counts,
                 layer.token_counts, hot["w13_weight"], hot["w2_weight"], hot.get("w13_bias"), hot.get("w2_bias"),
                 cold["w13_weight"], cold["w2_weight"], cold.get("w13_bias"), cold.get("w2_bias"),
-                layer.hot_rows, act, self.isa, bool(apply_router_weight_on_input), self.fma)
+                layer.hot_rows, act, self.isa, bool(apply_router_weight_on_input), self.fma, layer.cache_key)
         if torch.compiler.is_compiling():
             output.copy_(torch.ops.pinsidecar.cpu_split_moe(*args))
             return
         # Eager: skip the op dispatcher (a few microseconds per layer per step) and finalize straight into output.
+        if layer.cache is not None:  # fill the slots and count the misses first (pinsidecar_hook.cache)
+            layer.cache.step(topk_ids, hot, cold)
         split_moe(output, hidden_states, topk_weights, topk_ids, layer.row_map, layer.hot_rows, layer.expert_counts,
-                  layer.cold_counts, layer.token_counts, hot, cold, act, self.isa, bool(apply_router_weight_on_input),
-                  self.has_absent, self.fma)
+                  None if layer.cache is not None else layer.cold_counts, layer.token_counts, hot, cold, act,
+                  self.isa, bool(apply_router_weight_on_input), self.has_absent, self.fma)

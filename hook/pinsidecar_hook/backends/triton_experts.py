@@ -252,6 +252,7 @@ class TritonExpertsSplit(SplitBackend):
     scalar)."""
 
     NAME = "triton_experts"
+    CACHE = True  # not run on a GPU yet: the cache's step in a captured graph is the next device run
     SPLIT_TENSORS = ("w13_weight", "w2_weight", *_QUANT_FIELD_OF)
     SHARED_TENSORS = ("w13_input_scale", "w2_input_scale")
 
@@ -282,7 +283,7 @@ class TritonExpertsSplit(SplitBackend):
         self.row_map = layer.row_map
         self.hot_rows = layer.hot_rows
         self.global_num_experts = int(layer.row_map.shape[0])
-        local = layer.hot_rows + layer.cold_rows
+        local = layer.hot_rows - layer.cache_slots + layer.cold_rows  # the unsplit call's experts: slots are copies
         self.full_w1_shape = (local, *hot["w13_weight"].shape[1:])
         self.full_w2_shape = (local, *hot["w2_weight"].shape[1:])
         self.hot_experts = tier_experts(experts, tier_quant_config(experts.quant_config, _tier_quant_tensors(hot)))
@@ -300,6 +301,9 @@ class TritonExpertsSplit(SplitBackend):
         self.naive_ids = vllm_seam.triton_naive_accepts_invalid_ids() if naive_ids is None else naive_ids
         self.phased = a2_scale_is_global(experts)
         self.phased_steps = (phased_steps or vllm_seam.triton_phased_steps()) if self.phased else None
+        # With a cache the cache counts the misses; the partition's cold count (what is still cold after the
+        # step's fills) goes to a scratch counter.
+        self.partition_cold = layer.cold_counts if layer.cache is None else torch.zeros_like(layer.cold_counts)
 
     def refresh(self) -> None:
         """Recompute the tier maps from the row map after an in-place apply flipped it, writing the same tensors
@@ -327,7 +331,10 @@ class TritonExpertsSplit(SplitBackend):
         self._check_call(num_tokens)
         layer = self.layer
         hot, cold = layer.hot, layer.cold
-        hot_ids, cold_ids = partition(topk_ids, self.row_map, self.hot_rows, layer.expert_counts, layer.cold_counts,
+        if layer.cache is not None:  # fill the slots, flip the row map and the tier maps (pinsidecar_hook.cache)
+            layer.cache.step(topk_ids, hot, cold, num_real=self.num_real)
+            self.refresh()
+        hot_ids, cold_ids = partition(topk_ids, self.row_map, self.hot_rows, layer.expert_counts, self.partition_cold,
                                       num_real=self.num_real, token_counts=layer.token_counts)
         config = self.config_fn(self.experts, self.full_w1_shape, self.full_w2_shape, top_k, hidden_states.dtype,
                                 num_tokens)

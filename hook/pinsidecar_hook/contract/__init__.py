@@ -35,6 +35,7 @@ from pinsidecar_hook.contract.io import (
     utc_now,
 )
 from pinsidecar_hook.contract.map import (
+    CACHE_POLICIES,
     ExpertMap,
     LayerPlacement,
     RowMap,
@@ -71,6 +72,7 @@ from pinsidecar_hook.contract.trace import RoutingTrace, load_trace, save_trace
 __all__ = [
     "APPLY_ORDERINGS",
     "APPLY_OUTCOMES",
+    "CACHE_POLICIES",
     "COUNTS_FORMAT",
     "ENV",
     "HOOK_OPS",

@@ -26,7 +26,11 @@ from pinsidecar_hook.contract.io import (
     atomic_write_json,
 )
 
-__all__ = ["ExpertMap", "LayerPlacement", "RowMap", "cold_selection_ratio", "load_map", "placement_row_map"]
+# How a cache tier's slots are evicted (docs/cache-tier.md); the simulator models the same two.
+CACHE_POLICIES = ("lru", "lfu")
+
+__all__ = ["CACHE_POLICIES", "ExpertMap", "LayerPlacement", "RowMap", "cold_selection_ratio", "load_map",
+           "placement_row_map"]
 
 
 class RowMap(NamedTuple):
@@ -103,6 +107,11 @@ class ExpertMap:
     predicted_cold_rate: float | None = None
     created_at: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    # The cache tier (docs/cache-tier.md): K more HBM rows per layer that hold *copies* of recently used cold experts,
+    # filled from host memory while serving and evicted by ``cache_policy``. The cold experts stay in host memory
+    # (the master copies), so a cached map has the same cold list as an uncached one with the same hot set.
+    cache_slots: int = 0
+    cache_policy: str = "lru"  # "lru" | "lfu"; meaningful only when cache_slots > 0
 
     @property
     def cold_rows(self) -> int:
@@ -112,9 +121,19 @@ class ExpertMap:
     def num_layers(self) -> int:
         return len(self.layer_ids)
 
+    @property
+    def hbm_rows(self) -> int:
+        """HBM rows per layer: the static hot rows and the cache slots."""
+        return self.hot_rows + self.cache_slots
+
     def geometry(self) -> dict[str, int]:
-        return {"hot_rows": self.hot_rows, "cold_rows": self.cold_rows, "expert_bytes": self.expert_bytes,
+        """What the engine's kernel shapes see. ``cache_slots`` only when there are some, so that a map without a
+        cache keeps the hash and geometry it had before the cache tier existed."""
+        geom = {"hot_rows": self.hot_rows, "cold_rows": self.cold_rows, "expert_bytes": self.expert_bytes,
                 "num_experts": self.num_experts, "num_layers": self.num_layers, "top_k": self.top_k}
+        if self.cache_slots:
+            geom["cache_slots"] = self.cache_slots
+        return geom
 
     def same_geometry(self, other: ExpertMap) -> bool:
         """True when a reboot from ``other`` to ``self`` keeps every kernel shape (a compile-cache hit)."""
@@ -138,13 +157,16 @@ class ExpertMap:
         return mask
 
     def _placement_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "layer_ids": list(self.layer_ids),
             "num_experts": self.num_experts,
             "top_k": self.top_k,
             "geometry": self.geometry(),
             "layers": [{"layer_id": lp.layer_id, "hot": list(lp.hot), "cold": list(lp.cold)} for lp in self.layers],
         }
+        if self.cache_slots:
+            doc["cache_policy"] = self.cache_policy
+        return doc
 
     @property
     def content_hash(self) -> str:
@@ -180,6 +202,7 @@ class ExpertMap:
         if hot_rows < 0 or cold_rows < 0 or hot_rows + cold_rows != num_experts:
             raise ArtifactError(path, f"geometry hot_rows={hot_rows} + cold_rows={cold_rows} != num_experts "
                                 f"({num_experts})", "the map is corrupt; rebuild it")
+        cache_slots, cache_policy = _read_cache(doc, geom, hot_rows, cold_rows, path)
         raw_layers = _field(doc, "layers", list, path)
         if len(raw_layers) != len(layer_ids):
             raise ArtifactError(path, f"{len(raw_layers)} layer entries for {len(layer_ids)} layer_ids",
@@ -204,12 +227,30 @@ class ExpertMap:
             predicted_cold_rate=None if pcr is None else _finite(pcr, "predicted_cold_rate", path, 0.0, 1.0),
             created_at=str(doc.get("created_at", "")),
             meta=dict(doc.get("meta", {}) or {}),
+            cache_slots=cache_slots, cache_policy=cache_policy,
         )
         stated = doc.get("hash")
         if stated is not None and stated != emap.content_hash:
             raise ArtifactError(path, f"content hash mismatch (file says {stated}, content is {emap.content_hash})",
                                 "the map was edited or corrupted; rebuild it with `pinsidecar map build`")
         return emap
+
+
+def _read_cache(doc: dict[str, Any], geom: dict[str, Any], hot_rows: int, cold_rows: int,
+                path: Any) -> tuple[int, str]:
+    """The cache tier's slots and policy; absent means no cache (every map written before the cache tier)."""
+    slots = geom.get("cache_slots", 0)
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= cold_rows:
+        raise ArtifactError(path, f"geometry cache_slots must be an integer in 0..{cold_rows} (the cold rows), got "
+                            f"{slots!r}", "rebuild the map with `pinsidecar map build --cache-slots K`")
+    policy = doc.get("cache_policy", "lru")
+    if policy not in CACHE_POLICIES:
+        raise ArtifactError(path, f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {policy!r}",
+                            "rebuild the map with `pinsidecar map build --cache-policy lru`")
+    if slots == 0 and "cache_policy" in doc:
+        raise ArtifactError(path, "cache_policy is set but geometry cache_slots is 0",
+                            "the map is corrupt; rebuild it")
+    return slots, str(policy)
 
 
 def _check_partition(lid: int, hot: Sequence[int], cold: Sequence[int], num_experts: int, hot_rows: int,

@@ -28,7 +28,7 @@ from pinsidecar_hook.contract.io import (
     atomic_write_json,
 )
 
-__all__ = ["StatsSnapshot", "fallback_stats_path", "load_stats"]
+__all__ = ["CACHE_COUNTERS", "StatsSnapshot", "fallback_stats_path", "load_stats"]
 
 
 def fallback_stats_path(stats_path: str | os.PathLike[str]) -> Path:
@@ -63,6 +63,12 @@ class StatsSnapshot:
     errors: dict[str, int] = field(default_factory=dict)  # e.g. {"stats_write": 3}
     flush_token: str = ""  # the last flush/reset request served (contract.requests), echoed until the next one
     meta: dict[str, Any] = field(default_factory=dict)
+    # The cache tier, when the map has slots (docs/cache-tier.md); None otherwise. Keys: ``slots`` and ``policy``
+    # (the map's), and per layer: ``hits`` (selections served by a slot filled before the step), ``fills`` (cold
+    # experts copied into a slot) and ``evictions`` (fills that replaced another expert). With a cache,
+    # ``cold_selections`` are the misses: selections of a cold expert that was not in a slot when its step began,
+    # each read from host memory once for the step (into a slot, or in place when no slot was free).
+    cache: dict[str, Any] | None = None
 
     @property
     def total_selections(self) -> int:
@@ -115,7 +121,33 @@ class StatsSnapshot:
             tier_bytes={str(k): int(v) for k, v in (doc.get("tier_bytes") or {}).items()},
             histogram=hist, errors={str(k): int(v) for k, v in (doc.get("errors") or {}).items()},
             flush_token=str(doc.get("flush_token", "") or ""), meta=dict(doc.get("meta", {}) or {}),
+            cache=_read_cache_stats(doc.get("cache"), sel, cold, path),
         )
+
+
+CACHE_COUNTERS = ("hits", "fills", "evictions")
+
+
+def _read_cache_stats(raw: Any, sel: list[int], cold: list[int], path: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    fix = "the file is corrupt; it is rewritten at the engine's next stats write"
+    if not isinstance(raw, dict):
+        raise ArtifactError(path, f"cache must be an object, got {type(raw).__name__}", fix)
+    slots = _field(raw, "slots", int, path)
+    if slots < 1:
+        raise ArtifactError(path, f"cache slots must be at least 1, got {slots}", fix)
+    out: dict[str, Any] = {"slots": slots, "policy": str(raw.get("policy", "lru"))}
+    for key in CACHE_COUNTERS:
+        values = _int_list(_field(raw, key, list, path), f"cache {key}", path)
+        if len(values) != len(sel) or any(not 0 <= v <= COUNT_LIMIT for v in values):
+            raise ArtifactError(path, f"cache {key} must have one count in 0..{COUNT_LIMIT} per layer", fix)
+        out[key] = values
+    if any(h + c > s for h, c, s in zip(out["hits"], cold, sel, strict=True)):
+        raise ArtifactError(path, "cache hits + cold_selections exceed selections in a layer", fix)
+    if any(e > f for e, f in zip(out["evictions"], out["fills"], strict=True)):
+        raise ArtifactError(path, "cache evictions exceed fills in a layer (every eviction is a fill's)", fix)
+    return out
 
 
 def load_stats(path: str | os.PathLike[str]) -> StatsSnapshot:
