@@ -122,6 +122,9 @@ def _fmt_status(st: dict[str, Any]) -> str:
                          + (f", {sc.get('mismatch_count')} MISMATCHED" if sc.get("mismatch_count")
                             and sc.get("expected_equal", True) else "")
                          + ("" if sc.get("expected_equal", True) else " (placement-invariant backend)"))
+    cache = (p or {}).get("cache")
+    if cache:
+        lines.append(_fmt_cache(cache))
     g = st.get("gate")
     if g:
         lines.append(f"gate     upstream {g['upstream']}, in flight {g['in_flight']}, held {g['held']}"
@@ -146,6 +149,16 @@ def _fmt_status(st: dict[str, Any]) -> str:
     lines.append(f"daemon   pid {dmn.get('pid')}, up {dmn.get('uptime_s')} s, control {dmn.get('control')}, "
                  f"metrics {dmn.get('metrics')}")
     return "\n".join(lines)
+
+
+def _fmt_cache(c: dict[str, Any]) -> str:
+    """The cache tier in one line: slots, policy, and the slots' hit rate since the engine booted."""
+    head = f"cache    {c.get('slots')} slots per layer, {c.get('policy')}"
+    hits, misses = c.get("hits") or 0, c.get("misses") or 0
+    if c.get("hit_ratio") is None:
+        return head + ": no selection has reached a slot or host memory since boot"
+    return (head + f": hit rate {100 * float(c['hit_ratio']):.1f} % since boot ({hits} hits, {misses} misses; "
+            f"{c.get('fills') or 0} fills, {c.get('evictions') or 0} evictions)")
 
 
 def _fmt_drift_and_remap(st: dict[str, Any]) -> list[str]:
@@ -246,7 +259,7 @@ def register(main: click.Group) -> None:
     @json_option
     @handle_errors
     def status_cmd(config_path: Path | None, as_json: bool) -> None:
-        """Show the running daemon's engine state, map, last boot, gate and maps library."""
+        """Show the running daemon's engine state, map, last boot, cache tier, gate and maps library."""
         cfg = _load(config_path, check_paths=False)
         code, payload = _request(cfg, "GET", "/status", timeout=10.0)
         if code != 200:

@@ -56,6 +56,7 @@ from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 from pinsidecar.engine.ports import check_ports_free
 from pinsidecar.engine.process import stop_recorded_engine
 from pinsidecar.live_stats import StatsReader, load_newest_stats
+from pinsidecar.metrics.cache import cache_status
 from pinsidecar.remap import admission
 from pinsidecar.remap.candidates import find_by_label, reference_counts
 from pinsidecar.remap.commit import committed_map
@@ -350,7 +351,8 @@ class Daemon:
 
     def _pin_status(self) -> dict[str, Any] | None:
         """What the engine's hook says about its split (from its newest stats file): the backend, whether it has
-        been checked on hardware, bytes per expert, and the attach-time self-check when one ran. None when the
+        been checked on hardware, bytes per expert, the attach-time self-check when one ran, and the cache tier
+        (:func:`~pinsidecar.metrics.cache.cache_status`, None without one). None when the
         engine is not in pin mode or has not written stats yet."""
         path = self.stats_path
         if path is None or self.cfg.engine.hook_mode != "pin":
@@ -366,7 +368,8 @@ class Daemon:
         # routing (so every count) is the same on all of them.
         return {"backend": meta.get("backend"), "backend_verified": bool(meta.get("backend_verified", True)),
                 "expert_bytes": meta.get("expert_bytes"), "tier_bytes": tiers, "tp_size": ranks,
-                "lane_tier_bytes": {k: v * ranks for k, v in tiers.items()}, "selfcheck": meta.get("selfcheck")}
+                "lane_tier_bytes": {k: v * ranks for k, v in tiers.items()}, "selfcheck": meta.get("selfcheck"),
+                "cache": cache_status(snap)}
 
     def _drift_status(self) -> dict[str, Any] | None:
         watch = self.watch

@@ -9,6 +9,8 @@ time (the engine's pid, container id and URL, the gate). One collector per modul
 - :mod:`~pinsidecar.metrics.engine` — the engine's own ``/metrics``: tokens, tok/s, queue, KV cache;
 - :mod:`~pinsidecar.metrics.routing` — the hook's stats file through :class:`pinsidecar.live_stats.StatsReader`:
   selections, cold selections, ratios per layer, tier bytes, hook errors, stats age, the engine's map;
+- :mod:`~pinsidecar.metrics.cache` — the cache tier from the same stats file: slots, hits, fills, evictions, the
+  slots' hit ratio (and what ``pinsidecar status`` shows of it);
 - :mod:`~pinsidecar.metrics.cgroup` — the engine's cgroup memory (v2, v1 fallback) and how to find the cgroup;
 - :mod:`~pinsidecar.metrics.host` — host memory (psutil);
 - :mod:`~pinsidecar.metrics.gpu` — GPU memory (NVML, where it exists);
@@ -33,6 +35,17 @@ Names (all ``pinsidecar_``-prefixed, with units; dashboards and alert rules in `
 ``pinsidecar_layer_expert_cold_selections_total{layer}``
 ``pinsidecar_cold_selection_ratio``                           cold / selections since the engine booted
 ``pinsidecar_layer_cold_selection_ratio{layer}``
+``pinsidecar_cache_slots``                                    cache slots per MoE layer in the served map; 0: no
+                                                              cache (docs/cache-tier.md)
+``pinsidecar_cache_hits_total``                               selections served by a cache slot, all layers
+                                                              (monotonic across boots; 0 on a lane with no cache)
+``pinsidecar_cache_fills_total``                              cold experts copied into a slot
+``pinsidecar_cache_evictions_total``                          fills that replaced another expert
+``pinsidecar_layer_cache_{hits,fills,evictions}_total``       the same per MoE layer (``{layer}``; only layers that
+                                                              had a cache)
+``pinsidecar_cache_hit_ratio``                                hits / (hits + cold selections) since the engine
+                                                              booted; with a cache the cold selections are the
+                                                              misses. Absent without a cache or before traffic
 ``pinsidecar_expert_bytes{tier="hbm"|"host"}``                expert weight bytes per tier on one rank (tier_bytes)
 ``pinsidecar_tensor_parallel_ranks``                          the engine's TP ranks (lane bytes: the above x this)
 ``pinsidecar_hook_errors_total{kind}``                        the hook's own error counters (e.g. stats_write)
@@ -93,6 +106,7 @@ Names (all ``pinsidecar_``-prefixed, with units; dashboards and alert rules in `
 ============================================================  ====================================================
 """
 
+from pinsidecar.metrics.cache import CacheTotals, cache_status
 from pinsidecar.metrics.cgroup import (
     MEMORY_STAT_KEYS,
     CgroupMemoryCollector,

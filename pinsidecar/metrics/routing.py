@@ -1,4 +1,5 @@
-"""What the routing did, from the hook's live stats file: selections, cold selections, ratios, tier bytes, errors.
+"""What the routing did, from the hook's live stats file: selections, cold selections, ratios, tier bytes, errors,
+and the cache tier's slots, hits, fills and evictions (:mod:`pinsidecar.metrics.cache`).
 
 The file is read through :class:`pinsidecar.live_stats.StatsReader`, the daemon's one reader of it: the same
 rules for restarts, resets and the hook's fallback path as the drift watch and the demo. The stats file's
@@ -23,6 +24,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from pinsidecar.live_stats import StatsReader, StatsReading
+from pinsidecar.metrics.cache import CacheTotals, cache_metrics
 from pinsidecar.metrics.source import SourceStatus
 
 __all__: list[str] = []  # nothing here is another package's business
@@ -64,6 +66,7 @@ class RoutingCollector:
         self.stats_path = None if stats_path is None else Path(stats_path)
         self.reader = None if self.stats_path is None else StatsReader(self.stats_path, use_fallback=use_fallback)
         self.totals = RoutingTotals()
+        self.cache_totals = CacheTotals()
         self.status = SourceStatus(self.source)
         self._wall_clock = wall_clock
         self._lock = threading.Lock()  # concurrent scrapes: one read-and-fold at a time
@@ -84,9 +87,11 @@ class RoutingCollector:
                 self.status.fail(reader.last_error or self._missing(reader))
                 return
             self.totals.add(reading)
+            self.cache_totals.add(reading)
             self.status.ok()
             sel, cold, errors = dict(self.totals.selections), dict(self.totals.cold_selections), \
                 dict(self.totals.errors)
+            cache = self.cache_totals.copy()
         snap = reading.snapshot
         yield CounterMetricFamily("pinsidecar_expert_selections", "Routed expert selections, all MoE layers.",
                                   value=sum(sel.values()))
@@ -113,6 +118,7 @@ class RoutingCollector:
             if layer_ratio is not None:
                 per_layer.add_metric([str(lid)], layer_ratio)
         yield per_layer
+        yield from cache_metrics(cache, snap)
         if snap.tier_bytes:
             tiers = GaugeMetricFamily("pinsidecar_expert_bytes", "Expert weight bytes by memory tier, on one "
                                       "tensor-parallel rank (every rank holds an equal shard).", labels=["tier"])
