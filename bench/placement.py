@@ -29,11 +29,20 @@ the unsplit call, live counting on and off, kernel launches per layer) and the b
 
 On the CPU every tier is host memory, so its figures mean nothing; CI checks that the script runs and that the
 outputs are bit-identical. JSON and a PNG (step time against host budget per placement) are written side by side.
+
+Routing with temporal structure (``bench/routing_sequences.py``: ``short_reuse``, ``stationary``, ``flat``,
+``mixed``): ``--profiles calibrated,short_reuse`` times the placements on it (each step's ids are consecutive tokens
+of the sequence; the map comes from another sequence of the same profile), and the ``sequences`` section (CPU only,
+no torch) replays the sequences through the cache-tier simulator at one HBM budget, held out against a training
+trace: the static map, LRU slots only, and the split ``auto_split`` chooses, at batch 1 and 4::
+
+    python3 bench/placement.py --sections sequences --out bench/results/placement_sequences_cpu_2026-12-05.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -63,6 +72,7 @@ from pinsidecar.testing import moe
 
 if __name__ == "__main__" and not __package__:  # run as a file: the repo root on the path, so that the
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # siblings import as the `bench` package
+from bench import routing_sequences
 from bench.gpu_timing import eager_time_us, graph_time_us, kernels_launched
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,6 +96,20 @@ TRITON_SWEEP = [
     {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3},
 ]
 
+# The sequence phase (``--sections sequences``): the cache-tier simulator on routing with temporal structure, at the
+# issue's geometry (Qwen3-30B-A3B-like: 24 MoE layers x 160 experts, top-6, 23 % of the experts in host memory).
+SEQUENCE_GEOMETRY = {"layers": 24, "experts": 160, "top_k": 6}
+SEQUENCE_HOST_FRACTION = 0.23
+SEQUENCE_TOKENS = 20000  # held-out tokens, and as many again in the training trace
+SEQUENCE_BATCHES = (1, 4)
+SEQUENCE_SEEDS = {"model": 0, "train": 1, "test": 2}
+TARGET_GAIN = 1.3  # the issue's target: hybrid >= 1.3x better than the better of static and LRU-only
+# Quoted from the issue (its simulation, not ours): miss rates at 24 x 160, top-6, 23 % host, batch 1.
+ISSUE_FIGURES = {"source": "quoted from the cache-tier issue, not measured here",
+                 "short_reuse": {"static": 0.144, "lru_only": 0.049, "hybrid": 0.035},
+                 "stationary": {"static": 0.035, "lru_only": 0.057, "hybrid": 0.035},
+                 "mixed": {"static": 0.084, "lru_only": 0.046, "hybrid": 0.032}}
+
 __all__ = ["main"]
 
 
@@ -104,6 +128,31 @@ class Profile:
     map_probs: np.ndarray
     measure_probs: np.ndarray
     note: str
+    sequence: str | None = None  # a bench/routing_sequences.py profile: tokens come in its order, not independent
+
+
+def profile_ids(profile: Profile, which: str, tokens: int, geo: dict[str, int], rng: np.random.Generator) -> np.ndarray:
+    """``[tokens, layers, k]`` routed ids for the map sample (``which="map"``) or the measured traffic: independent
+    draws from the profile's probabilities, or, for a sequence profile, ``tokens`` consecutive tokens of its
+    sequence (a fresh seed from ``rng``, the same model), so consecutive steps carry its temporal structure."""
+    if profile.sequence is None:
+        return draw_topk(profile.map_probs if which == "map" else profile.measure_probs, tokens, geo["top_k"], rng)
+    seed = int(rng.integers(1 << 31))
+    return routing_sequences.generate(profile.sequence, tokens, geo["layers"], geo["experts"], geo["top_k"], seed,
+                                      SEQUENCE_SEEDS["model"]).astype(np.int64)
+
+
+def sequence_profile(name: str, geo: dict[str, int], seed: int) -> Profile:
+    """A routing-sequence profile for the kernel-level timing: the map is built from one sequence, the steps are
+    consecutive tokens of another (same model). The probabilities are a sample's frequencies, for the record."""
+    sample = routing_sequences.generate(name, MAP_TOKENS, geo["layers"], geo["experts"], geo["top_k"], seed,
+                                        SEQUENCE_SEEDS["model"])
+    freq = counts_of(sample.astype(np.int64), geo["experts"]).astype(np.float64)
+    freq /= freq.sum(axis=1, keepdims=True)
+    stats = routing_sequences.reuse_stats(sample)
+    return Profile(name, freq, freq, f"routing sequence {name} (bench/routing_sequences.py): steps are consecutive "
+                   f"tokens; median reuse distance {stats['median_reuse_distance']:g}, "
+                   f"{stats['share_within_8']:.0%} within 8 tokens", sequence=name)
 
 
 def draw_topk(probs: np.ndarray, tokens: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
@@ -387,7 +436,7 @@ def step_data(profile: Profile, geo: dict[str, int], tokens: int, steps: int, se
     """Routed tokens for ``steps`` steps: ids ``[L, S, T, k]`` from the profile's measured traffic, router weights
     (softmax of random logits) and hidden states; and the ids on the host for the accounting."""
     rng = np.random.default_rng(seed)
-    ids = draw_topk(profile.measure_probs, steps * tokens, geo["top_k"], rng)  # [S*T, L, k]
+    ids = profile_ids(profile, "measure", steps * tokens, geo, rng)  # [S*T, L, k]: step s = tokens s*T..(s+1)*T-1
     ids = ids.reshape(steps, tokens, geo["layers"], geo["top_k"]).transpose(2, 0, 1, 3).copy()  # [L, S, T, k]
     logits = torch.from_numpy(rng.standard_normal(ids.shape)).float()
     weights = torch.softmax(logits, dim=-1)
@@ -636,10 +685,10 @@ def make_masks(geo: dict[str, int], profile: Profile, seed: int) -> tuple[dict[s
     rng = np.random.default_rng(seed)
     layer_ids = list(range(layers))
     sample = CountsArtifact(layer_ids=layer_ids, num_experts=e, top_k=k,
-                            counts=counts_of(draw_topk(profile.map_probs, MAP_TOKENS, k, rng), e), tokens=MAP_TOKENS,
+                            counts=counts_of(profile_ids(profile, "map", MAP_TOKENS, geo, rng), e), tokens=MAP_TOKENS,
                             workload=f"{profile.name}-map-sample")
     held = CountsArtifact(layer_ids=layer_ids, num_experts=e, top_k=k,
-                          counts=counts_of(draw_topk(profile.measure_probs, MAP_TOKENS, k, rng), e),
+                          counts=counts_of(profile_ids(profile, "measure", MAP_TOKENS, geo, rng), e),
                           tokens=MAP_TOKENS, workload=f"{profile.name}-measure-sample")
     masks = {"all_hbm": np.ones((layers, e), dtype=bool)}
     info: dict[str, Any] = {}
@@ -764,6 +813,138 @@ def run_placements(geo: dict[str, int], device: torch.device, profiles: list[Pro
             "host_pool": {"bytes": pool_bytes, "pin_seconds": round(pool_s, 1)}}
 
 
+# ----------------------------------------------------------------------------------------------- sequence phase
+
+
+def _sim_row(r: Any) -> dict[str, Any]:
+    return {"hot_rows": r.hot_rows, "cache_slots": r.cache_slots, "policy": r.policy, "miss_rate": r.miss_rate,
+            "host_fetches_per_token": r.host_fetches_per_token, "misses": r.misses, "host_fetches": r.host_fetches}
+
+
+def simulator_identity() -> dict[str, Any]:
+    """Which simulator produced the figures: the module's sha256 and the checkout's commit (the model's details
+    change; the figures belong to one version of it)."""
+    import hashlib
+    import importlib
+    import subprocess
+
+    path = Path(importlib.import_module("pinsidecar.placement.simulate").__file__ or "")
+    ident: dict[str, Any] = {"module": "pinsidecar/placement/simulate.py",
+                             "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", str(path)],
+                               capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            ident["git_head"] = head.stdout.strip()
+            ident["modified_since_head"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return ident
+
+
+def sequence_section(names: list[str], layers: int, experts: int, top_k: int, host_fraction: float, tokens: int,
+                     batches: tuple[int, ...], trace_dir: Path | None = None) -> dict[str, Any]:
+    """The cache-tier simulator (:mod:`pinsidecar.placement.simulate`, CPU only) on each routing sequence at one HBM
+    budget: N = round((1 - host_fraction) * experts) rows per layer. The hot set is ranked on a training trace of
+    the profile (same model, other tokens); every figure is on the held-out trace. Per batch: the static map only
+    (K = 0), LRU slots only (H = 0, K = N), and the hybrid: the split ``auto_split`` chooses on the training trace
+    (LRU), with every split it tried."""
+    from pinsidecar.placement import HotRanking, auto_split, simulate
+
+    hbm_rows = round((1 - host_fraction) * experts)
+    out: dict[str, Any] = {
+        "geometry": {"layers": layers, "experts": experts, "top_k": top_k, "host_fraction": host_fraction,
+                     "hbm_rows": hbm_rows, "host_rows": experts - hbm_rows, "tokens": tokens,
+                     "train_tokens": tokens, "batches": list(batches), "seeds": SEQUENCE_SEEDS},
+        "method": "hot set ranked on a training trace of the same profile (same model seed, other token seed); "
+        "figures on the held-out trace. static: K=0 (N static rows); lru_only: H=0, K=N LRU slots; hybrid: the "
+        "split pinsidecar.placement.auto_split chooses on the training trace (policy lru). gain: the better of "
+        "static and lru_only divided by hybrid (>1: hybrid fewer).",
+        "reuse_distance": "for a selection of expert e at token t in layer l: t - t', t' the most recent earlier "
+        "token selecting e in layer l; a first selection has none and counts as infinite (in every denominator, "
+        "never within 8)",
+        "calibration_targets": {**routing_sequences.CALIBRATION, "applies_to": "short_reuse",
+                                "source": "Qwen3-30B-A3B figures quoted in the cache-tier issue"},
+        "target_gain": TARGET_GAIN, "issue_figures": ISSUE_FIGURES, "simulator": simulator_identity(),
+        "profiles": [],
+    }
+    for name in names:
+        t0 = time.monotonic()
+        train_ids = routing_sequences.generate(name, tokens, layers, experts, top_k, SEQUENCE_SEEDS["train"],
+                                               SEQUENCE_SEEDS["model"])
+        test_ids = routing_sequences.generate(name, tokens, layers, experts, top_k, SEQUENCE_SEEDS["test"],
+                                              SEQUENCE_SEEDS["model"])
+        params = dataclasses.asdict(routing_sequences.PROFILES[name])
+        reuse = routing_sequences.reuse_stats(test_ids)
+        meta = {"generator": "bench/routing_sequences.py", "profile": name, "params": params,
+                "model_seed": SEQUENCE_SEEDS["model"]}
+        train = routing_sequences.to_trace(train_ids, experts, {**meta, "seed": SEQUENCE_SEEDS["train"]})
+        test = routing_sequences.to_trace(test_ids, experts, {**meta, "seed": SEQUENCE_SEEDS["test"], "reuse": reuse})
+        if trace_dir is not None:
+            from pinsidecar_hook.contract import save_trace
+
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            save_trace(trace_dir / f"{name}.train.npz", train)
+            save_trace(trace_dir / f"{name}.test.npz", test)
+        ranking = HotRanking.from_counts(train.counts(), "train")
+        entry: dict[str, Any] = {
+            "name": name, "params": params, "reuse": reuse, "reuse_train": routing_sequences.reuse_stats(train_ids),
+            "popularity": routing_sequences.popularity_shift(train_ids, test_ids, experts, experts - hbm_rows),
+            "batches": {},
+        }
+        for b in batches:
+            static = simulate(test, ranking, hbm_rows, 0, "static", b)
+            lru_only = simulate(test, ranking, hbm_rows, hbm_rows, "lru", b)
+            auto = auto_split(test, ranking, hbm_rows, "lru", b, train=train)
+            hybrid = auto.results[auto.chosen]
+            gain = {}
+            for metric in ("miss_rate", "host_fetches_per_token"):
+                best = min(getattr(static, metric), getattr(lru_only, metric))
+                theirs = getattr(hybrid, metric)
+                gain[metric] = best / theirs if theirs else math.inf
+            entry["batches"][str(b)] = {
+                "static": _sim_row(static), "lru_only": _sim_row(lru_only),
+                "hybrid": {**_sim_row(hybrid), "tuning_miss_rate": auto.tuning[auto.chosen].miss_rate,
+                           "chosen_on": auto.tuned_on},
+                "splits": [{**_sim_row(r), "tuning_miss_rate": t.miss_rate, "chosen": i == auto.chosen}
+                           for i, (r, t) in enumerate(zip(auto.results, auto.tuning, strict=True))],
+                "gain_over_better_single": gain,
+                "meets_target_gain": all(g >= TARGET_GAIN for g in gain.values()),
+            }
+            say(f"sequence {name:11s} b{b}: static {static.miss_rate:.2%} lru_only {lru_only.miss_rate:.2%} hybrid "
+                f"K={hybrid.cache_slots} {hybrid.miss_rate:.2%}; fetches/token {static.host_fetches_per_token:.2f} "
+                f"{lru_only.host_fetches_per_token:.2f} {hybrid.host_fetches_per_token:.2f}")
+        entry["seconds"] = round(time.monotonic() - t0, 1)
+        out["profiles"].append(entry)
+    out["table"] = [
+        {"profile": p["name"], "batch": int(b), "median_reuse_distance": p["reuse"]["median_reuse_distance"],
+         "share_within_8": p["reuse"]["share_within_8"],
+         **{f"{k}_miss_rate": row[k]["miss_rate"] for k in ("static", "lru_only", "hybrid")},
+         **{f"{k}_fetches_per_token": row[k]["host_fetches_per_token"] for k in ("static", "lru_only", "hybrid")},
+         "hybrid_cache_slots": row["hybrid"]["cache_slots"],
+         "gain_miss_rate": row["gain_over_better_single"]["miss_rate"],
+         "gain_fetches": row["gain_over_better_single"]["host_fetches_per_token"],
+         "meets_target_gain": row["meets_target_gain"]}
+        for p in out["profiles"] for b, row in p["batches"].items()]
+    return out
+
+
+def sequence_table_markdown(section: dict[str, Any]) -> str:
+    """The sequence phase as a Markdown table (what docs/placement-bench.md shows)."""
+    lines = ["| profile | batch | median reuse | within 8 | static miss | LRU-only miss | hybrid miss (K) | static "
+             "fetch/tok | LRU-only fetch/tok | hybrid fetch/tok | gain miss / fetch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in section["table"]:
+        lines.append(
+            f"| {r['profile']} | {r['batch']} | {r['median_reuse_distance']:g} | {r['share_within_8']:.1%} | "
+            f"{r['static_miss_rate']:.2%} | {r['lru_only_miss_rate']:.2%} | {r['hybrid_miss_rate']:.2%} "
+            f"({r['hybrid_cache_slots']}) | {r['static_fetches_per_token']:.2f} | {r['lru_only_fetches_per_token']:.2f}"
+            f" | {r['hybrid_fetches_per_token']:.2f} | {r['gain_miss_rate']:.2f}x / {r['gain_fetches']:.2f}x |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------- figures and plot
 
 
@@ -863,6 +1044,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- main
 
 
+KERNEL_SECTIONS = ("probes", "kernels", "micro", "placements")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "placement.json"),
@@ -873,15 +1057,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="experts implementation (auto: the fastest accurate grouped one on CUDA)")
     parser.add_argument("--reps", type=int, default=None, help="measured steps per case")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sections", default="probes,kernels,micro,placements")
+    parser.add_argument("--sections", default=",".join(KERNEL_SECTIONS),
+                        help=f"subset of {','.join((*KERNEL_SECTIONS, 'sequences'))}; sequences: the cache-tier "
+                        "simulator on the routing sequences (CPU only)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the Triton configuration sweep")
     parser.add_argument("--deadline-s", type=float, default=480.0, help="stop building placements after this")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--batches", default=",".join(BATCHES), help=f"subset of {','.join(BATCHES)}")
     parser.add_argument("--budgets", default=",".join(HOST_FRACTIONS), help=f"subset of {','.join(HOST_FRACTIONS)}")
+    seqs = ",".join(routing_sequences.PROFILES)
+    parser.add_argument("--profiles", default="calibrated,demo",
+                        help=f"routing profiles of the kernel-level timing: calibrated, demo and/or the routing "
+                        f"sequences {seqs} (steps are then consecutive tokens of the sequence)")
+    parser.add_argument("--sequence-profiles", default=seqs, help=f"profiles of the sequences section ({seqs})")
+    parser.add_argument("--sequence-geometry", default="{layers}x{experts}x{top_k}".format(**SEQUENCE_GEOMETRY),
+                        help="LAYERSxEXPERTSxTOP_K of the sequences section")
+    parser.add_argument("--sequence-host-fraction", type=float, default=SEQUENCE_HOST_FRACTION,
+                        help="share of each layer's experts in host memory (HBM rows N = round((1 - f) x experts))")
+    parser.add_argument("--sequence-tokens", type=int, default=SEQUENCE_TOKENS,
+                        help="held-out tokens per profile (the training trace has as many)")
+    parser.add_argument("--sequence-batches", default=",".join(map(str, SEQUENCE_BATCHES)),
+                        help="tokens per step of the sequences section")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="also write each sequence's training and held-out traces here (PROFILE.train.npz, "
+                        "PROFILE.test.npz), for pinsidecar placement simulate")
     args = parser.parse_args(argv)
     started = time.monotonic()
     deadline = started + args.deadline_s
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here (leave --device out, or pass cpu)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     geo = dict(SMALL_GEOMETRY if args.small else GEOMETRY)
     if args.layers:
@@ -889,15 +1093,26 @@ def main(argv: list[str] | None = None) -> int:
     if geo["layers"] < 2:
         parser.error("--layers must be at least 2 (positional offload takes whole layers)")
     reps = args.reps or (8 if args.small else 100)
-    for name, chosen, known in (("--batches", args.batches, BATCHES), ("--budgets", args.budgets, HOST_FRACTIONS)):
+    for name, chosen, known in (("--batches", args.batches, BATCHES), ("--budgets", args.budgets, HOST_FRACTIONS),
+                                ("--sections", args.sections, (*KERNEL_SECTIONS, "sequences")),
+                                ("--profiles", args.profiles, ("calibrated", "demo", *routing_sequences.PROFILES)),
+                                ("--sequence-profiles", args.sequence_profiles, routing_sequences.PROFILES)):
         unknown = set(chosen.split(",")) - set(known)
         if unknown:
             parser.error(f"{name}: unknown {sorted(unknown)}; choose from {','.join(known)}")
+    try:
+        seq_layers, seq_experts, seq_top_k = (int(x) for x in args.sequence_geometry.lower().split("x"))
+        seq_batches = tuple(int(b) for b in args.sequence_batches.split(","))
+    except ValueError:
+        parser.error("--sequence-geometry is LAYERSxEXPERTSxTOP_K (e.g. 24x160x6), --sequence-batches e.g. 1,4")
+    if not 0 < args.sequence_host_fraction < 1:
+        parser.error("--sequence-host-fraction must be in (0, 1)")
     for key in [b for b in BATCHES if b not in args.batches.split(",")]:
         del BATCHES[key]
     for key in [b for b in HOST_FRACTIONS if b not in args.budgets.split(",")]:
         del HOST_FRACTIONS[key]
     sections = set(args.sections.split(","))
+    kernel_level = bool(sections & set(KERNEL_SECTIONS))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -907,19 +1122,46 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "environment": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-                        "triton": getattr(grouped.triton, "__version__", None)},
-        "geometry": {**geo, "dtype": "bfloat16", "expert_bytes": 3 * geo["hidden"] * geo["intermediate"] * 2,
-                     "layer_bytes": geo["experts"] * 3 * geo["hidden"] * geo["intermediate"] * 2},
-        "host_fractions": HOST_FRACTIONS, "batches": BATCHES, "reps": reps, "warmup": args.warmup,
+                        "numpy": np.__version__, "triton": getattr(grouped.triton, "__version__", None)},
+        "sections": sorted(sections),
     }
+    if kernel_level:
+        result.update({
+            "geometry": {**geo, "dtype": "bfloat16", "expert_bytes": 3 * geo["hidden"] * geo["intermediate"] * 2,
+                         "layer_bytes": geo["experts"] * 3 * geo["hidden"] * geo["intermediate"] * 2},
+            "host_fractions": HOST_FRACTIONS, "batches": BATCHES, "reps": reps, "warmup": args.warmup,
+        })
 
     def save() -> None:
         atomic_write_bytes(out, (json.dumps(result, indent=1, default=float) + "\n").encode())
 
+    if "sequences" in sections:  # CPU only: the simulator, no torch
+        say("sequences")
+        result["sequences"] = sequence_section(args.sequence_profiles.split(","), seq_layers, seq_experts, seq_top_k,
+                                               args.sequence_host_fraction, args.sequence_tokens, seq_batches,
+                                               args.trace_dir)
+        save()
+        print(sequence_table_markdown(result["sequences"]))
+    if kernel_level:
+        run_kernel_level(args, result, sections, geo, device, reps, deadline, out, save)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    save()
+    if kernel_level:
+        print(json.dumps(result.get("figures", {}), indent=1, default=float))
+    return 0
+
+
+def run_kernel_level(args: argparse.Namespace, result: dict[str, Any], sections: set[str], geo: dict[str, int],
+                     device: torch.device, reps: int, deadline: float, out: Path, save: Callable[[], None]) -> None:
+    """The kernel-level sections (probes, kernels, micro, placements); kernels and the launch counts need CUDA and
+    are left out without it (the CPU runs the rest with both tiers in host memory)."""
     torch.manual_seed(0)
     say("profiles")
-    profiles = [calibrated_profile(geo, 11), demo_profile(geo, 12)]
-    result["profiles"] = [{"name": p.name, "note": p.note} for p in profiles]
+    makers: dict[str, Callable[[], Profile]] = {"calibrated": lambda: calibrated_profile(geo, 11),
+                                                "demo": lambda: demo_profile(geo, 12)}
+    profiles = [makers[p]() if p in makers else sequence_profile(p, geo, 13 + i)
+                for i, p in enumerate(args.profiles.split(","))]
+    result["profiles"] = [{"name": p.name, "note": p.note, "sequence": p.sequence} for p in profiles]
     result["bandwidth"] = bandwidth_probes(device, args.small) if "probes" in sections or device.type == "cuda" \
         else bandwidth_probes(device, True)
     say("bandwidth", {k: v for k, v in result["bandwidth"].items() if k != "method"})
@@ -956,11 +1198,6 @@ def main(argv: list[str] | None = None) -> int:
         result["default_mode"] = "overlap" if device.type == "cuda" and torch_ref.OVERLAP_DEFAULT else "serial"
         result["figures"] = figures(result)
         plot(result, out.with_suffix(".png"))
-    result["seconds"] = round(time.monotonic() - started, 1)
-    save()
-    print(json.dumps(result.get("figures", {}), indent=1, default=float))
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
