@@ -26,7 +26,8 @@
 # Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
 # document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1"); GPU_LANE_ENGAPPLY_REPS the rounds of
-# engapplyw (default 3), for a call with little device time left.
+# engapplyw (default 3), for a call with little device time left; GPU_LANE_ENGAPPLY_ORDERINGS its orderings
+# (default "host,stream"; "stream" alone skips the host order, which took 194 s an apply under 16 streams on an H100).
 #
 # Calls (kind nvidia-h200; each within ~30 s of the previous one's end; a call sends at most 64 MiB, working tree
 # included, so the chunks and the control files travel apart):
@@ -167,7 +168,7 @@ step_engapplyw() {
     > /dev/null || return 1
   timeout $(( $(left) - PACK_S )) python3 bench/apply_engine.py --model "$GPU_LANE_WORK/model" \
     --engine-toml /tmp/gl/heal-engine.toml --pair "complement64=$m:16" --reps "${GPU_LANE_ENGAPPLY_REPS:-3}" \
-    --work /tmp/gl/engapplyw --out "$OUT/apply_engine_wide_h200.json"
+    --orderings "${GPU_LANE_ENGAPPLY_ORDERINGS:-host,stream}" --work /tmp/gl/engapplyw --out "$OUT/apply_engine_wide_h200.json"
 }
 
 # The calibrated lane: count its code traffic (the guide's engine table, another model), a usage map at 23 %, and
