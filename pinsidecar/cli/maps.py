@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from pinsidecar_hook.contract import CountsArtifact, load_counts, load_map
+from pinsidecar_hook.contract import CACHE_POLICIES, CountsArtifact, RoutingTrace, load_counts, load_map, load_trace
 
 from pinsidecar import placement
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
@@ -164,6 +164,78 @@ def _resolve_hot_rows(hot_rows: int | None, hbm_bytes: int | None, expert_bytes:
     return placement.hot_rows_for_budget(hbm_bytes, counts.num_layers, expert_bytes, counts.num_experts)
 
 
+def _parse_cache_slots(raw: str | None) -> int | str:
+    """``--cache-slots``: a count of slots or ``auto``; absent is 0 (no cache)."""
+    if raw is None:
+        return 0
+    if raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"--cache-slots must be a number of slots or 'auto', got {raw!r}",
+                        "pass --cache-slots K (0..the HBM rows - 1) or --cache-slots auto with --trace") from None
+    if value < 0:
+        raise UserError(f"--cache-slots must be at least 0, got {value}", "pass --cache-slots 0 for no cache")
+    return value
+
+
+def _check_cache_policy(policy: str) -> str:
+    if policy not in CACHE_POLICIES:
+        hint = (" (static is the simulator's baseline, not a cache: a static set of N rows is a map with "
+                "--cache-slots 0)" if policy == "static" else "")
+        raise UserError(f"--cache-policy {policy!r} is not one of {', '.join(CACHE_POLICIES)}{hint}",
+                        "pass --cache-policy lru or --cache-policy lfu")
+    return policy
+
+
+def _load_build_trace(trace_path: str, total: CountsArtifact) -> RoutingTrace:
+    """The routing trace of ``--trace``, refused when it is of another model than the counts (the simulator's
+    check, naming both sides)."""
+    trace = load_trace(trace_path)
+    ranking = placement.HotRanking.from_counts(total.counts, "counts", total.layer_ids)
+    placement.check_trace_geometry(trace, ranking, trace_path, "the counts")
+    return trace
+
+
+def _choose_cache_slots(slots: int | str, policy: str, hbm_rows: int, total: CountsArtifact,
+                        trace: RoutingTrace | None, trace_path: str | None) -> tuple[int, dict[str, Any]]:
+    """K, and what the choice was (recorded in the map's meta as ``cache``). ``auto`` runs the simulator's
+    :func:`~pinsidecar.placement.auto_split` on the trace, the hot set ranked by the counts (as the map's)."""
+    if slots != "auto":
+        assert isinstance(slots, int)
+        if slots > hbm_rows - 1:
+            raise UserError(f"--cache-slots {slots} leaves no hot row: the budget gives {hbm_rows} HBM rows per "
+                            f"layer, and the slots are taken out of them (H = {hbm_rows} - {slots})",
+                            f"pass --cache-slots 0..{hbm_rows - 1}, or a larger budget")
+        info: dict[str, Any] = {"slots": slots, "policy": policy, "hbm_rows": hbm_rows, "hot_rows": hbm_rows - slots,
+                                "chosen": "given"}
+        return slots, info
+    if trace is None:
+        raise UserError("--cache-slots auto chooses the split on a routing trace, and none was given",
+                        "add --trace TRACE.npz (recorded with `pinsidecar count-boot --trace`), or pass "
+                        "--cache-slots K")
+    ranking = placement.HotRanking.from_counts(total.counts, "counts", total.layer_ids)
+    auto = placement.auto_split(trace, ranking, hbm_rows, policy, train=trace)
+    grid = [r.cache_slots for r in auto.tuning]
+    # A map keeps at least one hot row; the simulator's grid also tries K = N (no hot row), which is only reported.
+    admissible = [i for i, k in enumerate(grid) if k <= hbm_rows - 1]
+    chosen = auto.chosen if auto.chosen in admissible else min(
+        admissible, key=lambda i: (auto.tuning[i].miss_rate, auto.tuning[i].host_fetches_per_token, grid[i]))
+    k = grid[chosen]
+    info = {
+        "slots": k, "policy": policy, "hbm_rows": hbm_rows, "hot_rows": hbm_rows - k, "chosen": "auto",
+        "chosen_on": "trace", "trace": os.path.basename(trace_path or ""), "trace_tokens": trace.tokens,
+        "rule": "lowest miss rate on the trace; equal rates to fewer host fetches, then fewer slots; at least one "
+                "hot row",
+        "tried": [{"cache_slots": r.cache_slots, "hot_rows": r.hot_rows, "miss_rate": r.miss_rate,
+                   "host_fetches_per_token": r.host_fetches_per_token, "chosen": i == chosen,
+                   **({} if i in admissible else {"admissible": False})}
+                  for i, r in enumerate(auto.tuning)],
+    }
+    return k, info
+
+
 def _positional_description(mask: placement.PlacementMask) -> str:
     full, part = mask.meta["full_cold_layers"], mask.meta["partial_layer_cold"]
     ordered = sorted(mask.layer_ids)
@@ -180,7 +252,14 @@ def _positional_description(mask: placement.PlacementMask) -> str:
 
 def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int | None,
            positional: bool, label: str, out: str | None, model: str | None = None, dtype: str | None = None,
-           quantization: str | None = None) -> dict[str, Any]:
+           quantization: str | None = None, cache_slots: str | None = None, cache_policy: str = "lru",
+           trace_path: str | None = None) -> dict[str, Any]:
+    slots_arg = _parse_cache_slots(cache_slots)
+    policy = _check_cache_policy(cache_policy)
+    if slots_arg == "auto" and trace_path is None:
+        raise UserError("--cache-slots auto chooses the split on a routing trace, and none was given",
+                        "add --trace TRACE.npz (recorded with `pinsidecar count-boot --trace`), or pass "
+                        "--cache-slots K")
     if positional and out:
         raise UserError(
             "--positional cannot be written to --out: the positional placement has a different hot count in every "
@@ -191,12 +270,15 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         )
     if not positional and not out:
         raise UserError("missing --out MAP", "say where to write the map, e.g. --out maps/code.map.json")
-    target = check_out_path(out, counts_paths, "map") if out else None
+    target = check_out_path(out, [*counts_paths, *([trace_path] if trace_path else [])], "map") if out else None
     names = list(counts_paths)
     counts = placement.load_counts_files(names)
     total = placement.sum_counts(counts, names)
     xbytes, xsource = _resolve_expert_bytes(counts, names, total, expert_bytes, model, dtype, quantization)
-    rows = _resolve_hot_rows(hot_rows, hbm_bytes, xbytes, total)
+    hbm_rows = _resolve_hot_rows(hot_rows, hbm_bytes, xbytes, total)  # all HBM rows: hot rows + cache slots
+    trace = _load_build_trace(trace_path, total) if trace_path else None
+    slots, cache_info = _choose_cache_slots(slots_arg, policy, hbm_rows, total, trace, trace_path)
+    rows = hbm_rows - slots
     # A figure other than the counted engine's means the map is for another format (a quantized twin).
     same_format = xsource["from"] in ("counts", "unknown") or xbytes == xsource["counts_expert_bytes"]
     build_meta: dict[str, Any] = {"source_files": [os.path.basename(n) for n in names]}
@@ -206,14 +288,23 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
                                            "measured_on_gpu": m["measured_on_gpu"]}
     elif xsource["from"] == "expert-bytes":
         build_meta["expert_bytes_from"] = {"expert_bytes": xbytes}
+    if slots or slots_arg == "auto":
+        build_meta["cache"] = cache_info
     emap = placement.build_usage_map(counts, rows, label, expert_bytes=xbytes, names=names, meta=build_meta,
-                                     same_format=same_format)
+                                     same_format=same_format, cache_slots=slots, cache_policy=policy, trace=trace,
+                                     trace_name=os.path.basename(trace_path) if trace_path else "the trace")
     mask = placement.positional_for(emap)
     usage_eval = placement.evaluate(emap, total, "map", "counts")
     positional_eval = placement.evaluate(mask, total, "positional baseline", "counts")
     result: dict[str, Any] = {
         "hot_rows": rows,
         "cold_rows": emap.cold_rows,
+        "hbm_rows": hbm_rows,
+        "cache_slots": slots,
+        "cache_policy": policy if slots else None,
+        "cache_model": emap.meta.get("cache_model"),
+        "cache": cache_info if (slots or slots_arg == "auto") else None,
+        "trace": trace_path,
         "budget_from": "hot-rows" if hot_rows is not None else "hbm-bytes",
         "hbm_bytes": hbm_bytes,
         "expert_bytes": xbytes,
@@ -227,7 +318,7 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         "positional_cold_rate": positional_eval["cold_rate"],
         "positional": {"description": _positional_description(mask), **mask.meta,
                        "per_layer": positional_eval["per_layer"]},
-        "leave_one_out": placement.leave_one_out(counts, rows, names),
+        "leave_one_out": placement.leave_one_out(counts, rows, names, cache_slots=slots, cache_policy=policy),
         # a periodic flush can land mid-forward; a few tokens off is harmless, a large gap means a broken count boot
         "inconsistent_counts": [n for n, c in zip(names, counts, strict=True) if not c.consistent],
     }
@@ -246,14 +337,27 @@ def _build_human(r: dict[str, Any]) -> str:
         m = r["map"]
         lines.append(f"wrote {r['out']}  hash {m['short_hash']}  label {m['label'] or '-'}")
     lines.append(f"budget: {r['hot_rows']} hot / {r['cold_rows']} cold rows per layer"
+                 + (f" + {r['cache_slots']} {r['cache_policy']} cache slots ({r['hbm_rows']} HBM rows)"
+                    if r.get("cache_slots") else "")
                  + (f" (from --hbm-bytes {r['hbm_bytes']} at {r['expert_bytes']} bytes/expert)"
                     if r["budget_from"] == "hbm-bytes" else ""))
+    cache = r.get("cache")
+    if cache and cache.get("chosen") == "auto":
+        tried = ", ".join(f"K={t['cache_slots']}: {_pct(t['miss_rate'])}" + ("*" if t["chosen"] else "")
+                          for t in cache["tried"])
+        lines.append(f"cache slots chosen on trace {cache['trace']} (miss rate per split, * chosen): {tried}")
     lines.append(f"counts: {len(r['counts'])} file(s), {r['tokens']} tokens, {r['selections']} selections")
     lines.append(_bytes_line(r))
     for name in r["inconsistent_counts"]:
         lines.append(f"warning: {name}: per-layer selections do not all equal tokens x top_k (a flush mid-step, or "
                      "an incomplete count boot); check it with `pinsidecar counts show`")
-    lines.append(f"usage map cold-selection rate (in-sample):      {_pct(r['predicted_cold_rate'])}")
+    if r.get("cache_model") == "trace":
+        lines.append(f"usage map miss rate on trace {r['trace']} (simulated): {_pct(r['predicted_cold_rate'])}")
+    elif r.get("cache_model") == "independent":
+        lines.append(f"usage map miss rate (in-sample, independent-reference cache model; no temporal reuse, so "
+                     f"pessimistic when routing reuses experts; --trace simulates): {_pct(r['predicted_cold_rate'])}")
+    else:
+        lines.append(f"usage map cold-selection rate (in-sample):      {_pct(r['predicted_cold_rate'])}")
     lines.append(f"positional (--cpu-offload-gb, same budget):     {_pct(r['positional_cold_rate'])}"
                  f"   [{r['positional']['description']}]")
     if r["leave_one_out"]:
@@ -312,6 +416,10 @@ def _eval_human(r: dict[str, Any]) -> str:
         f"positional, same budget:       {_pct(r['positional_cold_rate'])}",
         f"predicted when built:          {_pct(r['predicted_cold_rate'])}",
     ]
+    if r.get("cache_slots"):
+        lines[1] = (f"miss rate (hot rows + {r['cache_slots']} {r['cache_policy']} cache slots, independent-reference "
+                    f"model): {_pct(r['cold_rate'])}; hot set alone {_pct(r['static_cold_rate'])} "
+                    f"({r['cold_selections']} of {r['selections']})")
     if r["improvement"]:
         lines.append(f"positional / usage:            {r['improvement']:.1f}x fewer cold selections")
     lines.append("")
@@ -332,9 +440,14 @@ def _show_human(r: dict[str, Any]) -> str:
         f"map [{r['short_hash']}] {r['label'] or '-'}  policy {r['policy']}  created {r['created_at'] or '-'}",
         f"model: {r['model']['name'] or '-'} {r['model']['path'] or ''} {r['model']['revision'] or ''}".rstrip(),
         f"geometry: {g['num_layers']} layers x {g['num_experts']} experts (top-{g['top_k']}), "
-        f"{g['hot_rows']} hot / {g['cold_rows']} cold rows per layer, {g['expert_bytes']} bytes/expert",
-        f"bytes: hot {_gib(r['hot_bytes'])}, cold {_gib(r['cold_bytes'])}",
-        f"predicted cold-selection rate: {_pct(r['predicted_cold_rate'])}",
+        f"{g['hot_rows']} hot / {g['cold_rows']} cold rows per layer"
+        + (f" + {g['cache_slots']} cache slots ({r['cache_policy']})" if g.get("cache_slots") else "")
+        + f", {g['expert_bytes']} bytes/expert",
+        f"bytes: hot {_gib(r['hot_bytes'])}, cold {_gib(r['cold_bytes'])}"
+        + (f", cache {_gib(r['cache_bytes'])}" if g.get("cache_slots") else ""),
+        f"predicted cold-selection rate: {_pct(r['predicted_cold_rate'])}"
+        + (f" (misses past the cache; model: {r.get('cache_model') or 'independent'})" if g.get("cache_slots")
+           else ""),
         f"built from {len(r['source_counts'])} counts: " + ", ".join(d.split(':')[-1][:12] for d in r['source_counts']),
     ]
     ev = r.get("evaluation")
@@ -401,20 +514,35 @@ def register(main: click.Group) -> None:
                   help="Print the positional (--cpu-offload-gb) baseline for the budget instead of writing a map.")
     @click.option("--label", default="", help="A name for the map (e.g. the traffic class).")
     @click.option("--out", type=click.Path(), help="Where to write the map (atomically; directories are created).")
+    @click.option("--cache-slots", "cache_slots", metavar="K|auto", default=None,
+                  help="Cache tier: K of the budget's HBM rows per layer become cache slots (copies of recently used "
+                       "cold experts), the other N - K the static hot set. 'auto' chooses K on --trace with the "
+                       "placement simulator. Default 0 (no cache).")
+    @click.option("--cache-policy", "cache_policy", metavar="lru|lfu", default="lru", show_default=True,
+                  help="How the cache slots are evicted.")
+    @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+                  help="A routing trace of the same workload (pinsidecar count-boot --trace): the map's predicted "
+                       "cold rate is the simulator's miss rate of the split on it, and --cache-slots auto chooses "
+                       "on it. Without it, a cached map's figure comes from the counts under independent references "
+                       "(pessimistic when routing reuses experts).")
     @json_option
     @handle_errors
     def build_cmd(counts: tuple[str, ...], hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int | None,
                   model: str | None, dtype: str | None, quantization: str | None, positional: bool, label: str,
-                  out: str | None, as_json: bool) -> None:
+                  out: str | None, cache_slots: str | None, cache_policy: str, trace_path: str | None,
+                  as_json: bool) -> None:
         """Make each layer's hot set from its most-selected experts in COUNTS (summed); same hot count everywhere.
 
         With several COUNTS, also prints a leave-one-out evaluation (the figure that says how well the map
         generalises). Always prints the positional baseline for the same budget. The map records the bytes per
         expert pin mode checks: the counted engine's, or --expert-bytes, or --model's (a quantized twin of the
         counted model routes the same, so its map comes from the same counts).
+
+        With --cache-slots K the budget (--hot-rows N or --hbm-bytes) is split into N - K hot rows and K cache
+        slots (docs/cache-tier.md).
         """
-        emit(_build(counts, hot_rows, hbm_bytes, expert_bytes, positional, label, out, model, dtype, quantization),
-             as_json, _build_human)
+        emit(_build(counts, hot_rows, hbm_bytes, expert_bytes, positional, label, out, model, dtype, quantization,
+                    cache_slots, cache_policy, trace_path), as_json, _build_human)
 
     @map_group.command("eval")
     @click.argument("map_path", metavar="MAP", type=click.Path(dir_okay=False))

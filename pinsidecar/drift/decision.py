@@ -28,7 +28,7 @@ from typing import Any
 
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap
 
-from pinsidecar.drift.signals import cold_rate_on
+from pinsidecar.drift.signals import map_cold_rate_on
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement import build_usage_map
 
@@ -85,13 +85,16 @@ def _check_held_out(emap: ExpertMap, counts: CountsArtifact) -> None:
 
 
 def build_candidate(counts: Sequence[CountsArtifact | Window], active: ExpertMap, label: str = "") -> ExpertMap:
-    """A usage map from counted traffic with the active map's geometry (same hot rows and bytes per expert).
+    """A usage map from counted traffic with the active map's geometry (same hot rows and bytes per expert, and
+    the same cache slots and policy: a remap never drops the cache, and the candidate stays eligible for an
+    in-place apply).
 
     Pass the counts of one traffic class (one count boot, or the recent windows of what is served now); this never
     mixes classes on its own.
     """
     arts = [c.to_counts() if isinstance(c, Window) else c for c in counts]
-    return build_usage_map(arts, active.hot_rows, label=label, expert_bytes=active.expert_bytes)
+    return build_usage_map(arts, active.hot_rows, label=label, expert_bytes=active.expert_bytes,
+                           cache_slots=active.cache_slots, cache_policy=active.cache_policy)
 
 
 def decide(candidate: ExpertMap, active: ExpertMap, held_out: Window | CountsArtifact, margin: float, *,
@@ -111,15 +114,17 @@ def decide(candidate: ExpertMap, active: ExpertMap, held_out: Window | CountsArt
 
     if not candidate.same_geometry(active):
         ga, gc = active.geometry(), candidate.geometry()
-        diff = ", ".join(f"{k} {gc[k]} vs {ga[k]}" for k in ga if ga[k] != gc.get(k)) or "layer ids differ"
+        diff = ", ".join(f"{k} {gc.get(k, 0)} vs {ga.get(k, 0)}" for k in {**ga, **gc}
+                         if ga.get(k) != gc.get(k)) or "layer ids differ"
         if not allow_geometry_change:
             return verdict(False, f"refused: candidate {_name(candidate)} has another geometry than the active map "
                            f"({diff}): not a hash-hit reboot (every kernel would recompile); rebuild it with the "
-                           f"active map's {active.hot_rows} hot rows")
+                           f"active map's {active.hot_rows} hot rows"
+                           + (f" and {active.cache_slots} cache slots" if active.cache_slots else ""))
         _check_held_out(candidate, counts)
         note = f" (another geometry: {diff}; deployed by a full reboot, not a compile-cache hit)"
-    cand_rate = cold_rate_on(candidate.hot_mask(), counts.counts)
-    active_rate = cold_rate_on(active.hot_mask(), counts.counts)
+    cand_rate = map_cold_rate_on(candidate, counts.counts)
+    active_rate = map_cold_rate_on(active, counts.counts)
     if cand_rate is None or active_rate is None:
         return verdict(False, "refused: the held-out window has no selections")
     if candidate.content_hash == active.content_hash:
@@ -154,7 +159,7 @@ def pick_from_library(library: Sequence[ExpertMap], active: ExpertMap, window: W
     if not usable:
         skipped = len(library)
         return Decision(False, f"no library map to try ({skipped} in the library; none other than the active map "
-                        f"with its geometry)", None, cold_rate_on(active.hot_mask(), counts.counts), margin,
+                        f"with its geometry)", None, map_cold_rate_on(active, counts.counts), margin,
                         active_hash=active.content_hash, active_label=active.label, held_out=held, source="library")
-    best = min(usable, key=lambda m: (cold_rate_on(m.hot_mask(), counts.counts) or 1.0, m.label, m.content_hash))
+    best = min(usable, key=lambda m: (map_cold_rate_on(m, counts.counts) or 1.0, m.label, m.content_hash))
     return decide(best, active, window, margin, source="library")

@@ -49,6 +49,7 @@ from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap
 from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement import build_usage_map
+from pinsidecar.placement.cache_model import expected_misses
 
 __all__ = ["cold_rate_on"]
 
@@ -137,12 +138,25 @@ def _check_geometry(window: Window, emap: ExpertMap) -> None:
                             "watch an engine with a map of its own model")
 
 
-def cold_rate_on(hot: np.ndarray, histogram: np.ndarray) -> float | None:
-    """Share of ``histogram``'s selections on experts where ``hot`` is False (None for an empty histogram)."""
+def cold_rate_on(hot: np.ndarray, histogram: np.ndarray, cache_slots: int = 0,
+                 cache_policy: str = "lru") -> float | None:
+    """Share of ``histogram``'s selections on experts where ``hot`` is False (None for an empty histogram).
+
+    With ``cache_slots`` (a map with a cache tier) it is the share that misses the hot rows and the slots, by the
+    same cache model ``pinsidecar map build`` predicts with from counts (:mod:`~pinsidecar.placement.cache_model`,
+    independent references); without, the plain cold ratio, as before the cache tier.
+    """
     total = int(histogram.sum())
     if total == 0:
         return None
+    if cache_slots:
+        return float(expected_misses(hot, histogram, cache_slots, cache_policy).sum() / total)
     return float(np.where(hot, 0, histogram).sum() / total)
+
+
+def map_cold_rate_on(emap: ExpertMap, histogram: np.ndarray) -> float | None:
+    """:func:`cold_rate_on` of a map: its hot set, and its cache slots and policy when it has a cache."""
+    return cold_rate_on(emap.hot_mask(), histogram, emap.cache_slots, emap.cache_policy)
 
 
 def live_cold_rate(window: Window, active: ExpertMap) -> tuple[float | None, str]:
@@ -151,7 +165,7 @@ def live_cold_rate(window: Window, active: ExpertMap) -> tuple[float | None, str
             and window.total_selections > 0:
         return float(window.cold_selections.sum() / window.total_selections), "live"
     if window.histogram is not None:
-        return cold_rate_on(active.hot_mask(), window.histogram), "histogram"
+        return map_cold_rate_on(active, window.histogram), "histogram"
     return None, ""
 
 
@@ -188,12 +202,14 @@ def top_mask(counts: np.ndarray, hot_rows: int) -> np.ndarray:
     return hot
 
 
-def split_half_cold_rate(histogram: np.ndarray, hot_rows: int, seed: int = SPLIT_SEED) -> float | None:
+def split_half_cold_rate(histogram: np.ndarray, hot_rows: int, seed: int = SPLIT_SEED, cache_slots: int = 0,
+                         cache_policy: str = "lru") -> float | None:
     """Cold rate of a map built on one random half of the window's selections and scored on the other, both ways.
 
     Each selection goes to either half with probability 1/2 (binomial thinning), so under independent selections
     the halves are independent samples of the same routing, and the figure is out of sample. Selections of one
     request are correlated, which makes it somewhat optimistic; it is only used to say whether skew exists.
+    With ``cache_slots``, each half is scored by the cache model (:func:`cold_rate_on`).
     """
     hist = np.asarray(histogram, dtype=np.int64)
     total = int(hist.sum())
@@ -201,15 +217,21 @@ def split_half_cold_rate(histogram: np.ndarray, hot_rows: int, seed: int = SPLIT
         return None
     a = np.random.default_rng(seed).binomial(hist, 0.5)
     b = hist - a
+    if cache_slots:
+        cold = (expected_misses(top_mask(a, hot_rows), b, cache_slots, cache_policy).sum()
+                + expected_misses(top_mask(b, hot_rows), a, cache_slots, cache_policy).sum())
+        return float(cold / total)
     cold = np.where(top_mask(a, hot_rows), 0, b).sum() + np.where(top_mask(b, hot_rows), 0, a).sum()
     return float(cold / total)
 
 
 def candidate_hot_mask(previous: Window, active: ExpertMap) -> tuple[ExpertMap, np.ndarray]:
-    """The map the pipeline would build from ``previous`` (same hot rows and bytes as ``active``), and its mask."""
+    """The map the pipeline would build from ``previous`` (same hot rows, cache slots and bytes as ``active``),
+    and its mask."""
     counts = previous.to_counts()
     cand = build_usage_map([counts], active.hot_rows, label=f"window{previous.index}",
-                           expert_bytes=active.expert_bytes)
+                           expert_bytes=active.expert_bytes, cache_slots=active.cache_slots,
+                           cache_policy=active.cache_policy)
     return cand, cand.hot_mask()
 
 
@@ -225,11 +247,13 @@ def compute_signals(window: Window, active: ExpertMap, cfg: DriftConfig, *,
     """
     _check_geometry(window, active)
     notes: list[str] = []
-    uniform = active.cold_rows / active.num_experts
+    # any map's cold rate on uniform routing; with slots, (cold rows - slots) / experts (the cache model's figure)
+    uniform = active.cold_rows / active.num_experts if not active.cache_slots else \
+        (active.num_experts - active.hbm_rows) / active.num_experts
     cold_rate, cold_source = live_cold_rate(window, active)
     predicted = active.predicted_cold_rate
     if predicted is None and isinstance(reference, CountsArtifact):
-        predicted = cold_rate_on(active.hot_mask(), reference.counts)
+        predicted = map_cold_rate_on(active, reference.counts)
     excess = None if cold_rate is None or predicted is None else cold_rate - predicted
 
     div_layers = div_max = div_mean = None
@@ -253,20 +277,21 @@ def compute_signals(window: Window, active: ExpertMap, cfg: DriftConfig, *,
     active_rate = cand_rate = gain = None
     cand_from = None
     if hist is not None:
-        active_rate = cold_rate_on(active.hot_mask(), hist)
+        active_rate = map_cold_rate_on(active, hist)
         if previous is None or previous.histogram is None or previous.total_selections == 0:
             notes.append("no earlier window to build a candidate from (the projected gain is measured out of "
                          "sample: built on the previous window, scored on this one)")
         elif (previous.layer_ids, previous.num_experts) != (window.layer_ids, window.num_experts):
             notes.append("the previous window is of another model: no candidate")
         else:
-            _, cand_hot = candidate_hot_mask(previous, active)
-            cand_rate = cold_rate_on(cand_hot, hist)
+            cand, _ = candidate_hot_mask(previous, active)
+            cand_rate = map_cold_rate_on(cand, hist)
             cand_from = previous.index
             if active_rate is not None and cand_rate is not None:
                 gain = active_rate - cand_rate
 
-    split_rate = split_half_cold_rate(hist, active.hot_rows) if hist is not None else None
+    split_rate = split_half_cold_rate(hist, active.hot_rows, cache_slots=active.cache_slots,
+                                      cache_policy=active.cache_policy) if hist is not None else None
     estimates = [r for r in (active_rate, cand_rate, split_rate) if r is not None]
     best = min(estimates) if estimates else None
     skew_gap = None if best is None else uniform - best

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,11 +25,14 @@ from pinsidecar_hook.contract import (
     CountsArtifact,
     ExpertMap,
     LayerPlacement,
+    RoutingTrace,
     utc_now,
 )
 
 from pinsidecar.placement._ranking import cold_rates, usage_hot_mask, usage_order
+from pinsidecar.placement.cache_model import INDEPENDENT, INDEPENDENT_CAVEAT, TRACE, check_cache, miss_rates
 from pinsidecar.placement.counts import shared_meta, sum_counts
+from pinsidecar.placement.simulate import HotRanking, SimResult, check_trace_geometry, simulate
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -139,6 +143,10 @@ def build_usage_map(
     names: Sequence[str] | None = None,
     meta: dict[str, Any] | None = None,
     same_format: bool = True,
+    cache_slots: int = 0,
+    cache_policy: str = "lru",
+    trace: RoutingTrace | None = None,
+    trace_name: str = "the trace",
 ) -> ExpertMap:
     """The deployable map: per layer the ``hot_rows`` most-selected experts of the summed ``counts``.
 
@@ -150,6 +158,14 @@ def build_usage_map(
     twin of a bf16 model: same experts, same routing): the counted engine's ``dtype`` and ``expert_tensors`` are
     then left out of the map (pin mode checks ``expert_tensors`` against the loaded model, and would refuse the
     twin for tensors it was never meant to have).
+
+    ``cache_slots`` K > 0 gives the map a cache tier (docs/cache-tier.md): ``hot_rows`` stays the static hot set
+    (the top ``hot_rows``), K more HBM rows hold copies of recently used cold experts, evicted by ``cache_policy``.
+    Its ``predicted_cold_rate`` is then the share of selections that miss both: with a ``trace`` (a routing trace
+    of the same workload and model) the simulator's miss rate of this split on it (``meta["cache_model"] =
+    "trace"``), else the independent-reference model of :mod:`~pinsidecar.placement.cache_model` on the summed
+    counts (``"independent"``: it ignores temporal reuse, so it over-states misses when routing has it). A
+    ``trace`` with ``cache_slots == 0`` makes the figure the static hot set's miss rate on the trace.
     """
     if not counts:
         raise ArtifactError(None, "no counts given", "pass at least one counts file")
@@ -170,10 +186,16 @@ def build_usage_map(
         LayerPlacement(lid, tuple(h), tuple(c))
         for lid, h, c in zip(total.layer_ids, hot_sorted, cold_sorted, strict=True)
     )
+    check_cache(cache_slots, cache_policy, hot_rows, total.num_experts)
     rate, per_layer = cold_rates(usage_hot_mask(total.counts, hot_rows), total.counts)
+    cache_meta: dict[str, Any] = {}
+    if cache_slots:
+        rate, per_layer = miss_rates(usage_hot_mask(total.counts, hot_rows), total.counts, cache_slots, cache_policy)
+        cache_meta = {"cache_model": INDEPENDENT, "cache_model_note": INDEPENDENT_CAVEAT}
     emap = ExpertMap(
         layer_ids=tuple(total.layer_ids), num_experts=total.num_experts, top_k=total.top_k, hot_rows=hot_rows,
-        layers=layers, expert_bytes=int(expert_bytes), model=counts[0].model, policy="usage", label=label,
+        cache_slots=cache_slots, cache_policy=cache_policy if cache_slots else "lru", layers=layers,
+        expert_bytes=int(expert_bytes), model=counts[0].model, policy="usage", label=label,
         source_counts=tuple(c.digest() for c in counts), predicted_cold_rate=rate, created_at=utc_now(),
         meta={
             "predicted_cold_rate_per_layer": [round(float(x), 6) for x in per_layer],
@@ -182,10 +204,51 @@ def build_usage_map(
             "workloads": [c.workload for c in counts],
             **{k: v for k, v in shared_meta(counts).items()
                if k in _MODEL_META_KEYS and (same_format or k not in _FORMAT_META_KEYS)},
+            **cache_meta,
             **(meta or {}),
         },
     )
+    if trace is not None:
+        emap = with_trace_prediction(emap, trace, trace_name)
     return emap
+
+
+def trace_miss_rates(emap: ExpertMap, trace: RoutingTrace, trace_name: str = "the trace",
+                     batch: int = 1) -> tuple[SimResult, list[float]]:
+    """The simulator's figures of ``emap``'s split (its hot set as it is, plus its slots and policy) on ``trace``:
+    the whole run (:func:`~pinsidecar.placement.simulate.simulate`'s, summed over layers, which it replays one
+    by one too), and the miss rate per layer. Refuses a trace of another model (the simulator's check)."""
+    ranking = HotRanking.from_map(emap)
+    check_trace_geometry(trace, ranking, trace_name, "the map")
+    policy = emap.cache_policy if emap.cache_slots else "lru"
+    per_layer: list[float] = []
+    misses = fetches = 0
+    per_token = trace.tokens * trace.top_k
+    for i in range(trace.num_layers):  # layers are independent in the model: the run is the sum of its layers
+        one = RoutingTrace(trace.experts[:, i:i + 1, :], trace.num_experts,
+                           None if trace.layer_ids is None else (trace.layer_ids[i],))
+        part = HotRanking(ranking.order[i:i + 1], ranking.num_experts, "map", None, ranking.fixed_hot_rows)
+        r = simulate(one, part, emap.hbm_rows, emap.cache_slots, policy, batch)
+        misses += r.misses
+        fetches += r.host_fetches
+        per_layer.append(r.misses / per_token if per_token else 0.0)
+    result = SimResult(emap.hot_rows, emap.cache_slots, policy, trace.tokens, trace.selections, misses, fetches)
+    return result, per_layer
+
+
+def with_trace_prediction(emap: ExpertMap, trace: RoutingTrace, trace_name: str = "the trace") -> ExpertMap:
+    """``emap`` with ``predicted_cold_rate`` (and its per-layer figures) from the simulator on ``trace``
+    (:func:`trace_miss_rates`), and ``meta["cache_model"] = "trace"``; the placement and its hash are unchanged."""
+    result, per_layer = trace_miss_rates(emap, trace, trace_name)
+    meta = {k: v for k, v in emap.meta.items() if k != "cache_model_note"}
+    meta.update(
+        cache_model=TRACE,
+        predicted_cold_rate_per_layer=[round(float(x), 6) for x in per_layer],
+        trace={"name": str(trace_name), "tokens": trace.tokens, "layers": trace.num_layers, "top_k": trace.top_k,
+               "batch": 1, "misses": result.misses, "selections": result.selections,
+               "host_fetches_per_token": result.host_fetches_per_token},
+    )
+    return dataclasses.replace(emap, predicted_cold_rate=result.miss_rate, meta=meta)
 
 
 def positional_mask(layer_ids: Sequence[int], num_experts: int, top_k: int, cold_total: int,
@@ -219,8 +282,8 @@ def positional_mask(layer_ids: Sequence[int], num_experts: int, top_k: int, cold
 
 def positional_for(emap: ExpertMap) -> PlacementMask:
     """The positional baseline with the same byte budget as ``emap`` (the same number of cold experts)."""
-    return positional_mask(emap.layer_ids, emap.num_experts, emap.top_k, emap.cold_rows * emap.num_layers,
-                           emap.expert_bytes)
+    cold = emap.num_experts - emap.hbm_rows  # the cold rows, less the cache slots' share of the budget
+    return positional_mask(emap.layer_ids, emap.num_experts, emap.top_k, cold * emap.num_layers, emap.expert_bytes)
 
 
 def save_map(emap: ExpertMap, path: str | os.PathLike[str]) -> None:

@@ -19,6 +19,7 @@ from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap
 
 from pinsidecar.placement._ranking import cold_rates, usage_hot_mask
 from pinsidecar.placement.build import Placement, check_hot_rows
+from pinsidecar.placement.cache_model import INDEPENDENT, INDEPENDENT_CAVEAT, miss_rates
 from pinsidecar.placement.counts import check_same_geometry, describe_geometry
 
 __all__: list[str] = []  # nothing here is another package's business
@@ -44,6 +45,10 @@ def evaluate(placement: Placement, counts: CountsArtifact, placement_name: str =
     check_compatible(placement, counts, placement_name, counts_name)
     hot = placement.hot_mask()
     rate, per_layer = cold_rates(hot, counts.counts)
+    slots = int(getattr(placement, "cache_slots", 0) or 0)
+    static_rate, static_per_layer = rate, per_layer
+    if slots:  # a map with cache slots: the share that misses the hot rows and the slots (cache_model)
+        rate, per_layer = miss_rates(hot, counts.counts, slots, placement.cache_policy)  # type: ignore[attr-defined]
     cold_counts = np.where(hot, 0, counts.counts)
     per_layer_cold = cold_counts.sum(axis=1)
     per_layer_sel = counts.counts.sum(axis=1)
@@ -65,15 +70,24 @@ def evaluate(placement: Placement, counts: CountsArtifact, placement_name: str =
     if isinstance(placement, ExpertMap):
         result.update(map_hash=placement.content_hash, label=placement.label, hot_rows=placement.hot_rows,
                       predicted_cold_rate=placement.predicted_cold_rate)
+    if slots:
+        # cold_rate is then the expected miss rate; cold_selections stay the selections of cold experts (what
+        # reaches the slots), static_cold_rate their share (the hot set alone)
+        result.update(cache_slots=slots, cache_policy=placement.cache_policy,  # type: ignore[attr-defined]
+                      cache_model=INDEPENDENT, cache_model_note=INDEPENDENT_CAVEAT, static_cold_rate=static_rate)
+        for row, st in zip(result["per_layer"], static_per_layer, strict=True):
+            row["static_cold_rate"] = float(st)
     return result
 
 
 def leave_one_out(counts: Sequence[CountsArtifact], hot_rows: int,
-                  names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+                  names: Sequence[str] | None = None, *, cache_slots: int = 0,
+                  cache_policy: str = "lru") -> list[dict[str, Any]]:
     """For each counts i: build from all the others, evaluate on i (empty with fewer than two counts).
 
     This is the figure to trust when deciding whether a map generalises to traffic it was not built from; the
-    in-sample ``predicted_cold_rate`` is always optimistic.
+    in-sample ``predicted_cold_rate`` is always optimistic. With ``cache_slots``, the rates are miss rates under
+    the independent-reference cache model (:mod:`~pinsidecar.placement.cache_model`).
     """
     names = list(names) if names is not None else [f"counts #{i + 1}" for i in range(len(counts))]
     check_same_geometry(counts, names)
@@ -86,8 +100,8 @@ def leave_one_out(counts: Sequence[CountsArtifact], hot_rows: int,
     for i, held_out in enumerate(counts):
         train = grand - stack[i]
         hot = usage_hot_mask(train, hot_rows)  # what build_usage_map would keep hot, without the artifact
-        held_rate, _ = cold_rates(hot, held_out.counts)
-        train_rate, _ = cold_rates(hot, train)
+        held_rate, _ = miss_rates(hot, held_out.counts, cache_slots, cache_policy)
+        train_rate, _ = miss_rates(hot, train, cache_slots, cache_policy)
         out.append({"held_out": names[i], "workload": held_out.workload, "cold_rate": held_rate,
                     "train_cold_rate": train_rate, "held_out_selections": held_out.selections})
     return out
@@ -100,7 +114,7 @@ def diff_maps(a: ExpertMap, b: ExpertMap) -> dict[str, Any]:
     bytes per expert. Moves are listed per layer only where both maps place the same layers and experts.
     """
     geom_a, geom_b = a.geometry(), b.geometry()
-    differing = sorted(k for k in geom_a if geom_a[k] != geom_b.get(k))
+    differing = sorted(k for k in {**geom_a, **geom_b} if geom_a.get(k) != geom_b.get(k))
     if tuple(a.layer_ids) != tuple(b.layer_ids):
         differing.append("layer_ids")
     hit = a.same_geometry(b)
@@ -154,6 +168,9 @@ def summary(emap: ExpertMap) -> dict[str, Any]:
         "hot_bytes": emap.hot_rows * emap.num_layers * emap.expert_bytes,
         "cold_bytes": emap.cold_rows * emap.num_layers * emap.expert_bytes,
         "hot_fraction": emap.hot_rows / emap.num_experts,
+        **({"cache_slots": emap.cache_slots, "cache_policy": emap.cache_policy, "hbm_rows": emap.hbm_rows,
+            "cache_bytes": emap.cache_slots * emap.num_layers * emap.expert_bytes,
+            "cache_model": emap.meta.get("cache_model")} if emap.cache_slots else {}),
         "predicted_cold_rate": emap.predicted_cold_rate,
         "predicted_cold_rate_per_layer": emap.meta.get("predicted_cold_rate_per_layer"),
         "source_counts": list(emap.source_counts),
