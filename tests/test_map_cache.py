@@ -297,3 +297,23 @@ def test_the_drift_watch_predicts_a_cached_maps_rate_with_the_cache_model() -> N
     assert sig.uniform_cold_rate == (EXPERTS - 10) / EXPERTS
     static, _ = miss_rates(active.hot_mask(), window.histogram)
     assert sig.active_cold_rate < static
+
+
+def test_a_remap_onto_or_from_a_cached_map_is_not_tried_in_place() -> None:
+    """The hook refuses an in-place apply with a cache tier; the pipeline knows it and reboots straight away."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from pinsidecar.remap.in_place import swap_plan
+    from pinsidecar.testing.artifacts import make_map
+
+    plain = make_map(num_layers=2, num_experts=16, hot_rows=8, seed=1)
+    other = make_map(num_layers=2, num_experts=16, hot_rows=8, seed=2)
+    cached = dataclasses.replace(other, cache_slots=2)
+    host = SimpleNamespace(cfg=SimpleNamespace(remap=SimpleNamespace(in_place=True)), stats_path=Path("stats.json"),
+                           served_map=(None, None))
+    plan, why = swap_plan(host, SimpleNamespace(active=plain, candidate=other))  # type: ignore[arg-type]
+    assert plan is not None and why == ""
+    for active, candidate in ((plain, cached), (dataclasses.replace(plain, cache_slots=2), cached)):
+        plan, why = swap_plan(host, SimpleNamespace(active=active, candidate=candidate))  # type: ignore[arg-type]
+        assert plan is None and "cache tier deploys by drain-reboot" in why

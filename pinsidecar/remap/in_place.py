@@ -50,6 +50,9 @@ def swap_plan(host: RemapHost, run: RemapRun) -> tuple[SwapPlan | None, str]:
     if host.stats_path is None:
         return None, "cannot apply in place: the engine writes no live stats file (the hook answers there); rebooting"
     _, served = host.served_map
+    if (served or run.active).cache_slots or run.candidate.cache_slots:
+        return None, ("cannot apply in place: a map with a cache tier deploys by drain-reboot (the hook's swap does "
+                      "not move the slots' copies); rebooting")
     try:
         return plan_swap(served or run.active, run.candidate), ""
     except SwapPlanError as exc:
