@@ -52,7 +52,14 @@ def reuse_trace(rng: np.random.Generator, tokens: int, layers: int, experts: int
 
 
 def reference(experts: np.ndarray, hot: np.ndarray, slots_n: int, policy: str, batch: int) -> tuple[int, int]:
-    """The model as the docs state it, as plainly as it can be written: (misses, fetches)."""
+    """The model as the docs state it, as plainly as it can be written: (misses, fetches).
+
+    Per layer and step: each cold selection hits if its expert was in a slot at the start of the step, else
+    misses; the step's missed experts (once each, in the order first selected) are then filled, each into an empty
+    slot, or in place of the least recent / least selected slot whose expert the step does not select; when there
+    is no such slot, the rest of the step's misses are not admitted. Recency: the step's hits by their last
+    selection in the step, then its fills.
+    """
     misses = fetches = 0
     for layer in range(experts.shape[1]):
         slots: dict[int, int] = {}  # expert -> recency (larger: more recent)
@@ -61,6 +68,7 @@ def reference(experts: np.ndarray, hot: np.ndarray, slots_n: int, policy: str, b
         clock = pos = 0
         for start in range(0, experts.shape[0], batch):
             in_slot_at_start = set(slots)
+            selected: set[int] = set()
             hits: list[int] = []
             missing: list[int] = []
             for row in experts[start:start + batch, layer, :].tolist():
@@ -70,6 +78,7 @@ def reference(experts: np.ndarray, hot: np.ndarray, slots_n: int, policy: str, b
                     pos += 1
                     seen[e] = seen.get(e, 0) + 1
                     last[e] = pos
+                    selected.add(e)
                     if e in in_slot_at_start:
                         hits.append(e)
                     else:
@@ -84,10 +93,13 @@ def reference(experts: np.ndarray, hot: np.ndarray, slots_n: int, policy: str, b
                 slots[e] = clock
             for e in missing:
                 if len(slots) >= slots_n:
+                    free = [x for x in slots if x not in selected]
+                    if not free:
+                        break  # every slot is used by this step: the rest are read in place
                     if policy == "lru":
-                        victim = min(slots, key=lambda x: slots[x])
+                        victim = min(free, key=lambda x: slots[x])
                     else:
-                        victim = min(slots, key=lambda x: (seen[x], last[x]))
+                        victim = min(free, key=lambda x: (seen[x], last[x]))
                     del slots[victim]
                 clock += 1
                 slots[e] = clock
@@ -177,6 +189,46 @@ def test_a_batch_shares_one_fetch_per_expert() -> None:
     assert two.host_fetches_per_token == pytest.approx(0.5)
 
 
+def test_lru_never_evicts_a_slot_the_step_uses() -> None:
+    # 3 HBM rows: hot 0 (never selected here) + 2 slots, batch 2 (a step is two tokens of two cold experts each).
+    # step 0: 1 m, 2 m, 1 m, 2 m: 4 misses, 2 fetches; fill 1, 2 (empty slots)                       slots [1, 2]
+    # step 1: 1 h, 3 m, 2 h, 4 m: 2 misses, 2 fetches; both slots are used by the step: 3, 4 not admitted [1, 2]
+    # step 2: 1 h, 2 h, 1 h, 2 h                                                                        [1, 2]
+    # step 3: 3 m, 1 h, 3 m, 5 m: 3 misses, 2 fetches; 3 evicts 2 (1 is older but used); 5 not admitted [1, 3]
+    # step 4: 5 m, 3 h, 2 m, 1 h: 2 misses, 2 fetches
+    # = 11 misses, 8 fetches. Filled after the step (the old model), 3 and 4 evicted 1 and 2 in step 1 and all of
+    # step 2 missed: 15 misses, 10 fetches.
+    tokens = [[1, 2], [1, 2], [1, 3], [2, 4], [1, 2], [1, 2], [3, 1], [3, 5], [5, 3], [2, 1]]
+    r = simulate(one_layer(tokens), RANK, 3, 2, "lru", batch=2)
+    assert (r.misses, r.host_fetches, r.selections) == (11, 8, 20)
+
+
+def test_lfu_never_evicts_a_slot_the_step_uses() -> None:
+    # 3 HBM rows: hot 0 + 2 slots, batch 2; each token selects 0 and one cold expert. Seen counts in braces.
+    # step 0: 1 m, 2 m: 2 misses, 2 fetches; fill 1, 2 (empty slots)                   {1:1, 2:1}   slots {1, 2}
+    # step 1: 1 h, 1 h                                                                  {1:3, 2:1}
+    # step 2: 2 h, 3 m: 1 miss, 1 fetch. The fewest selections among the slots is 2 (2 < 3), but the step uses it:
+    #         3 evicts 1                                                                {1:3, 2:2, 3:1}  {2, 3}
+    # step 3: 2 h, 3 h
+    # = 3 misses, 3 fetches. The old model (3 evicting 2, the least selected) missed 2 again in step 3: 4 and 4.
+    tokens = [[0, e] for e in (1, 2, 1, 1, 2, 3, 2, 3)]
+    r = simulate(one_layer(tokens), RANK, 3, 2, "lfu", batch=2)
+    assert (r.misses, r.host_fetches, r.selections) == (3, 3, 16)
+
+
+def test_a_token_with_more_cold_experts_than_slots_keeps_the_first() -> None:
+    # Batch 1 with fewer slots than a token's cold experts: 2 slots, tokens of three cold experts.
+    # token 0: 1 m, 2 m, 3 m: fill 1, 2; 3 not admitted (both slots are used by the token)   slots {1, 2}
+    # token 1: 1 h, 2 h, 4 m: 4 not admitted                                                  {1, 2}
+    # token 2: 1 h, 2 h, 5 m
+    # = 5 misses, 5 fetches under both policies. Filled after the token (the old model), 3 evicted 1 in token 0, and
+    # in token 1 4 evicted the hit 2 (lru) or the fill 1 (lfu), so token 2 missed again: 7 misses.
+    tokens = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    for policy in ("lru", "lfu"):
+        r = simulate(one_layer(tokens), RANK, 3, 2, policy)
+        assert (r.misses, r.host_fetches) == (5, 5), policy
+
+
 @pytest.mark.parametrize("policy", placement.POLICIES)
 def test_the_simulator_agrees_with_the_model_read_literally(policy: str) -> None:
     rng = np.random.default_rng(11)
@@ -195,6 +247,22 @@ def test_the_simulator_agrees_with_the_model_read_literally(policy: str) -> None
         assert (r.misses, r.host_fetches) == reference(ex, hot, slots, policy, batch), (e, k, tokens, n, slots, batch)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_simulator_agrees_with_the_reference_on_every_slot_count(policy: str, batch: int) -> None:
+    # Short-reuse routing over few experts, so the slots are contended and steps often use all of them.
+    for seed in range(4):
+        rng = np.random.default_rng(100 + seed)
+        e, k = 12, int(rng.integers(2, 5))
+        ex = reuse_trace(rng, 160, 2, e, k, repeat=0.6)
+        rank = HotRanking.from_counts(rng.integers(0, 5, size=(2, e)), "counts")
+        for slots in range(1, 9):
+            for hot_rows in (0, 2):
+                r = simulate(RoutingTrace(ex, e), rank, hot_rows + slots, slots, policy, batch)
+                expected = reference(ex, rank.hot_mask(hot_rows), slots, policy, batch)
+                assert (r.misses, r.host_fetches) == expected, (seed, k, slots, hot_rows)
+
+
 # ---------------------------------------------------------------------------------------------------- synthetic
 
 
@@ -207,7 +275,9 @@ def test_on_stationary_routing_a_cache_buys_nothing_over_the_static_set() -> Non
     lru = simulate(test, rank, 12, 2, "lru").miss_rate
     lfu = simulate(test, rank, 12, 2, "lfu").miss_rate
     assert static <= lru < static + 0.03  # the slots churn on traffic the static set already covers
-    assert abs(lfu - static) < 0.015  # LFU settles on the most selected: the static set again
+    # LFU settles on the most selected: the static set again, less closely with fewer slots than a token's cold
+    # experts (2 < top-4), where a token's fills cannot evict each other and two rare ones can take both slots
+    assert abs(lfu - static) < 0.02
 
 
 def test_a_map_as_the_hot_set_is_the_map() -> None:

@@ -11,10 +11,15 @@ says on recorded traffic whether it would pay, and how to split the rows. The mo
   hot set as it is (see :meth:`HotRanking.from_map` for why a map admits only its own split);
 - tokens go through in steps of ``batch`` consecutive tokens. A selection is a hit when its expert is hot or in a
   slot at the start of the step, otherwise a miss: the expert is read from host memory. All tokens of a step that
-  select one missing expert share one fetch. After the step, under ``lru`` / ``lfu``, the step's hits refresh
-  their slots and each fetched expert takes a slot (in the order the step first selected them), evicting the
-  least recently used slot (``lru``) or the slot whose expert has the fewest selections seen so far in the run,
-  the least recently used among equals (``lfu``);
+  select one missing expert share one fetch;
+- under ``lru`` / ``lfu`` the step's missed experts are filled into slots at the start of the step, before it
+  computes (as the engine's tier does), in the order the step first selected them. A fill takes an empty slot, or
+  evicts one whose expert the step does not select (a slot the step uses is never overwritten before the step
+  computes): the least recently used (``lru``; the step's hits are more recent than the slots it does not touch,
+  by their last selection in the step, and its fills more recent still) or the one whose expert has the fewest
+  selections seen so far in the run, this step's included, the least recently used among equals (``lfu``). When
+  every slot is used by the step, its remaining misses are not admitted: they are read from host memory in place
+  (still misses and fetches). A fill counts as a miss and serves hits from the next step on;
 - ``static`` fills the K slots once with the next K experts of the ranking: the same as a static set of N rows,
   the baseline a cache has to beat.
 
@@ -200,12 +205,22 @@ def simulate(trace: RoutingTrace, ranking: HotRanking, hbm_rows: int, cache_slot
     return SimResult(hot_rows, cache_slots, policy, trace.tokens, trace.selections, misses, fetches)
 
 
+_STEP = -1  # not an expert id: a marker in the LRU order between the slots this step has not used and those it has
+
+
 def _lru(steps: list[int], ids: list[int], slots_n: int, num_experts: int, shared: bool) -> tuple[int, int]:
     """LRU slots over one layer's cold stream: (misses, fetches). ``shared``: a step may select an expert twice
-    (batch > 1), and its misses of one expert are one fetch."""
-    slots: OrderedDict[int, None] = OrderedDict()
+    (batch > 1), and its misses of one expert are one fetch.
+
+    The order runs least recent first: the slots the step has not used, the marker ``_STEP`` (moved to the end
+    when a step begins), then the step's hits (moved to the end per selection). So the step's fills evict from the
+    front up to the marker: reaching it means every slot is used by the step, and the rest are not admitted.
+    """
+    slots: OrderedDict[int, None] = OrderedDict.fromkeys((_STEP,))
     touch, evict = slots.move_to_end, slots.popitem
-    missed: list[int] = []  # this step's misses, fetched and filled in after the step
+    # this step's misses, filled when the next step begins: the same as before the step computes, since the fills
+    # take only slots the step does not use
+    missed: list[int] = []
     miss = missed.append
     misses = fetches = filled = 0
     current = -1
@@ -215,12 +230,14 @@ def _lru(steps: list[int], ids: list[int], slots_n: int, num_experts: int, share
                 fetch = dict.fromkeys(missed) if shared else missed
                 fetches += len(fetch)
                 for f in fetch:
-                    if filled == slots_n:
-                        evict(last=False)
-                    else:
+                    if filled < slots_n:
                         filled += 1
+                    elif evict(last=False)[0] == _STEP:  # every slot is used by this step: read in place
+                        slots[_STEP] = None
+                        break
                     slots[f] = None
                 missed.clear()
+            touch(_STEP)
             current = step
         if e in slots:
             touch(e)
@@ -235,8 +252,9 @@ def _lfu(steps: list[int], ids: list[int], slots_n: int, num_experts: int, share
 
     A heap of (selections seen, last selection, expert), one entry per slot, updated lazily: a hit only bumps the
     expert's figures, which never decrease, so an entry's key is at most its expert's true key. An eviction pops
-    the smallest entry; if it is stale it goes back with its true key, and the first entry popped that is current
-    is the true minimum.
+    the smallest entry; if it is stale it goes back with its true key; a current one whose expert the step selected
+    (last selection in the step) is set aside and goes back after; the first current one the step did not select
+    is the one to evict. If there is none, the step's remaining misses are not admitted.
     """
     seen = [0] * num_experts
     last = [0] * num_experts
@@ -247,25 +265,37 @@ def _lfu(steps: list[int], ids: list[int], slots_n: int, num_experts: int, share
     miss = missed.append
     misses = fetches = filled = 0
     current = -1
+    start = 0  # the step's first tick
     for tick, (step, e) in enumerate(zip(steps, ids, strict=True)):
         if step != current:
             if missed:
                 fetch = dict.fromkeys(missed) if shared else missed
                 fetches += len(fetch)
                 for f in fetch:
-                    if filled == slots_n:
-                        while True:
-                            c, t, x = pop(heap)
-                            if c == seen[x] and t == last[x]:
+                    if filled < slots_n:
+                        filled += 1
+                    else:
+                        aside: list[tuple[int, int, int]] = []  # current entries of slots the step selected
+                        while heap:
+                            c, t, x = entry = pop(heap)
+                            if c != seen[x] or t != last[x]:
+                                push(heap, (seen[x], last[x], x))
+                            elif t < start:  # not selected in this step: the one to evict
                                 held[x] = False
                                 break
-                            push(heap, (seen[x], last[x], x))
-                    else:
-                        filled += 1
+                            else:
+                                aside.append(entry)
+                        else:  # every slot is used by this step: the rest are read in place
+                            for entry in aside:
+                                push(heap, entry)
+                            break
+                        for entry in aside:
+                            push(heap, entry)
                     held[f] = True
                     push(heap, (seen[f], last[f], f))
                 missed.clear()
             current = step
+            start = tick
         seen[e] += 1
         last[e] = tick
         if not held[e]:
