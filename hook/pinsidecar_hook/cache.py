@@ -25,9 +25,11 @@ tested (:func:`plan` without :func:`fill_rows`).
 
 Everything is device ops on tensors of static shape (expert- and slot-sized), so the step can be captured in a
 CUDA graph: writes that a step does not need go to a junk element at the end of each state tensor instead of
-being skipped. Only the copy's length depends on the data: on the CPU it is a plain ``index_copy_`` of the
-filled rows; on CUDA the Triton copy (:mod:`pinsidecar_hook.kernels.fill`) reads the fill count on the device and
-its spare programs return at once.
+being skipped. On CUDA the same step is one Triton launch (:mod:`pinsidecar_hook.kernels.cache_plan`, checked
+against this torch version step by step; torch's ops are about a hundred kernels, and capturing them in a CUDA
+graph failed on an H100). Only the copy's length depends on the data: on the CPU it is a plain ``index_copy_``
+of the filled rows; on CUDA the Triton copy (:mod:`pinsidecar_hook.kernels.fill`) reads the fill count on the
+device and its spare programs return at once.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ class ExpertCache:
             raise ValueError(f"a cache needs at least one slot, got {slots}")
         device = row_map_ext.device
         self.num_experts = int(row_map_ext.shape[0]) - 2
+        if device.type == "cuda":  # a captured step must take the one-launch kernel, which has bounds
+            from pinsidecar_hook.kernels.cache_plan import MAX_EXPERTS, MAX_SLOTS
+
+            if self.num_experts > MAX_EXPERTS or slots > MAX_SLOTS:
+                raise ValueError(f"the cache tier on CUDA handles at most {MAX_EXPERTS} experts and {MAX_SLOTS} "
+                                 f"slots per layer; this layer has {self.num_experts} experts and {slots} slots. "
+                                 "Build the map with fewer --cache-slots, or without a cache")
         self.hot_rows = hot_rows  # H: static hot rows; slots are rows H..H+K-1
         self.slots = slots
         self.policy = policy
@@ -89,6 +98,10 @@ class ExpertCache:
         self.fills = torch.zeros(1, dtype=torch.int64, device=device)
         self.evictions = torch.zeros(1, dtype=torch.int64, device=device)
         self._slot_index = torch.arange(k, device=device)
+        # The split's tier maps (triton_experts: hot_map, cold_map), which the fused CUDA step updates with the row
+        # map; ``maps_followed`` says whether the last step did (else the split recomputes them).
+        self.tier_maps: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.maps_followed = False
 
     @property
     def row_map(self) -> torch.Tensor:
@@ -115,6 +128,12 @@ class ExpertCache:
         ``misses``: the counter to add the misses to, when not the layer's own cold counter as the cache holds it:
         inside a compiled custom op that declares the counter mutated, the compiler hands the op a stand-in and
         copies it back afterwards, so the op must count into what it was given."""
+        if topk_ids.is_cuda and self._fused(topk_ids):  # one launch (kernels/cache_plan.py), capturable
+            from pinsidecar_hook.kernels.cache_plan import plan_triton
+
+            self.maps_followed = self.tier_maps is not None
+            return plan_triton(self, topk_ids, num_real, misses, self.tier_maps)
+        self.maps_followed = False
         e, k, hot = self.num_experts, self.slots, self.hot_rows
         ids = topk_ids.reshape(-1).to(torch.int64)
         pairs = ids.shape[0]
@@ -168,6 +187,15 @@ class ExpertCache:
         self.clock.add_(2 * pairs + 2)
         src = torch.where(active, self.base_rows.index_select(0, new) - (hot + k), 0)
         return CachePlan(n_fill, torch.where(active, hot + slot, 0), src)
+
+    def _fused(self, topk_ids: torch.Tensor) -> bool:
+        """Whether the one-launch Triton step takes this call: on CUDA with Triton, within its sizes. Past them (a
+        prefill of more than 65536 selections, never a captured decode step) the torch ops run, eagerly."""
+        from pinsidecar_hook.kernels.cache_plan import MAX_EXPERTS, MAX_PAIRS, MAX_SLOTS
+        from pinsidecar_hook.kernels.partition import triton_available
+
+        return (triton_available(topk_ids.device) and self.num_experts <= MAX_EXPERTS and self.slots <= MAX_SLOTS
+                and topk_ids.numel() <= MAX_PAIRS)
 
     def step(self, topk_ids: torch.Tensor, hot: Mapping[str, torch.Tensor | None],
              cold: Mapping[str, torch.Tensor | None], num_real: torch.Tensor | None = None,

@@ -460,7 +460,10 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
             cold_host=dict(rehomed.cold_host), cache_slots=slots,
         )
         if slots:
-            pin.cache = ExpertCache(row_map_ext, len(hot_local), slots, emap.cache_policy, pin.cold_counts)
+            try:
+                pin.cache = ExpertCache(row_map_ext, len(hot_local), slots, emap.cache_policy, pin.cold_counts)
+            except ValueError as exc:
+                raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
             pin.cache_key = register(pin.cache)
         split = backend(geo.experts, pin)
         pin.row_map_listeners.append(split.refresh)  # an in-place apply flips the row map: the split follows

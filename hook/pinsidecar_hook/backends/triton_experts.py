@@ -332,8 +332,10 @@ class TritonExpertsSplit(SplitBackend):
         layer = self.layer
         hot, cold = layer.hot, layer.cold
         if layer.cache is not None:  # fill the slots, flip the row map and the tier maps (pinsidecar_hook.cache)
+            layer.cache.tier_maps = (self.hot_map, self.cold_map)
             layer.cache.step(topk_ids, hot, cold, num_real=self.num_real)
-            self.refresh()
+            if not layer.cache.maps_followed:
+                self.refresh()
         hot_ids, cold_ids = partition(topk_ids, self.row_map, self.hot_rows, layer.expert_counts, self.partition_cold,
                                       num_real=self.num_real, token_counts=layer.token_counts)
         config = self.config_fn(self.experts, self.full_w1_shape, self.full_w2_shape, top_k, hidden_states.dtype,
