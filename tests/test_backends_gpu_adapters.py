@@ -716,3 +716,46 @@ def test_a_failing_call_is_reported_not_raised() -> None:
     check.after(geo, before)
     summary = check.summary()
     assert summary["errors"] == [{"layer": 3, "error": "unsplit call failed: RuntimeError: boom"}]
+
+
+@pytest.mark.parametrize("version", sorted(FAKE_VERSIONS))
+def test_triton_split_with_a_cache_tier_equals_unsplit_while_the_slots_fill(version: str) -> None:
+    """The cache tier in the triton_experts split (CPU, the torch step): per step the cache fills its slots (weights
+    and per-expert scales), flips the row map and the tier maps, and the split still equals the unsplit call."""
+    from pinsidecar_hook.cache import ExpertCache
+
+    fake = FAKE_VERSIONS[version]
+    top_k, hot_rows, slots = 4, 6, 4
+    g, w1, w2, s1, s2 = _triton_setup(top_k)
+    tensors = {"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2}
+    layer = _Layer(tensors, torch.arange(E, dtype=torch.int32), E)  # replaced below by the cached layout
+    layer.hot = {n: torch.cat([t[:hot_rows], torch.zeros_like(t[:slots])]) for n, t in tensors.items()}
+    layer.cold = {n: t[hot_rows:].clone() for n, t in tensors.items()}
+    rows = [*range(hot_rows), *range(hot_rows + slots, E + slots), -1, -1]
+    row_map_ext = torch.tensor(rows, dtype=torch.int32)
+    layer.row_map, layer.hot_rows, layer.cold_rows = row_map_ext[:E], hot_rows + slots, E - hot_rows
+    layer.cache = ExpertCache(row_map_ext, hot_rows, slots, "lru", layer.cold_counts)
+    layer.cache_slots = slots
+    qc = FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))
+    experts = fake(qc)
+    split = te.TritonExpertsSplit(experts, layer, config_fn=lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0]),
+                                  override_fn=fake_override_config)
+    assert split.full_w1_shape[0] == E  # the unsplit call's experts: the slots are copies, not more experts
+    unsplit = fake(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
+    steps = [torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(3)]).to(torch.int32)
+             for _ in range(4)]
+    for ids in [*steps, *steps]:  # the second round finds the first round's experts in the slots
+        x = torch.randn(3, HIDDEN, generator=g).to(torch.bfloat16)
+        weights = torch.rand(3, top_k, generator=g)
+        ref = torch.empty(3, HIDDEN, dtype=torch.bfloat16)
+        unsplit.apply(ref, x, w1, w2, weights, ids, "silu", E, None, None, None, None,
+                      torch.empty(3, top_k, 2 * INTER, dtype=torch.bfloat16), None, False)
+        out = torch.empty(3, HIDDEN, dtype=torch.bfloat16)
+        split.apply(out, x, layer.hot["w13_weight"], layer.hot["w2_weight"], weights, ids, "silu", E, None, None,
+                    None, None, torch.empty(3, top_k, max(2 * INTER, HIDDEN), dtype=torch.bfloat16), None, False)
+        assert torch.equal(out, ref)
+        hot_map, cold_map = te.tier_expert_maps(layer.row_map, layer.hot_rows)
+        assert torch.equal(split.hot_map, hot_map) and torch.equal(split.cold_map, cold_map)
+    assert int(layer.cache.fills.item()) > 0 and int(layer.cache.hits.item()) > 0
+    cold_selections = sum(int((torch.stack(steps).long() >= hot_rows).sum()) for _ in range(2))
+    assert int(layer.cold_counts.item()) + int(layer.cache.hits.item()) == cold_selections
