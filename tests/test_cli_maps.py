@@ -9,34 +9,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 from pinsidecar_hook.contract import load_counts, load_map
 
-from pinsidecar.cli import main
 from pinsidecar.testing.artifacts import write_counts, write_map
+from pinsidecar.testing.cli import assert_user_error, run, run_json
 
 GEOM = dict(num_layers=6, num_experts=32, top_k=4, tokens=400)
-
-
-def run(*args: str) -> Result:
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def run_json(*args: str) -> dict[str, Any]:
-    result = run(*args, "--json")
-    assert result.exit_code == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def assert_user_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    assert result.stderr.startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    for frag in fragments:
-        assert frag in result.stderr, (frag, result.stderr)
 
 
 @pytest.fixture()

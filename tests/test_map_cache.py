@@ -6,22 +6,20 @@ Fast, no engine: synthetic routing traces and the counts they imply.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner, Result
 from pinsidecar_hook.contract import CountsArtifact, RoutingTrace, load_map, save_trace
 
 from pinsidecar import placement
-from pinsidecar.cli import main
 from pinsidecar.drift import build_candidate, decide
 from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.signals import compute_signals, map_cold_rate_on
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement.cache_model import che_hit_probabilities, miss_rates
+from pinsidecar.testing.cli import assert_user_error, run, run_json
 
 LAYERS, EXPERTS, TOP_K = 3, 32, 4
 LAYER_IDS = (1, 3, 5)
@@ -53,23 +51,6 @@ def counts_of(trace: RoutingTrace, workload: str = "w") -> CountsArtifact:
     return CountsArtifact(layer_ids=list(trace.layer_ids or range(trace.num_layers)), num_experts=trace.num_experts,
                           top_k=trace.top_k, counts=trace.counts().astype(np.int64), tokens=trace.tokens,
                           workload=workload, meta={"expert_bytes": 1000})
-
-
-def run(*args: str) -> Result:
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def run_json(*args: str) -> dict[str, Any]:
-    result = run(*args, "--json")
-    assert result.exit_code == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def assert_user_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr
-    for frag in fragments:
-        assert frag in result.stderr, (frag, result.stderr)
 
 
 @pytest.fixture()

@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 from pinsidecar_hook.contract import load_map
 
-from pinsidecar.cli import main
 from pinsidecar.placement import ExpertBytesError, checkpoint_experts
 from pinsidecar.placement.expert_bytes import (
     fp8_block_expert_bytes,
@@ -25,21 +23,11 @@ from pinsidecar.placement.expert_bytes import (
     unquantized_expert_bytes,
 )
 from pinsidecar.testing.artifacts import make_counts, write_counts
+from pinsidecar.testing.cli import assert_user_error, run
 
 H, INTER = 2048, 768  # the GPU lane's geometry, where the anchors were measured
 GEO = dict(hidden=256, layers=2, experts=16, top_k=4, expert_intermediate=128)
 BF16_SMALL = 3 * 128 * 256 * 2
-
-
-def run(*args: str) -> Result:
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def assert_user_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr, result.stderr
-    for frag in fragments:
-        assert frag in result.stderr, (frag, result.stderr)
 
 
 def write_config(path: Path, **overrides: Any) -> Path:

@@ -4,20 +4,17 @@ buys on stationary and on short-reuse routing, the split search, and ``pinsideca
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner, Result
 from pinsidecar_hook.contract import ArtifactError, RoutingTrace, save_trace
 
 from pinsidecar import placement
-from pinsidecar.cli import main
 from pinsidecar.placement import HotRanking, auto_split, simulate
 from pinsidecar.placement.simulate import cache_slot_grid, tuning_tokens
 from pinsidecar.testing.artifacts import counts_from, write_counts
+from pinsidecar.testing.cli import assert_user_error, run, run_json
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
@@ -104,24 +101,6 @@ def reference(experts: np.ndarray, hot: np.ndarray, slots_n: int, policy: str, b
                 clock += 1
                 slots[e] = clock
     return misses, fetches
-
-
-def run(*args: str) -> Result:
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def run_json(*args: str) -> dict[str, Any]:
-    result = run(*args, "--json")
-    assert result.exit_code == 0, result.stderr
-    return json.loads(result.stdout)  # one JSON document and nothing else on stdout
-
-
-def assert_user_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    assert result.stderr.startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr and not result.stdout
-    for frag in fragments:
-        assert frag in result.stderr, (frag, result.stderr)
 
 
 # ---------------------------------------------------------------------------------------------------- by hand
