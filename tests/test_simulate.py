@@ -392,8 +392,8 @@ def test_cli_geometry_mismatch_exits_2_naming_both(files: dict[str, str]) -> Non
 @pytest.mark.parametrize(("args", "fragments"), [
     ((), ("give exactly one source for the hot set",)),
     (("--counts", "C", "--train", "T"), ("give exactly one source",)),
-    (("--counts", "C", "--cache-slots", "lots"), ("--cache-slots must be a whole number or auto", "'lots'")),
-    (("--counts", "C", "--cache-slots", "-1"), ("--cache-slots must be >= 0",)),
+    (("--counts", "C", "--cache-slots", "lots"), ("--cache-slots must be a number of slots or 'auto'", "'lots'")),
+    (("--counts", "C", "--cache-slots", "-1"), ("--cache-slots must be at least 0",)),
     (("--map", "M", "--cache-slots", "1"), ("the map keeps 8 hot rows", "--cache-slots 4")),
     (("--map", "M", "--cache-slots", "auto"), ("the map fixes its hot rows at 8",)),
     (("--train", "missing.npz"), ("missing.npz: file not found",)),

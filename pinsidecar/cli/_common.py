@@ -51,3 +51,18 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             fail(str(exc))
 
     return wrapper
+
+
+def parse_cache_slots(raw: str) -> int | str:
+    """``--cache-slots``: a number of cache slots per layer (0: none), or ``"auto"`` to choose the split on a
+    trace. Checked before any file is read, so a typo costs nothing."""
+    if raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"--cache-slots must be a number of slots or 'auto', got {raw!r}",
+                        "pass e.g. --cache-slots 8, or --cache-slots auto to choose the split on a trace") from None
+    if value < 0:
+        raise UserError(f"--cache-slots must be at least 0, got {value}", "pass --cache-slots 0 for no cache")
+    return value

@@ -17,7 +17,7 @@ import click
 from pinsidecar_hook.contract import CACHE_POLICIES, CountsArtifact, RoutingTrace, load_counts, load_map, load_trace
 
 from pinsidecar import placement
-from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
+from pinsidecar.cli._common import UserError, emit, handle_errors, json_option, parse_cache_slots
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -164,22 +164,6 @@ def _resolve_hot_rows(hot_rows: int | None, hbm_bytes: int | None, expert_bytes:
     return placement.hot_rows_for_budget(hbm_bytes, counts.num_layers, expert_bytes, counts.num_experts)
 
 
-def _parse_cache_slots(raw: str | None) -> int | str:
-    """``--cache-slots``: a count of slots or ``auto``; absent is 0 (no cache)."""
-    if raw is None:
-        return 0
-    if raw.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UserError(f"--cache-slots must be a number of slots or 'auto', got {raw!r}",
-                        "pass --cache-slots K (0..the HBM rows - 1) or --cache-slots auto with --trace") from None
-    if value < 0:
-        raise UserError(f"--cache-slots must be at least 0, got {value}", "pass --cache-slots 0 for no cache")
-    return value
-
-
 def _check_cache_policy(policy: str) -> str:
     if policy not in CACHE_POLICIES:
         hint = (" (static is the simulator's baseline, not a cache: a static set of N rows is a map with "
@@ -254,7 +238,7 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
            positional: bool, label: str, out: str | None, model: str | None = None, dtype: str | None = None,
            quantization: str | None = None, cache_slots: str | None = None, cache_policy: str = "lru",
            trace_path: str | None = None) -> dict[str, Any]:
-    slots_arg = _parse_cache_slots(cache_slots)
+    slots_arg = 0 if cache_slots is None else parse_cache_slots(cache_slots)
     policy = _check_cache_policy(cache_policy)
     if slots_arg == "auto" and trace_path is None:
         raise UserError("--cache-slots auto chooses the split on a routing trace, and none was given",

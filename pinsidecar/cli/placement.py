@@ -16,26 +16,12 @@ import structlog
 from pinsidecar_hook.contract import RoutingTrace, load_counts, load_map, load_trace
 
 from pinsidecar import placement
-from pinsidecar.cli._common import UserError, emit, handle_errors, json_option
+from pinsidecar.cli._common import UserError, emit, handle_errors, json_option, parse_cache_slots
 from pinsidecar.cli.maps import format_table
 
 __all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
-
-
-def _cache_slots(value: str) -> int | None:
-    """``--cache-slots``: a number of slots, or None for ``auto``."""
-    if value.strip().lower() == "auto":
-        return None
-    try:
-        slots = int(value)
-    except ValueError:
-        raise UserError(f"--cache-slots must be a whole number or auto, got {value!r}",
-                        "pass e.g. --cache-slots 8, or --cache-slots auto to search the split") from None
-    if slots < 0:
-        raise UserError(f"--cache-slots must be >= 0, got {slots}", "0 slots is the static placement alone")
-    return slots
 
 
 def _ranking(map_path: str | None, counts_path: str | None, train_path: str | None,
@@ -61,7 +47,8 @@ def _ranking(map_path: str | None, counts_path: str | None, train_path: str | No
 
 def _simulate(trace_path: str, map_path: str | None, counts_path: str | None, train_path: str | None,
               hbm_rows: int, cache_slots: str, policy: str, batch: int) -> dict[str, Any]:
-    slots = _cache_slots(cache_slots)  # before any file is read: a typo costs nothing
+    parsed = parse_cache_slots(cache_slots)  # before any file is read: a typo costs nothing
+    slots = None if parsed == "auto" else int(parsed)
     ranking, kind, source, train = _ranking(map_path, counts_path, train_path, trace_path)
     trace = load_trace(trace_path)
     placement.check_trace_geometry(trace, ranking, trace_path, source)
