@@ -1,24 +1,20 @@
 """The cache tier's metrics, dashboard panel and status line, from the hook's stats file, without an engine: the
 counters, the slots and the hit ratio as scraped; a lane with no cache (slots 0, counters 0, no ratio); totals that
 stay monotonic over engine restarts, resets and boots without a cache; the dashboard's PromQL hit rate evaluated
-by promtool; ``pinsidecar status`` (human and --json) through the CLI against a stand-in daemon."""
+by promtool; ``pinsidecar status``: the daemon's status and the CLI's line."""
 
 from __future__ import annotations
 
 import dataclasses
-import http.server
 import json
 import re
 import shutil
 import subprocess
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from click.testing import CliRunner
 from pinsidecar_hook.contract import StatsSnapshot
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -260,66 +256,6 @@ def test_status_line_shows_slots_policy_and_hit_rate() -> None:
     assert "cache " not in _fmt_status(st)
 
 
-class _Daemon:
-    """A stand-in daemon answering GET /status with ``payload``."""
-
-    def __init__(self, payload: dict[str, Any]) -> None:
-        self.payload = payload
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = json.dumps(outer.payload).encode()
-                self.send_response(200 if self.path == "/status" else 404)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def daemon() -> Iterator[_Daemon]:
-    d = _Daemon({"engine": {"state": "ready"}, "maps": {"entries": [], "dir": "/m"}, "daemon": {},
-                 "pin": {"backend": "triton_experts", "backend_verified": True, "selfcheck": None}})
-    try:
-        yield d
-    finally:
-        d.close()
-
-
-def _config(tmp_path: Path, port: int, hook_mode: str = "pin") -> str:
-    state = tmp_path / "state"
-    state.mkdir(exist_ok=True)
-    token = tmp_path / "control.token"
-    token.write_text("t" * 32 + "\n")
-    token.chmod(0o600)
-    cfg = tmp_path / "pinsidecar.toml"
-    cfg.write_text(f'[daemon]\nstate_dir = "{state}"\n'
-                   f'[engine]\nmodel = "{tmp_path / "model"}"\nhook_mode = "{hook_mode}"\n'
-                   f'map = "{tmp_path / "m.json"}"\n'
-                   f'[control]\nport = {port}\ntoken_file = "{token}"\n')
-    return str(cfg)
-
-
-def _status(cfg: str, *args: str) -> str:
-    from pinsidecar.cli import main
-
-    res = CliRunner().invoke(main, ["status", "--config", cfg, *args])
-    assert res.exit_code == 0, res.output
-    return res.output
-
-
 def test_the_daemons_status_reports_the_cache_from_the_engines_stats_file(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
@@ -333,14 +269,3 @@ def test_the_daemons_status_reports_the_cache_from_the_engines_stats_file(tmp_pa
     assert c["hit_ratio"] == pytest.approx(80 / 92)
     make_stats().save(stats)
     assert Daemon._pin_status(daemon)["cache"] is None  # type: ignore[arg-type]
-
-
-def test_status_shows_the_cache_line_the_daemon_reports(tmp_path: Path, daemon: _Daemon) -> None:
-    cfg = _config(tmp_path, daemon.port)
-    daemon.payload["pin"]["cache"] = cache_status(cached(slots=16, policy="lru"))
-    human = _status(cfg)
-    assert "split    triton_experts (verified)" in human
-    assert "cache    16 slots per layer, lru: hit rate 87.0 % since boot (80 hits, 12 misses" in human
-    assert json.loads(_status(cfg, "--json"))["pin"]["cache"]["slots"] == 16
-    daemon.payload["pin"]["cache"] = None
-    assert "cache " not in _status(cfg)
