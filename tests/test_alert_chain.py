@@ -68,6 +68,7 @@ CLIENTS = 3
 NO_DATA_HERE = {
     ("GPU memory", "A"): "no NVML on a CPU box (metrics.nvml = false)",
     ("GPU memory", "B"): "no NVML on a CPU box (metrics.nvml = false)",
+    ("Cache tier", "D"): "this lane's map has no cache tier: the slots' hit rate is drawn only where there are slots",
 }
 # Targets that may be empty here depending on the host (the panel still needs another target with data).
 MAY_BE_EMPTY = {
