@@ -95,3 +95,23 @@ def test_an_in_place_apply_on_a_cached_map_is_refused_and_serving_goes_on(cached
     assert answer["outcome"] == "refused" and "cache tier" in answer["reason"]
     assert snap.map_hash == emap.content_hash
     assert engine.greedy(PARITY_PROMPTS[0])["tokens"]
+
+
+def test_the_exporter_reads_the_live_cache_counters(cached: dict[str, Any]) -> None:
+    """The engine's own stats file through the daemon's exporter: the cache's totals, slots and hit ratio."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pinsidecar.metrics import Exporter
+
+    engine = cached["engine"]
+    engine.greedy(PARITY_PROMPTS[0])
+    snap = _request(engine, "flush")
+    exp = Exporter(stats_path=Path(engine.hook.stats_path), nvml=None, process_metrics=False)
+    samples = {s.name: s.value for f in text_string_to_metric_families(exp.render().decode()) for s in f.samples
+               if not s.labels}
+    assert snap.cache is not None
+    assert samples["pinsidecar_cache_slots"] == SLOTS
+    assert samples["pinsidecar_cache_hits_total"] == sum(snap.cache["hits"]) > 0
+    assert samples["pinsidecar_cache_fills_total"] == sum(snap.cache["fills"]) > 0
+    hits, misses = sum(snap.cache["hits"]), snap.total_cold_selections
+    assert samples["pinsidecar_cache_hit_ratio"] == pytest.approx(hits / (hits + misses))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from pinsidecar_hook.contract import load_counts
+from pinsidecar_hook.contract import load_counts, load_map
 from pinsidecar_hook.contract.trace import load_trace
 
 from pinsidecar.cli import main
@@ -77,6 +77,19 @@ def test_profile_counts_exactly_and_writes_only_the_artifact(tmp_path: Path, dem
     (result,) = json.loads(stdout)["results"]
     cold_rate = 1 - np.sort(counts.counts, axis=1)[:, ::-1][:, :hot].sum() / counts.selections
     assert result["cache_slots"] == 0 and result["miss_rate"] == pytest.approx(cold_rate, abs=1e-9)
+    # ... and the operator's next step: a map whose split of the same rows into hot rows and cache slots is chosen
+    # on the trace, its predicted cold rate the simulator's miss rate of that split on it
+    cached_map = out_dir.parent / "cached.json"
+    code, stdout, stderr = run_cli("map", "build", str(out), "--hot-rows", str(hot), "--cache-slots", "auto",
+                                   "--trace", str(trace_out), "--out", str(cached_map), "--json")
+    assert code == 0, stderr
+    emap = load_map(cached_map)
+    assert emap.hot_rows + emap.cache_slots == hot and emap.meta["cache_model"] == "trace"
+    code, stdout, stderr = run_cli("placement", "simulate", str(trace_out), "--counts", str(out), "--hbm-rows",
+                                   str(hot), "--cache-slots", str(emap.cache_slots), "--json")
+    (chosen,) = json.loads(stdout)["results"]
+    assert emap.predicted_cold_rate == pytest.approx(chosen["miss_rate"], abs=1e-12)
+    assert chosen["miss_rate"] <= result["miss_rate"]  # auto may keep no slots, never choose a worse split
     argv = " ".join(meta["engine_argv"])  # the example's engine table reached the engine
     assert "--served-model-name demo" in argv and "--shutdown-timeout 10" in argv and "--enforce-eager" in argv
 
