@@ -25,14 +25,15 @@ ALLOWED = {
     "selfcheck": {"vllm_seam"},
     "flusher": {"contract"},
     "rehome": {"vllm_seam"},
-    "backends": {"vllm_seam", "contract", "kernels"},
+    "cache": {"kernels"},  # the cache tier's step: state in torch, its CUDA launch and copy in kernels
+    "backends": {"vllm_seam", "contract", "kernels", "cache"},
     "trace_record": {"contract"},  # count mode's routing trace: a device buffer, written as a contract trace
     "count": {"vllm_seam", "contract", "flusher", "kernels", "trace_record"},  # kernels: the GPU count's launch
     "swap_rows": {"contract"},  # the in-place apply works on pin mode's layers through a protocol, not pin itself
     "swap_batches": {"contract", "swap_rows"},
     "swap": {"contract", "swap_rows", "swap_batches"},
     "swap_tp": {"contract", "swap"},  # the apply on every tensor-parallel rank: swap's steps, per rank, in step
-    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "swap", "swap_tp", "selfcheck"},
+    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "cache", "swap", "swap_tp", "selfcheck"},
     "modes": {"vllm_seam", "contract", "count", "pin"},
     "plugin": {"contract", "modes"},
 }

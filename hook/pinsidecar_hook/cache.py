@@ -35,24 +35,14 @@ device and its spare programs return at once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-from pinsidecar_hook.kernels.fill import fill_rows_cuda, fill_rows_reference
+from pinsidecar_hook.kernels.fill import CachePlan, fill_rows_cuda, fill_rows_reference
 
-__all__ = ["CachePlan", "ExpertCache", "fill_rows", "register", "registered"]
+__all__ = ["ExpertCache", "fill_rows", "register", "registered"]
 
 _BIG = 2**62  # a sort key after every real one
-
-
-@dataclass
-class CachePlan:
-    """One step's fills, as device tensors of static length K (:meth:`ExpertCache.plan`)."""
-
-    n_fill: torch.Tensor  # int64 [1]: how many of the K entries are real fills
-    dst_rows: torch.Tensor  # int64 [K]: HBM row (H + slot) of each fill, first n_fill real
-    src_rows: torch.Tensor  # int64 [K]: cold row (0-based in the cold tensor) of each fill
 
 
 class ExpertCache:

@@ -44,10 +44,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pinsidecar_hook.cache import CachePlan, ExpertCache
+from pinsidecar_hook.kernels.fill import CachePlan
 from pinsidecar_hook.kernels.partition import tl, triton, triton_available
 
 __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "MAX_SLOTS", "plan_triton"]
@@ -62,6 +63,9 @@ _BLOCK_P = 1024
 _SLOT_CHUNK = 32
 _MIN_BLOCK = 16
 _NO_POSITION = 2**31 - 1  # "first" of an expert the step does not select
+
+# pinsidecar_hook.cache.ExpertCache, read and written through its attributes (kernels import no other room).
+ExpertCache = Any
 
 if triton is not None:
 

@@ -13,11 +13,22 @@ and one write to HBM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pinsidecar_hook.kernels.partition import tl, triton, triton_available
 
-__all__ = ["fill_rows_cuda", "fill_rows_reference"]
+__all__ = ["CachePlan", "fill_rows_cuda", "fill_rows_reference"]
+
+@dataclass
+class CachePlan:
+    """One step's fills, as device tensors of static length K (:meth:`pinsidecar_hook.cache.ExpertCache.plan`)."""
+
+    n_fill: torch.Tensor  # int64 [1]: how many of the K entries are real fills
+    dst_rows: torch.Tensor  # int64 [K]: HBM row (H + slot) of each fill, first n_fill real
+    src_rows: torch.Tensor  # int64 [K]: cold row (0-based in the cold tensor) of each fill
+
 
 # Words one program copies: 4096 32-bit words = 16 KiB in flight per program. A 9 MiB bf16 expert is ~600
 # programs, enough to keep the link busy.
