@@ -153,7 +153,6 @@ def _grid(policy: str) -> list[dict]:
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_the_kernel_steps_a_cache_exactly_as_the_torch_plan_under_the_interpreter(policy: str) -> None:
-    pytest.importorskip("triton")
     stats = _run(_grid(policy))
     # every transition happened: hits, fills into empty slots and with evictions, full caches, padding
     assert stats["steps"] == 17 * 24
@@ -164,7 +163,6 @@ def test_the_kernel_steps_a_cache_exactly_as_the_torch_plan_under_the_interprete
 def test_the_kernel_handles_the_largest_cache_under_the_interpreter() -> None:
     """The limits' sizes: 1024 experts, 256 slots (the slot comparison in 8 chunks), a 2048-selection step (two
     position blocks)."""
-    pytest.importorskip("triton")
     stats = _run([{"seed": 7, "experts": 1024, "slots": 256, "top_k": 8, "policy": policy, "steps": 6,
                    "max_tokens": 256, "tier_maps": True} for policy in ("lru", "lfu")])
     assert stats["fills"] > 256 and stats["evictions"] > 0 and stats["hits"] > 0, stats
@@ -172,7 +170,6 @@ def test_the_kernel_handles_the_largest_cache_under_the_interpreter() -> None:
 
 
 def test_a_cache_past_the_kernel_limits_is_refused_with_the_limit() -> None:
-    pytest.importorskip("triton")
     from pinsidecar_hook.kernels.cache_plan import plan_triton
 
     def cache(experts: int, slots: int) -> ExpertCache:

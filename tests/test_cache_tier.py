@@ -157,7 +157,6 @@ def test_padding_rows_of_a_captured_batch_neither_count_nor_fill() -> None:
 def test_the_triton_fill_copies_only_the_counted_rows_under_the_interpreter() -> None:
     """The CUDA fill kernel, run by Triton's interpreter on CPU tensors (in a fresh process: the variable must be
     set before Triton is imported)."""
-    pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
         from pinsidecar_hook.kernels.fill import fill_rows_cuda, fill_rows_reference

@@ -24,7 +24,13 @@ from pinsidecar.metrics.cache import CacheTotals, cache_status
 from pinsidecar.testing.metrics import make_stats
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "grafana" / "pinsidecar-dashboard.json"
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (apt prometheus)")
+
+
+def _promtool() -> str:
+    """promtool, from Debian's prometheus package (.ci/run installs it): missing, the test fails, not skips."""
+    path = shutil.which("promtool")
+    assert path, "promtool is missing: install Debian's prometheus package (apt install prometheus)"
+    return path
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -155,14 +161,13 @@ def test_a_cache_counter_that_goes_down_within_a_boot_is_never_negative(tmp_path
     assert all(v >= 0 for d in totals.copy().values() for v in d.values())
 
 
-@needs_promtool
 def test_promtool_lints_the_cache_metrics(tmp_path: Path) -> None:
     path = tmp_path / "stats.json"
     exp = Exporter(stats_path=path, nvml=None, process_metrics=False)
     cached().save(path)
     text = exp.render()
     assert b"pinsidecar_cache_hits_total 80.0" in text
-    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
+    proc = subprocess.run([_promtool(), "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), proc.stdout + proc.stderr
 
 
@@ -192,7 +197,6 @@ def test_cache_panel_draws_the_rates_and_the_slot_hit_rate_of_exported_metrics(t
                 assert name in exported, f"{name} not exported ({'no ' if snap.cache is None else ''}cache)"
 
 
-@needs_promtool
 def test_the_dashboards_hit_rate_is_hits_over_hits_plus_misses_and_absent_without_slots(tmp_path: Path) -> None:
     """The panel's own PromQL, evaluated by promtool over two sidecars: one with a cache (hits +45/min, cold
     +15/min: 75 %), one without (slots 0: no hit rate drawn, not 0 %)."""
@@ -224,7 +228,7 @@ def test_the_dashboards_hit_rate_is_hits_over_hits_plus_misses_and_absent_withou
         ],
     }]}
     (tmp_path / "t.yml").write_text(yaml.safe_dump(tests))
-    proc = subprocess.run(["promtool", "test", "rules", "t.yml"], cwd=tmp_path, capture_output=True, text=True,
+    proc = subprocess.run([_promtool(), "test", "rules", "t.yml"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -304,6 +304,8 @@ class TritonExpertsSplit(SplitBackend):
         # With a cache the cache counts the misses; the partition's cold count (what is still cold after the
         # step's fills) goes to a scratch counter.
         self.partition_cold = layer.cold_counts if layer.cache is None else torch.zeros_like(layer.cold_counts)
+        if layer.cache is not None:  # the fused CUDA step updates the tier maps with the row map
+            layer.cache.tier_maps = (self.hot_map, self.cold_map)
 
     def refresh(self) -> None:
         """Recompute the tier maps from the row map after an in-place apply flipped it, writing the same tensors
@@ -332,7 +334,6 @@ class TritonExpertsSplit(SplitBackend):
         layer = self.layer
         hot, cold = layer.hot, layer.cold
         if layer.cache is not None:  # fill the slots, flip the row map and the tier maps (pinsidecar_hook.cache)
-            layer.cache.tier_maps = (self.hot_map, self.cold_map)
             layer.cache.step(topk_ids, hot, cold, num_real=self.num_real)
             if not layer.cache.maps_followed:
                 self.refresh()
