@@ -38,7 +38,9 @@ from collections.abc import Mapping
 
 import torch
 
+from pinsidecar_hook.kernels.cache_plan import MAX_EXPERTS, MAX_PAIRS, MAX_SLOTS, plan_triton
 from pinsidecar_hook.kernels.fill import CachePlan, fill_rows_cuda, fill_rows_reference
+from pinsidecar_hook.kernels.partition import triton_available
 
 __all__ = ["ExpertCache", "fill_rows", "register", "registered"]
 
@@ -62,13 +64,12 @@ class ExpertCache:
             raise ValueError(f"a cache needs at least one slot, got {slots}")
         device = row_map_ext.device
         self.num_experts = int(row_map_ext.shape[0]) - 2
-        if device.type == "cuda":  # a captured step must take the one-launch kernel, which has bounds
-            from pinsidecar_hook.kernels.cache_plan import MAX_EXPERTS, MAX_SLOTS
-
-            if self.num_experts > MAX_EXPERTS or slots > MAX_SLOTS:
-                raise ValueError(f"the cache tier on CUDA handles at most {MAX_EXPERTS} experts and {MAX_SLOTS} "
-                                 f"slots per layer; this layer has {self.num_experts} experts and {slots} slots. "
-                                 "Build the map with fewer --cache-slots, or without a cache")
+        # A captured step must take the one-launch kernel, which has bounds (checked once, here).
+        self._fused = device.type == "cuda" and triton_available(device)
+        if device.type == "cuda" and (self.num_experts > MAX_EXPERTS or slots > MAX_SLOTS):
+            raise ValueError(f"the cache tier on CUDA handles at most {MAX_EXPERTS} experts and {MAX_SLOTS} "
+                             f"slots per layer; this layer has {self.num_experts} experts and {slots} slots. "
+                             "Build the map with fewer --cache-slots, or without a cache")
         self.hot_rows = hot_rows  # H: static hot rows; slots are rows H..H+K-1
         self.slots = slots
         self.policy = policy
@@ -118,9 +119,9 @@ class ExpertCache:
         ``misses``: the counter to add the misses to, when not the layer's own cold counter as the cache holds it:
         inside a compiled custom op that declares the counter mutated, the compiler hands the op a stand-in and
         copies it back afterwards, so the op must count into what it was given."""
-        if topk_ids.is_cuda and self._fused(topk_ids):  # one launch (kernels/cache_plan.py), capturable
-            from pinsidecar_hook.kernels.cache_plan import plan_triton
-
+        # One launch on CUDA (kernels/cache_plan.py), capturable; past its bounds (a prefill of more than
+        # MAX_PAIRS selections, never a captured decode step) the torch ops below run, eagerly.
+        if self._fused and topk_ids.numel() <= MAX_PAIRS:
             self.maps_followed = self.tier_maps is not None
             return plan_triton(self, topk_ids, num_real, misses, self.tier_maps)
         self.maps_followed = False
@@ -177,15 +178,6 @@ class ExpertCache:
         self.clock.add_(2 * pairs + 2)
         src = torch.where(active, self.base_rows.index_select(0, new) - (hot + k), 0)
         return CachePlan(n_fill, torch.where(active, hot + slot, 0), src)
-
-    def _fused(self, topk_ids: torch.Tensor) -> bool:
-        """Whether the one-launch Triton step takes this call: on CUDA with Triton, within its sizes. Past them (a
-        prefill of more than 65536 selections, never a captured decode step) the torch ops run, eagerly."""
-        from pinsidecar_hook.kernels.cache_plan import MAX_EXPERTS, MAX_PAIRS, MAX_SLOTS
-        from pinsidecar_hook.kernels.partition import triton_available
-
-        return (triton_available(topk_ids.device) and self.num_experts <= MAX_EXPERTS and self.slots <= MAX_SLOTS
-                and topk_ids.numel() <= MAX_PAIRS)
 
     def step(self, topk_ids: torch.Tensor, hot: Mapping[str, torch.Tensor | None],
              cold: Mapping[str, torch.Tensor | None], num_real: torch.Tensor | None = None,
