@@ -101,6 +101,23 @@ def test_batched_apply_ends_where_the_unbatched_one_does(maps: dict[str, Any], b
         assert torch.equal(got, want)
 
 
+def test_a_long_drain_is_not_charged_to_the_batch_budget(maps: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Host order: a batch first waits for the step still on the device (the drain). That wait is as long whether
+    the batch then copies one pair or twenty, so the budget bounds the copies after it. Charged to the budget, a
+    step longer than the budget made every batch one pair (an H100 under 16 streams: 997 batches for 1024 rows)."""
+    drain_s, budget_s = 0.03, 0.01
+    monkeypatch.setattr(swap._Apply, "_drain", lambda self: time.sleep(drain_s))  # a step 30 ms long on the device
+    state = _state(maps["a"], maps["a_path"])
+    stats = _swap(state, maps, hold_budget_s=budget_s, idle_s=0.0, ordering="host")
+    rows = _plan_rows(maps)
+    assert stats.rows == rows and stats.stream_batches == 0
+    assert min(stats.drains) >= drain_s and stats.hold_max_s >= drain_s
+    assert stats.batches < rows / 2, f"{stats.batches} batches for {rows} rows: the drain was charged to the budget"
+    assert max(h - d for h, d in zip(stats.holds, stats.drains, strict=True)) < drain_s + budget_s
+    _check_rows_hold_their_experts(state, maps["b"])
+
+
 def test_apply_request_reports_its_batches(maps: dict[str, Any]) -> None:
     """Through the request (``hold_ms`` 0: one pair per batch) and the answer, and an answer file of before
     batching still reads."""

@@ -335,6 +335,11 @@ class _Apply:
         for dev in self.devices:
             torch.cuda.synchronize(dev)
 
+    def _drain(self) -> None:
+        """A host-ordered batch's first sync: wait for the step still running on the device (its own method so
+        that the tests can make it long, as a busy engine's step is)."""
+        self._sync()
+
     def _engine_stream(self) -> Any:
         """The stream to order this batch on ("Ordering"), or None: order by host syncs (the CPU, several devices,
         no step seen yet, or ``ordering="host"``)."""
@@ -476,11 +481,12 @@ class _Apply:
         try:
             start = None
             if engine is None:
-                self._sync()  # the previous step's kernels may still be running (vLLM executes asynchronously)
+                self._drain()  # the previous step's kernels may still be running (vLLM executes asynchronously)
             else:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(engine)  # after the last step's kernels, in stream order: nothing to wait for here
-            self.stats.drains.append(time.perf_counter() - locked)
+            drained = time.perf_counter()
+            self.stats.drains.append(drained - locked)
             if self.fail_after_layers == 0:
                 raise RuntimeError("fail_after_layers=0: failing before the first layer (fault injection)")
             unflipped: list[_Pair] = []
@@ -489,7 +495,7 @@ class _Apply:
             while self.next < len(self.pairs):
                 prefetched = slot < self.prefetched
                 estimate = self._estimate(prefetched)
-                if slot and self._full(time.perf_counter() - locked, queued, estimate):
+                if slot and self._full(time.perf_counter() - drained, queued, estimate):
                     break
                 pair = self.pairs[self.next]
                 t0 = time.perf_counter()
@@ -527,9 +533,15 @@ class _Apply:
             raise
 
     def _full(self, held: float, queued: float, estimate: float) -> bool:
-        """Whether one more pair (``estimate``) would overrun the budget, ``held`` seconds into the hold. Ordered
-        by host syncs the hold is the bound; stream-ordered it is the device time queued (``queued``), and with
-        none measured yet (the first batch) one pair is the batch."""
+        """Whether one more pair (``estimate``) would overrun the budget, ``held`` seconds of copies into the hold
+        (after the drain). Ordered by host syncs the copies under the lock are the bound; stream-ordered it is the
+        device time queued (``queued``), and with none measured yet (the first batch) one pair is the batch.
+
+        The drain is not charged to the budget: it waits for a step that is running anyway, and it is as long
+        whether the batch then copies one pair or twenty. Charged, it made every batch one pair once a step took
+        longer than the budget: on an H100 under 16 streams, steps on a map with most selections cold took up
+        to 0.25 s, and a 1024-row apply ran as 997 one-pair batches over 194 s
+        (``bench/results/apply_engine_wide_h100_partial_2026-12-05.json``)."""
         if not self._on_stream:
             return held + estimate > self.budget
         if math.isinf(self.budget):
