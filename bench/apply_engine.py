@@ -26,6 +26,11 @@ own streaming clients (:mod:`pinsidecar.testing.streaming`). For each ``--client
 Each level ends on map A (an even number of applies). Before the first level and after the last, the engine's
 greedy tokens and logprobs on fixed prompts, with nothing else running: they must be identical to the bit.
 
+``--orderings`` lists the variants to interleave: an ordering (``host``, ``stream``), optionally with the batch
+budget the request asks for after ``@`` in ms (``stream@8``: stream order, at most 8 ms of copies per batch on the
+device; none: the hook's 20 ms), what ``[remap.advanced] apply_hold_ms`` sets on a lane. A stream waits for about
+one step plus one batch, so the budget is the knob on the gap.
+
 A pair is ``NAME=A.json,B.json`` or ``NAME=A.json`` (B: A's complement, :func:`complement_map`, so that every cold
 row of every layer changes: the most rows one apply can move at that geometry). Optional ``:C1,C2`` after it
 overrides ``--clients`` for that pair.
@@ -109,10 +114,24 @@ def _maps(spec: str) -> tuple[str, Path, Path | None, list[int] | None]:
     return name, paths[0], paths[1] if len(paths) == 2 else None, levels
 
 
+def variant(spec: str) -> tuple[str, float | None]:
+    """``(ordering, hold_ms)`` of an ``--orderings`` entry ``ORDERING[@MS]`` (None: the hook's budget)."""
+    ordering, _, ms = spec.partition("@")
+    if ordering not in APPLY_ORDERINGS:
+        raise SystemExit(f"--orderings {spec!r}: the ordering must be one of {', '.join(APPLY_ORDERINGS)}")
+    try:
+        hold_ms = float(ms) if ms else None
+    except ValueError:
+        hold_ms = -1.0
+    if hold_ms is not None and not hold_ms >= 0:
+        raise SystemExit(f"--orderings {spec!r}: after '@' the batch budget in ms, a number >= 0 (e.g. stream@8)")
+    return ordering, hold_ms
+
+
 def _hook(result: Any) -> dict[str, Any]:
     return {"outcome": result.outcome, "reason": result.reason, "rows": result.rows,
             "bytes_moved": result.bytes_moved, "batches": result.batches, "stream_batches": result.stream_batches,
-            "held_ms": round(result.seconds * 1e3, 2), "hold_max_ms": round(result.hold_max_s * 1e3, 2),
+            "budget_ms": round(result.hold_budget_s * 1e3, 2), "held_ms": round(result.seconds * 1e3, 2), "hold_max_ms": round(result.hold_max_s * 1e3, 2),
             "drain_max_ms": round(result.drain_max_s * 1e3, 2), "device_max_ms": round(result.device_max_s * 1e3, 2),
             "wall_s": round(result.wall_s, 3), "link_GBps": round(result.link_GBps, 2)}
 
@@ -139,8 +158,10 @@ async def _level(engine: Any, maps: dict[str, tuple[Path, ExpertMap]], clients: 
         quiet_from = time.time() + SETTLE_S
         await asyncio.sleep(wait_s)
         sent = time.time()
+        how, hold_ms = variant(ordering)
         result, snap = await asyncio.to_thread(request_apply, stats_path, str(path.resolve()), emap.content_hash,
-                                               timeout_s=APPLY_TIMEOUT_S, alive=engine.alive, ordering=ordering)
+                                               timeout_s=APPLY_TIMEOUT_S, alive=engine.alive, ordering=how,
+                                               hold_ms=hold_ms)
         answered = time.time()
         if result.outcome != "applied" or snap.map_hash != emap.content_hash:
             raise RuntimeError(f"apply to {target} ({ordering}) came to {result.outcome}: {result.reason} "
@@ -252,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from pinsidecar.testing.engine import start_engine
 
     orderings = [o for o in args.orderings.split(",") if o]
+    for o in orderings:
+        variant(o)  # a bad entry fails here, before any engine boots
     doc: dict[str, Any] = {
         "figure": "apply_gap_in_engine", "command": "python3 bench/apply_engine.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),

@@ -145,9 +145,10 @@ def test_remap_in_place_defaults_and_its_keys_are_validated(tmp_path: Path, mode
                                                             token_file: Path) -> None:
     cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file)))
     assert cfg.remap.in_place is True and cfg.remap.apply_timeout_s == 60.0 and cfg.remap.apply_ordering == "host"
+    assert cfg.remap.apply_hold_ms == 0.0  # the hook's own budget
     cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file,
-                                                '[remap.advanced]\napply_ordering = "stream"\n')))
-    assert cfg.remap.apply_ordering == "stream"
+                                                '[remap.advanced]\napply_ordering = "stream"\napply_hold_ms = 8\n')))
+    assert cfg.remap.apply_ordering == "stream" and cfg.remap.apply_hold_ms == 8.0
     cfg = load_config(_write(tmp_path, _minimal(model_dir, token_file,
                                                 "[remap]\nin_place = false\napply_timeout_s = 5\n")))
     assert cfg.remap.in_place is False and cfg.remap.apply_timeout_s == 5.0
@@ -156,6 +157,7 @@ def test_remap_in_place_defaults_and_its_keys_are_validated(tmp_path: Path, mode
             ("[remap]\napply_timeout_s = 0\n", r"remap\.apply_timeout_s: must be > 0, got 0"),
             ("[remap]\napply_timeout_s = -1.5\n", r"remap\.apply_timeout_s: must be > 0"),
             ("[remap]\napply_tmeout_s = 5\n", r"remap\.apply_tmeout_s: unknown key"),
+            ("[remap.advanced]\napply_hold_ms = -1\n", r"remap\.advanced\.apply_hold_ms: must be >= 0, got -1"),
             ('[remap.advanced]\napply_ordering = "device"\n',
              r"remap\.advanced\.apply_ordering: expected one of host, stream, got 'device'")):
         with pytest.raises(ConfigError, match=pattern):

@@ -631,6 +631,7 @@ def test_a_drift_trip_applies_in_place_verifies_and_commits_without_a_reboot(tmp
             assert call["map"] == str(Path(cand["path"]).absolute()) and call["hash"] == cand["hash"]
             assert call["timeout_s"] == d.cfg.remap.apply_timeout_s
             assert call["ordering"] == d.cfg.remap.apply_ordering == "host"  # [remap.advanced] apply_ordering
+            assert call["hold_ms"] is None  # apply_hold_ms 0: the hook's own budget
             app = rec["apply"]
             assert app["in_place"] and app["outcome"] == "applied" and app["plan"]["from_hash"] == before
             assert app["plan"]["rows"] > 0 and app["plan"]["to_hash"] == cand["hash"]

@@ -194,17 +194,20 @@ def test_other_geometry_and_malformed_requests_are_refused_and_change_nothing(se
 
 def test_apply_engine_bench_runs_on_the_served_engine(served: dict[str, Any]) -> None:
     """bench/apply_engine.py's short form on this engine, so the device's in-engine gap figure does not rot: two
-    streaming clients, one round per ordering (the stream order falls back to host syncs on the CPU), each apply
-    measured against equal windows without one, and the greedy outputs identical after the applies."""
+    streaming clients, one round per ordering (the stream order falls back to host syncs on the CPU; ``@5`` asks
+    for a 5 ms batch budget), each apply measured against equal windows without one, and the greedy outputs
+    identical after the applies."""
     from bench.apply_engine import run_pair
 
     paths = served["paths"]
-    doc = run_pair(served["engine"], paths["a"], paths["b"], [2], reps=1, quiet_s=2.0, max_tokens=8)
+    doc = run_pair(served["engine"], paths["a"], paths["b"], [2], reps=1, quiet_s=2.0, max_tokens=8,
+                   orderings=("host", "stream@5"))
     assert doc["identity"] == {"greedy_prompts": len(PARITY_PROMPTS), "identical_after_applies": True}
     (level,) = doc["levels"]
     assert level["requests"]["failed"] == level["requests"]["lost"] == 0 and level["requests"]["completed"] > 0
     measured = [a for a in level["applies"] if a["measured"]]
-    assert [a["ordering"] for a in measured] == ["host", "stream"]
+    assert [a["ordering"] for a in measured] == ["host", "stream@5"]
+    assert {a["ordering"]: a["hook"]["budget_ms"] for a in measured} == {"host": 20.0, "stream@5": 5.0}
     assert [a["to"] for a in level["applies"]][-1] == "a"  # the level ends where it began
     rows = plan_swap(served["maps"]["a"], served["maps"]["b"]).rows
     for a in level["applies"]:
@@ -212,5 +215,5 @@ def test_apply_engine_bench_runs_on_the_served_engine(served: dict[str, Any]) ->
         assert a["hook"]["stream_batches"] == 0  # no CUDA: host syncs
         assert a["gap_ms"] > 0 and a["window_s"] > 0
     assert any(a["baseline"]["windows"] >= 1 for a in measured)
-    assert set(level["summary"]) == {"host", "stream"} and level["summary"]["host"]["applies"] == 1
+    assert set(level["summary"]) == {"host", "stream@5"} and level["summary"]["host"]["applies"] == 1
     assert _request(served, "flush").map_hash == served["maps"]["a"].content_hash

@@ -38,7 +38,8 @@ copies of a batch must come after them (they read the rows being swapped) and be
   seen): under the lock each batch first synchronizes the device, then issues its copies and its row-map entries on
   the current stream, each entry after its pair's copies, and synchronizes again before it releases the lock. The
   first sync is the ``drains``: on the H200 at 16 streams it was 59.1 ms of the longest 60.0 ms hold
-  (``bench/results/heal_h200_c16_2026-12-03.json``), the reason for the stream order.
+  (``bench/results/heal_h200_c16_2026-12-03.json``), the reason for the stream order. The budget bounds the copies
+  after the drain, not the drain (:meth:`_Apply._full`), so a hold is one running step plus the budget.
 
 Why the stream order is not the default: on the H200 at 16 streams (2026-12-03, one run each on two machines, not
 interleaved: ``bench/results/heal_h200_c16_stream_2026-12-03.json`` against ``heal_h200_c16_2026-12-03.json``) it cut

@@ -57,14 +57,15 @@ ApplyClient = Callable[..., tuple[ApplyResult, StatsSnapshot]]
 
 
 def request_apply(stats_path: Path, engine_map: str, map_hash: str, *, timeout_s: float,
-                  alive: Callable[[], bool], ordering: str | None = None) -> tuple[ApplyResult, StatsSnapshot]:
+                  alive: Callable[[], bool], ordering: str | None = None,
+                  hold_ms: float | None = None) -> tuple[ApplyResult, StatsSnapshot]:
     """Ask the hook of the engine writing ``stats_path`` to apply the map at ``engine_map`` (a path inside the
-    engine's filesystem) whose content hash is ``map_hash``, its batches ordered by ``ordering`` (None: the
-    hook's default); wait for its answer. Raises
+    engine's filesystem) whose content hash is ``map_hash``, its batches ordered by ``ordering`` and each bounded
+    by ``hold_ms`` (None: the hook's defaults); wait for its answer. Raises
     :class:`~pinsidecar_hook.contract.requests.HookRequestError` without one (timeout, or ``alive()`` false), and
     ``ValueError`` for an answer without a readable ``meta["apply"]``."""
     stats = request_and_wait(stats_path, APPLY_OP, load_stats, timeout_s=timeout_s, alive=alive,
-                             args=apply_args(engine_map, map_hash, ordering=ordering))
+                             args=apply_args(engine_map, map_hash, hold_ms=hold_ms, ordering=ordering))
     doc = stats.meta.get("apply")
     if doc is None:
         raise ValueError(f"the hook answered the apply request without meta.apply ({stats_path})")

@@ -96,6 +96,11 @@ class RemapConfig:
     # "stream" queues each batch on the engine's CUDA stream and lets the next step wait for it there (holds of
     # a few ms; not yet the default: docs/remap-in-place.md, "Ordering"). The CPU always runs "host".
     apply_ordering: str = field(default="host", metadata={CHOICES: APPLY_ORDERINGS, **ADVANCED})
+    # How long one batch of an in-place apply may take, in ms: held under the step lock with "host" (after the
+    # wait for the last step's kernels), of copies on the device with "stream". A stream waits for at most about
+    # one step plus one batch, so a lower figure shortens the longest gap between tokens and lengthens the apply.
+    # 0 means the hook's own default (20 ms).
+    apply_hold_ms: float = field(default=0.0, metadata={MIN: 0, **ADVANCED})
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}

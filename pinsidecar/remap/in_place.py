@@ -126,7 +126,8 @@ class InPlaceDeploy(Deploy):
         try:
             result, snap = await asyncio.to_thread(ctx.tools.apply, stats, host.engine_map_path(path),
                                                    emap.content_hash, timeout_s=host.cfg.remap.apply_timeout_s,
-                                                   alive=alive, ordering=host.cfg.remap.apply_ordering)
+                                                   alive=alive, ordering=host.cfg.remap.apply_ordering,
+                                                   hold_ms=host.cfg.remap.apply_hold_ms or None)
         except Exception as exc:  # HookRequestError (no answer in time, or the engine exited), or an unreadable one
             withdraw_apply_request(stats)
             result_name = "engine_died" if not alive() else "timeout" if isinstance(exc, HookRequestError) \

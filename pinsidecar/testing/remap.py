@@ -161,9 +161,10 @@ class FakeApplyClient:
         self.calls: list[dict[str, Any]] = []
 
     def __call__(self, stats_path: Path, engine_map: str, map_hash: str, *, timeout_s: float,
-                 alive: Callable[[], bool], ordering: str | None = None) -> tuple[ApplyResult, StatsSnapshot]:
+                 alive: Callable[[], bool], ordering: str | None = None,
+                 hold_ms: float | None = None) -> tuple[ApplyResult, StatsSnapshot]:
         self.calls.append({"stats": Path(stats_path), "map": engine_map, "hash": map_hash, "timeout_s": timeout_s,
-                           "ordering": ordering})
+                           "ordering": ordering, "hold_ms": hold_ms})
         outcome = self.outcomes[min(len(self.calls), len(self.outcomes)) - 1]
         token = f"apply-fake-{len(self.calls)}"
         if self.hold is not None:

@@ -20,14 +20,16 @@
 #   heal4     the scenario again at 4 streams
 #   heal16    the scenario again at 16 streams
 #   heal16s   the scenario at 16 streams with the stream-ordered apply ([remap.advanced] apply_ordering)
-#   engapply  bench/apply_engine.py: in-place applies inside one pin engine under 1, 4 and 16 streams, host and
-#             stream order interleaved, 3 each, every apply against equal windows without one, ~400 s
+#   engapply  bench/apply_engine.py: in-place applies inside one pin engine under 1, 4 and 16 streams, host order,
+#             stream order and stream order with 8 ms batches interleaved, 3 each, every apply against equal windows
+#             without one, ~500 s
 #   engapplyw the same at 16 streams, 1024 rows an apply (64 hot rows against the complement map), ~300 s
 # Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
 # document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1"); GPU_LANE_ENGAPPLY_REPS the rounds of
-# engapplyw (default 3), for a call with little device time left; GPU_LANE_ENGAPPLY_ORDERINGS its orderings
-# (default "host,stream"; "stream" alone skips the host order, which took 194 s an apply under 16 streams on an H100).
+# engapplyw (default 3), for a call with little device time left; GPU_LANE_ENGAPPLY_ORDERINGS the variants of both
+# steps (ORDERING[@MS], MS the batch budget; default "host,stream,stream@8"; "stream,stream@8" skips the host order,
+# whose 1024-row apply took 194 s under 16 streams on an H100 before its drain stopped counting against the budget).
 #
 # Calls (kind nvidia-h200; each within ~30 s of the previous one's end; a call sends at most 64 MiB, working tree
 # included, so the chunks and the control files travel apart):
@@ -49,7 +51,7 @@ mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330 [engapply]=400 [engapplyw]=300)
+declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330 [engapply]=500 [engapplyw]=300)
 [ "${GPU_LANE_ENGAPPLY_REPS:-3}" -lt 3 ] && EST[engapplyw]=230  # a boot, 2 warm-up applies, 4 measured
 
 source scripts/gpu_lane/device_install_lane.sh
@@ -158,6 +160,7 @@ step_engapply() {
   local m=/tmp/gl/heal-maps
   timeout $(( $(left) - PACK_S )) python3 bench/apply_engine.py --model "$GPU_LANE_WORK/model" \
     --engine-toml /tmp/gl/heal-engine.toml --pair "usage99=$m/code.json,$m/prose.json:1,4,16" --reps 3 \
+    --orderings "${GPU_LANE_ENGAPPLY_ORDERINGS:-host,stream,stream@8}" \
     --work /tmp/gl/engapply --out "$OUT/apply_engine_h200.json"
 }
 step_engapplyw() {
@@ -168,7 +171,7 @@ step_engapplyw() {
     > /dev/null || return 1
   timeout $(( $(left) - PACK_S )) python3 bench/apply_engine.py --model "$GPU_LANE_WORK/model" \
     --engine-toml /tmp/gl/heal-engine.toml --pair "complement64=$m:16" --reps "${GPU_LANE_ENGAPPLY_REPS:-3}" \
-    --orderings "${GPU_LANE_ENGAPPLY_ORDERINGS:-host,stream}" --work /tmp/gl/engapplyw --out "$OUT/apply_engine_wide_h200.json"
+    --orderings "${GPU_LANE_ENGAPPLY_ORDERINGS:-host,stream,stream@8}" --work /tmp/gl/engapplyw --out "$OUT/apply_engine_wide_h200.json"
 }
 
 # The calibrated lane: count its code traffic (the guide's engine table, another model), a usage map at 23 %, and
