@@ -131,7 +131,8 @@ def variant(spec: str) -> tuple[str, float | None]:
 def _hook(result: Any) -> dict[str, Any]:
     return {"outcome": result.outcome, "reason": result.reason, "rows": result.rows,
             "bytes_moved": result.bytes_moved, "batches": result.batches, "stream_batches": result.stream_batches,
-            "budget_ms": round(result.hold_budget_s * 1e3, 2), "held_ms": round(result.seconds * 1e3, 2), "hold_max_ms": round(result.hold_max_s * 1e3, 2),
+            "budget_ms": round(result.hold_budget_s * 1e3, 2), "held_ms": round(result.seconds * 1e3, 2),
+            "hold_max_ms": round(result.hold_max_s * 1e3, 2),
             "drain_max_ms": round(result.drain_max_s * 1e3, 2), "device_max_ms": round(result.device_max_s * 1e3, 2),
             "wall_s": round(result.wall_s, 3), "link_GBps": round(result.link_GBps, 2)}
 
