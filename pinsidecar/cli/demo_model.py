@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -64,7 +64,6 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
         Geometry,
         build_demo_model,
         fixture_path,
-        weights_digest,
     )
 
     d = DEFAULT_GEOMETRY
@@ -79,8 +78,24 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
                                 quant=None if quant == "none" else quant, router=router)
     except DemoModelError as exc:
         raise UserError(str(exc)) from exc
-    config = json.loads((path / "config.json").read_text())
     payload = {
+        **_written(path, seed, quant, router),
+        "fixtures": {name: str(fixture_path(name)) for name in
+                     ("code", "prose", "code_heldout", "prose_heldout")},
+    }
+    emit(payload, as_json, lambda p: (
+        f"wrote demo model to {p['path']} ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
+        f"seed {p['seed']}{'' if p['quant'] == 'none' else ', experts ' + p['quant']}"
+        f"{'' if p['router'] == 'zipf' else ', router ' + p['router']}, sha256 {p['digest'][:12]})\n"
+        + "\n".join(f"  workload {k}: {v}" for k, v in p["fixtures"].items())))
+
+
+def _written(path: Path, seed: int, quant: str, router: str) -> dict[str, Any]:
+    """What every demo-model build reports: where it went, its digest and its geometry (from its config.json)."""
+    from pinsidecar.demo.model import weights_digest
+
+    config = json.loads((path / "config.json").read_text())
+    return {
         "path": str(path),
         "seed": seed,
         "digest": weights_digest(path),
@@ -94,20 +109,13 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
         "quant": quant,
         "router": router,
         "vocab_size": config["vocab_size"],
-        "fixtures": {name: str(fixture_path(name)) for name in
-                     ("code", "prose", "code_heldout", "prose_heldout")},
     }
-    emit(payload, as_json, lambda p: (
-        f"wrote demo model to {p['path']} ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
-        f"seed {p['seed']}{'' if p['quant'] == 'none' else ', experts ' + p['quant']}"
-        f"{'' if p['router'] == 'zipf' else ', router ' + p['router']}, sha256 {p['digest'][:12]})\n"
-        + "\n".join(f"  workload {k}: {v}" for k, v in p["fixtures"].items())))
 
 
 def _replay_model(out_dir: Path, trace: Path, seed: int, force: bool, geometry: Geometry, quant: str, router: str,
                   as_json: bool) -> None:
     """``--replay-trace``: the replay model (pinsidecar/demo/replay_model.py) at the given geometry."""
-    from pinsidecar.demo.model import DemoModelError, weights_digest
+    from pinsidecar.demo.model import DemoModelError
     from pinsidecar.demo.replay_model import build_replay_model
 
     if quant != "none":
@@ -120,22 +128,9 @@ def _replay_model(out_dir: Path, trace: Path, seed: int, force: bool, geometry: 
         path = build_replay_model(out_dir, trace, seed=seed, force=force, geometry=geometry)
     except DemoModelError as exc:
         raise UserError(str(exc)) from exc
-    config = json.loads((path / "config.json").read_text())
     replay = json.loads((path / "pinsidecar_demo.json").read_text())["replay"]
     payload = {
-        "path": str(path),
-        "seed": seed,
-        "digest": weights_digest(path),
-        "model_type": config["model_type"],
-        "num_layers": config["num_hidden_layers"],
-        "num_experts": config["num_experts"],
-        "top_k": config["num_experts_per_tok"],
-        "hidden_size": config["hidden_size"],
-        "expert_intermediate": config["moe_intermediate_size"],
-        "dtype": config["torch_dtype"],
-        "quant": "none",
-        "router": "replay",
-        "vocab_size": config["vocab_size"],
+        **_written(path, seed, "none", "replay"),
         "replay": {k: replay[k] for k in ("cycle_tokens", "routing_sha256", "trace_file", "trace_file_sha256",
                                           "margins")},
     }

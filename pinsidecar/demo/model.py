@@ -68,7 +68,7 @@ import shutil
 import tempfile
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -743,6 +743,39 @@ def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY, quant: 
     _dump_json(tmp / "pinsidecar_demo.json", info)
 
 
+def _into_place(out_dir: Path, force: bool, write: Callable[[Path], None]) -> Path:
+    """``write`` into a temporary directory beside ``out_dir``, then rename it into place (replacing ``out_dir``
+    whole with ``force``): a crash never leaves half a model. What every model writer here uses."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DemoModelError(f"{out_dir} exists and is not a directory; pick another path or remove it")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise DemoModelExistsError(f"{out_dir} exists and is not empty; pass --force (force=True) to replace it, "
+                                   "or pick a new directory")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    except OSError as exc:
+        raise DemoModelError(f"cannot create {out_dir}: {exc.strerror}; check the path and its permissions") from exc
+    old: Path | None = None
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.rename(out_dir, old / "model")
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out_dir.exists() and (old / "model").exists():
+            os.rename(old / "model", out_dir)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
 def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
                      geometry: Geometry = DEFAULT_GEOMETRY, quant: str | None = None, router: str = "zipf") -> Path:
     """Write the demo model to ``out_dir`` and return it; the same seed always gives the same bytes (for a
@@ -764,36 +797,14 @@ def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
         problems = geometry_problems(quant, geometry.hidden, geometry.expert_intermediate)
         if problems:
             raise DemoModelError("bad demo-model quantization: " + "; ".join(problems))
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DemoModelError(f"{out_dir} exists and is not a directory; pick another path or remove it")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise DemoModelExistsError(f"{out_dir} exists and is not empty; pass --force (force=True) to replace it, "
-                                   "or pick a new directory")
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
-    except OSError as exc:
-        raise DemoModelError(f"cannot create {out_dir}: {exc.strerror}; check the path and its permissions") from exc
-    old: Path | None = None
-    try:
+
+    def write(tmp: Path) -> None:
         if geometry.is_default and router == "zipf":  # never quantized: refused above
             _write_model(tmp, seed)
         else:
             _write_model(tmp, seed, geometry, quant, router)
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "model")
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out_dir.exists() and (old / "model").exists():
-            os.rename(old / "model", out_dir)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+
+    out_dir = _into_place(out_dir, force, write)
     log.info("demo model written", path=str(out_dir), seed=seed, router=router)
     return out_dir
 

@@ -51,9 +51,7 @@ import itertools
 import json
 import math
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,11 +65,11 @@ from pinsidecar.demo.model import (
     EOS_TOKEN,
     MAX_POSITIONS,
     DemoModelError,
-    DemoModelExistsError,
     Geometry,
     _config,
     _dump_json,
     _ExpertSource,
+    _into_place,
 )
 
 __all__ = ["build_replay_model"]
@@ -320,39 +318,6 @@ def _write_model(tmp: Path, trace: Any, geo: Geometry, seed: int, trace_file: Pa
     _dump_json(tmp / REPLAY_MARKER, {"format_version": DEMO_FORMAT_VERSION, "seed": seed,
                                      "tokenizer_vocab_size": c + 2, "geometry": geo.as_dict(), "replay": replay})
     return replay
-
-
-def _into_place(out_dir: Path, force: bool, write: Callable[[Path], None]) -> Path:
-    """``write`` into a temporary directory beside ``out_dir``, then rename it into place (replacing ``out_dir``
-    whole with ``force``): a crash never leaves half a model. The same rules as :func:`build_demo_model`'s."""
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DemoModelError(f"{out_dir} exists and is not a directory; pick another path or remove it")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise DemoModelExistsError(f"{out_dir} exists and is not empty; pass --force (force=True) to replace it, "
-                                   "or pick a new directory")
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
-    except OSError as exc:
-        raise DemoModelError(f"cannot create {out_dir}: {exc.strerror}; check the path and its permissions") from exc
-    old: Path | None = None
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "model")
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out_dir.exists() and (old / "model").exists():
-            os.rename(old / "model", out_dir)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    return out_dir
 
 
 def build_replay_model(out_dir: Path, trace: Any, seed: int = 0, force: bool = False,
