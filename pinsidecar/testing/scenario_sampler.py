@@ -52,11 +52,18 @@ class Sampler(threading.Thread):
             tick += self.period_s
             self.stop_event.wait(max(0.0, tick - time.monotonic()))
             now = time.time()
+            stage = self.stage()  # the stage at the tick, not after the status call: that can take a while
             tokens = sum(c.tokens for c in self.clients)
             try:
-                self.samples.append(self._sample(now, prev_t, tokens - prev_tokens))
-            except Exception as exc:  # a sample must never end the sampling: keep the gap, say why
+                sample = self._sample(now, prev_t, tokens - prev_tokens, stage)
+            except Exception as exc:  # a sample must never end the sampling, nor drop the second: say why
                 log.warning("heal_sample_failed", error=str(exc))
+                sample = {"t": round(now - self.clock0, 2), "stage": stage, "tokens": tokens - prev_tokens,
+                          "tok_s": round((tokens - prev_tokens) / max(1e-6, now - prev_t), 2),
+                          "stall_s": round(self._stall(prev_t, now), 3), "live_cold_rate": self._live_cold,
+                          "status": False, "error": f"{type(exc).__name__}: {exc}"}
+            sample["took_s"] = round(time.time() - now, 3)  # a slow sample shows here, not as a missing stage
+            self.samples.append(sample)
             prev_t, prev_tokens = now, tokens
 
     def _stall(self, since: float, now: float) -> float:
@@ -74,14 +81,14 @@ class Sampler(threading.Thread):
                 longest = max(longest, now - c.last_at)
         return longest
 
-    def _sample(self, now: float, since: float, tokens: int) -> dict[str, Any]:
+    def _sample(self, now: float, since: float, tokens: int, stage: str) -> dict[str, Any]:
         dt = max(1e-6, now - since)
         st = self.lane.sidecar.status(timeout_s=0.9) if self.lane.sidecar is not None else None
         reading = self._reader.read()
         if reading is not None and not reading.first and sum(reading.delta_selections) > 0:
             self._live_cold = reading.window_cold_ratio
         sample: dict[str, Any] = {
-            "t": round(now - self.clock0, 2), "stage": self.stage(), "tokens": tokens,
+            "t": round(now - self.clock0, 2), "stage": stage, "tokens": tokens,
             "tok_s": round(tokens / dt, 2), "stall_s": round(self._stall(since, now), 3),
             "in_flight_clients": sum(1 for c in self.clients if c.requests and c.requests[-1].ended is None),
             "live_cold_rate": self._live_cold, "status": st is not None}
