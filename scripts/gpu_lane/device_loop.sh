@@ -176,11 +176,43 @@ step_engapplyw() {
 
 # The calibrated lane: count its code traffic (the guide's engine table, another model), a usage map at 23 %, and
 # the map's cold rate on held-out code: the reference deployment's figure is 1.55 % (89 of 384 experts cold).
+# Without the guide on this machine it writes a count-only config of its own (eager: a count boot needs no graphs).
+callane_config() {
+  [ -f /tmp/op/pinsidecar.toml ] && { echo /tmp/op/pinsidecar.toml; return 0; }
+  local attn=""
+  [ ${#ATTN[@]} -gt 0 ] && attn="attention-backend = \"${ATTN[1]}\""
+  cat > /tmp/gl/callane/pinsidecar.toml <<EOF
+[engine]
+model = "$CALMODEL"
+served_model_name = "moe"
+python = "$(command -v python3)"
+port = 18431
+env = { VLLM_CACHE_ROOT = "/tmp/gl/callane/vllm-cache" }
+
+[engine.vllm]
+dtype = "auto"
+enforce-eager = true
+max-model-len = 1024
+kv-cache-memory-bytes = 1073741824
+max-num-seqs = 16
+gpu-memory-utilization = 0.5
+$attn
+
+[engine.advanced]
+ready_timeout_s = 1800
+
+[control]
+token_file = "/tmp/gl/callane/control.token"
+create_token = true
+EOF
+  echo /tmp/gl/callane/pinsidecar.toml
+}
 step_callane() {
-  local w=/tmp/gl/callane
+  local w=/tmp/gl/callane cfg
   mkdir -p "$w"
+  cfg=$(callane_config)
   for t in code code_heldout; do
-    timeout 300 python3 -c "from pinsidecar.cli import main; main()" count-boot --config /tmp/op/pinsidecar.toml \
+    timeout 300 python3 -c "from pinsidecar.cli import main; main()" count-boot --config "$cfg" \
       --model "$CALMODEL" --workload "pinsidecar/demo/fixtures/$t.jsonl" --out "$w/$t.counts.json" --label "$t" \
       --json > "$w/$t.count_boot.json" || return 1
   done
