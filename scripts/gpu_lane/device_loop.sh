@@ -24,6 +24,10 @@
 #             stream order and stream order with 8 ms batches interleaved, 3 each, every apply against equal windows
 #             without one, ~500 s
 #   engapplyw the same at 16 streams, 1024 rows an apply (64 hot rows against the complement map), ~300 s
+#   cachekern bench/cache_tier.py: the cache tier's step at the kernel level per routing profile (static, LRU
+#             only, hybrid; batch 1 and 4; CUDA graphs; interleaved rounds), no vLLM needed, ~240 s
+#   cachelane bench/cache_lane.py: the same three placements as pin engines on a replay model per profile, booted
+#             together, 1 and 4 streams interleaved, ~4 min a profile (GPU_LANE_CACHE_PROFILES: a comma list, default all)
 # Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
 # document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1"); GPU_LANE_ENGAPPLY_REPS the rounds of
@@ -51,7 +55,7 @@ mkdir -p "$L"
 exec > >(tee "$OUT/loop.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "+$(( $(date +%s) - T0 )) s"; }
-declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330 [engapply]=500 [engapplyw]=300)
+declare -A EST=([model]=40 [guide]=400 [heal1]=330 [table]=300 [calmodel]=70 [callane]=200 [apply]=260 [heal4]=330 [heal16]=330 [heal16s]=330 [engapply]=500 [engapplyw]=300 [cachekern]=300 [cachelane]=500)
 [ "${GPU_LANE_ENGAPPLY_REPS:-3}" -lt 3 ] && EST[engapplyw]=230  # a boot, 2 warm-up applies, 4 measured
 
 source scripts/gpu_lane/device_install_lane.sh
@@ -221,6 +225,17 @@ step_callane() {
   psc map eval "$w/code.json" "$w/code_heldout.counts.json" --json > "$OUT/callane_eval.json" || return 1
   cp "$w/code.build.json" "$OUT/callane_build.json"
   python3 -c "import json; d=json.load(open('$OUT/callane_eval.json')); print({k: v for k, v in d.items() if 'rate' in k})"
+}
+# The cache tier (issue: a cache beside the static map). cachelane stops measuring rounds at its deadline and
+# still writes its report; a profile whose engines did not boot in time is missing from it.
+step_cachekern() {
+  timeout $(( $(left) - PACK_S )) python3 bench/cache_tier.py --out "$OUT/cache_tier_h200.json" \
+    --deadline-s $(( $(left) - PACK_S - 120 ))
+}
+step_cachelane() {
+  timeout $(( $(left) - PACK_S )) python3 bench/cache_lane.py --work /tmp/gl/cachelane \
+    ${GPU_LANE_CACHE_PROFILES:+--profiles "$GPU_LANE_CACHE_PROFILES"} \
+    --out "$OUT/cache_lane_h200.json" --deadline-s $(( $(left) - PACK_S - 30 ))
 }
 step_heal4() { step_heal 4; }
 step_heal16() { step_heal 16; }
