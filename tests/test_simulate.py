@@ -4,6 +4,7 @@ buys on stationary and on short-reuse routing, the split search, and ``pinsideca
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -307,6 +308,29 @@ def test_auto_chooses_one_split_on_the_trace_head_or_on_train() -> None:
     on_train = auto_split(test, rank, 16, "lru", train=train)
     assert on_train.tuned_on == "train" and on_train.tuning_tokens == 1000
 
+
+
+def test_auto_takes_slots_only_when_they_cut_misses_by_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache costs work every step (measured on an H200), so a split with slots must miss SLOT_MIN_GAIN fewer
+    than the static split on the tuning tokens; ``max_slots`` bounds what may be chosen, not what is tried."""
+    sim = importlib.import_module("pinsidecar.placement.simulate")  # the module: the package exports a function
+
+    rng = np.random.default_rng(8)
+    test = RoutingTrace(reuse_trace(rng, 2000, 2, 32, 4), 32)
+    rank = HotRanking.from_counts(test.counts(), "test")
+    best = auto_split(test, rank, 16, "lru")
+    k = best.tuning[best.chosen]
+    static = next(t for t in best.tuning if t.cache_slots == 0)
+    gain = 1 - k.miss_rate / static.miss_rate
+    assert k.cache_slots > 0 and gain > sim.SLOT_MIN_GAIN, gain
+    monkeypatch.setattr(sim, "SLOT_MIN_GAIN", gain + 0.01)  # the same gain now falls short of the margin
+    short = auto_split(test, rank, 16, "lru")
+    assert short.tuning[short.chosen].cache_slots == 0 and len(short.results) == len(best.results)
+    monkeypatch.setattr(sim, "SLOT_MIN_GAIN", gain - 0.01)
+    assert auto_split(test, rank, 16, "lru").chosen == best.chosen
+    capped = auto_split(test, rank, 16, "lru", max_slots=k.cache_slots - 1)
+    assert capped.tuning[capped.chosen].cache_slots < k.cache_slots
+    assert [r.cache_slots for r in capped.results] == cache_slot_grid(16)
 
 def test_configurations_that_cannot_be_simulated_are_refused() -> None:
     trace = one_layer(TOKENS)

@@ -200,18 +200,17 @@ def _choose_cache_slots(slots: int | str, policy: str, hbm_rows: int, total: Cou
                         "add --trace TRACE.npz (recorded with `pinsidecar count-boot --trace`), or pass "
                         "--cache-slots K")
     ranking = placement.HotRanking.from_counts(total.counts, "counts", total.layer_ids)
-    auto = placement.auto_split(trace, ranking, hbm_rows, policy, train=trace)
-    grid = [r.cache_slots for r in auto.tuning]
     # A map keeps at least one hot row; the simulator's grid also tries K = N (no hot row), which is only reported.
+    auto = placement.auto_split(trace, ranking, hbm_rows, policy, train=trace, max_slots=hbm_rows - 1)
+    grid = [r.cache_slots for r in auto.tuning]
     admissible = [i for i, k in enumerate(grid) if k <= hbm_rows - 1]
-    chosen = auto.chosen if auto.chosen in admissible else min(
-        admissible, key=lambda i: (auto.tuning[i].miss_rate, auto.tuning[i].host_fetches_per_token, grid[i]))
+    chosen = auto.chosen
     k = grid[chosen]
     info = {
         "slots": k, "policy": policy, "hbm_rows": hbm_rows, "hot_rows": hbm_rows - k, "chosen": "auto",
         "chosen_on": "trace", "trace": os.path.basename(trace_path or ""), "trace_tokens": trace.tokens,
-        "rule": "lowest miss rate on the trace; equal rates to fewer host fetches, then fewer slots; at least one "
-                "hot row",
+        "rule": f"lowest miss rate on the trace; equal rates to fewer host fetches, then fewer slots; at least one "
+                f"hot row; slots only when they miss {placement.SLOT_MIN_GAIN:.0%} fewer than no slots",
         "tried": [{"cache_slots": r.cache_slots, "hot_rows": r.hot_rows, "miss_rate": r.miss_rate,
                    "host_fetches_per_token": r.host_fetches_per_token, "chosen": i == chosen,
                    **({} if i in admissible else {"admissible": False})}

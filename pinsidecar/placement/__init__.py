@@ -51,6 +51,7 @@ from pinsidecar.placement.expert_bytes import (
 )
 from pinsidecar.placement.simulate import (
     POLICIES,
+    SLOT_MIN_GAIN,
     TUNE_FRACTION,
     HotRanking,
     auto_split,
@@ -60,6 +61,7 @@ from pinsidecar.placement.simulate import (
 
 __all__ = [
     "POLICIES",
+    "SLOT_MIN_GAIN",
     "TUNE_FRACTION",
     "CheckpointExperts",
     "ExpertBytesError",
