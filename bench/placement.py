@@ -36,7 +36,7 @@ of the sequence; the map comes from another sequence of the same profile), and t
 no torch) replays the sequences through the cache-tier simulator at one HBM budget, held out against a training
 trace: the static map, LRU slots only, and the split ``auto_split`` chooses, at batch 1 and 4::
 
-    python3 bench/placement.py --sections sequences --out bench/results/placement_sequences_cpu_2026-12-05.json
+    python3 bench/placement.py --sections sequences --out bench/results/placement_sequences_cpu_2026-12-06.json
 """
 
 from __future__ import annotations
