@@ -1,7 +1,7 @@
 """The heal scenario's sampler keeps one sample per tick whatever the daemon does: a status call that fails or
-takes longer than a stage lasts must not drop seconds nor label them with the stage that followed (a CI run once
-lost the whole 8-s prose stage from the samples that way). The daemon here is a stand-in object with a status
-method: what is under test is the sampler's own loop, not the daemon."""
+hangs must not delay the ticks, drop seconds, or label them with a later stage (CI runs twice lost the whole 8-s
+prose stage from the samples while the sampler itself waited for the daemon's status). The daemon here is a
+stand-in object with a status method: what is under test is the sampler's own loop, not the daemon."""
 
 from __future__ import annotations
 
@@ -39,23 +39,28 @@ def _sampler(tmp_path: Path, sidecar: Any, stage: list[str]) -> Sampler:
     return Sampler(lane, [ClientStats()], lambda: stage[0], time.time(), period_s=0.05)  # type: ignore[arg-type]
 
 
-def test_a_slow_status_keeps_the_stage_of_the_tick(tmp_path: Path) -> None:
+def test_a_status_call_that_hangs_delays_no_sample(tmp_path: Path) -> None:
     side, stage = _SlowStatus(), ["prose"]
     s = _sampler(tmp_path, side, stage)
     s.start()
     try:
         deadline = time.time() + 5
-        while side.calls < 2 and time.time() < deadline:
+        while side.calls < 2 and time.time() < deadline:  # the second call hangs until released
             time.sleep(0.01)
-        stage[0] = "reboot"  # the stage changes while the second sample waits for its status
-        side.release.set()
-        while len(s.samples) < 4 and time.time() < deadline:
+        n = len(s.samples)
+        while len(s.samples) < n + 5 and time.time() < deadline:
             time.sleep(0.01)
+        stage[0] = "reboot"  # the stage changes while the status call still hangs
+        while len(s.samples) < n + 10 and time.time() < deadline:
+            time.sleep(0.01)
+        hung = side.calls == 2 and not side.release.is_set()
     finally:
+        side.release.set()
         s.stop_event.set()
         s.join(5)
-    assert [x["stage"] for x in s.samples[:2]] == ["prose", "prose"], s.samples
-    assert s.samples[1]["took_s"] > s.samples[0]["took_s"] and {x["stage"] for x in s.samples[2:]} == {"reboot"}
+    assert hung and len(s.samples) >= n + 10, (len(s.samples), n)  # ticks went on while the call hung
+    assert {x["stage"] for x in s.samples[n:]} == {"prose", "reboot"}, s.samples
+    assert all(x["took_s"] < 0.5 for x in s.samples), s.samples
 
 
 def test_a_failing_status_still_leaves_a_sample_that_says_why(tmp_path: Path) -> None:
@@ -69,4 +74,4 @@ def test_a_failing_status_still_leaves_a_sample_that_says_why(tmp_path: Path) ->
         s.stop_event.set()
         s.join(5)
     assert len(s.samples) >= 3 and all(x["stage"] == "code" and x["status"] is False for x in s.samples), s.samples
-    assert all("status exploded" in x["error"] and x["stall_s"] >= 0 for x in s.samples)
+    assert any("status exploded" in x.get("status_error", "") for x in s.samples), s.samples

@@ -6,7 +6,10 @@ held by the gate sees; a wait still in progress counts), the gate's held and in-
 rate (the cold share of the selections since the hook's previous stats write, read from the stats file with a
 :class:`~pinsidecar.live_stats.StatsReader` of its own: the hook writes every 5 s, so it is carried between writes)
 and the drift watch's newest window. It is a thread of its own so that neither the clients' event loop nor the
-scenario's waits for the daemon can delay a sample (:mod:`pinsidecar.testing.scenario` starts and stops it).
+scenario's waits for the daemon can delay a sample (:mod:`pinsidecar.testing.scenario` starts and stops it). The
+daemon's status is fetched by a poller thread of its own and the sampler takes the newest answer: on a loaded
+2-core box a status call took up to 2.5 s, and calls made in the sampler's loop once delayed its ticks past a whole
+8-s stage, which then had no sample.
 """
 
 from __future__ import annotations
@@ -27,6 +30,35 @@ __all__: list[str] = []  # nothing here is another package's business
 log = structlog.get_logger("pinsidecar.testing.scenario")  # the scenario's events, under its logger
 
 
+STATUS_STALE_S = 5.0  # an older status than this is not the daemon's now: the sample says it had none
+
+
+class _StatusPoller(threading.Thread):
+    """Fetches the daemon's status over and over, keeping the newest answer and when it came. A slow or failing
+    call delays only the next call, never a sample."""
+
+    def __init__(self, lane: RemapLane, period_s: float, stop_event: threading.Event) -> None:
+        super().__init__(name="heal-status-poller", daemon=True)
+        self.lane, self.period_s, self.stop_event = lane, period_s, stop_event
+        self.latest: tuple[float, dict[str, Any]] | None = None  # (monotonic time of the answer, status)
+        self.error: str | None = None
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            t0 = time.monotonic()
+            try:
+                st = self.lane.sidecar.status(timeout_s=2.0) if self.lane.sidecar is not None else None
+            except Exception as exc:  # keep polling; the samples say the status is missing or stale
+                st, self.error = None, f"{type(exc).__name__}: {exc}"
+            if st is not None:
+                self.latest, self.error = (time.monotonic(), st), None
+            self.stop_event.wait(max(0.0, self.period_s - (time.monotonic() - t0)))
+
+    def fresh(self) -> dict[str, Any] | None:
+        latest = self.latest
+        return latest[1] if latest is not None and time.monotonic() - latest[0] <= STATUS_STALE_S else None
+
+
 class Sampler(threading.Thread):
     """One sample a second (see the module docstring), in a thread of its own: the event loop runs the clients,
     and a wait for the daemon must not delay a sample. Reads the clients' records without a lock: the loop only
@@ -44,8 +76,10 @@ class Sampler(threading.Thread):
         self._live_cold: float | None = None
         self._window_index = -1
         self._lock = threading.Lock()  # the scenario's thread notes windows too
+        self._status = _StatusPoller(lane, period_s, self.stop_event)
 
     def run(self) -> None:
+        self._status.start()
         prev_t, prev_tokens = time.time(), 0
         tick = time.monotonic()
         while not self.stop_event.is_set():
@@ -83,7 +117,7 @@ class Sampler(threading.Thread):
 
     def _sample(self, now: float, since: float, tokens: int, stage: str) -> dict[str, Any]:
         dt = max(1e-6, now - since)
-        st = self.lane.sidecar.status(timeout_s=0.9) if self.lane.sidecar is not None else None
+        st = self._status.fresh()
         reading = self._reader.read()
         if reading is not None and not reading.first and sum(reading.delta_selections) > 0:
             self._live_cold = reading.window_cold_ratio
@@ -92,6 +126,8 @@ class Sampler(threading.Thread):
             "tok_s": round(tokens / dt, 2), "stall_s": round(self._stall(since, now), 3),
             "in_flight_clients": sum(1 for c in self.clients if c.requests and c.requests[-1].ended is None),
             "live_cold_rate": self._live_cold, "status": st is not None}
+        if st is None and self._status.error:
+            sample["status_error"] = self._status.error
         if st is not None:
             gate = st.get("gate") or {}
             eng = st.get("engine") or {}
