@@ -16,19 +16,21 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 from pinsidecar_hook.backends.triton_experts import tier_expert_maps
 from pinsidecar_hook.cache import ExpertCache
+from pinsidecar_hook.kernels.fill import fill_pairs
 
 _STATS = ("steps", "hits", "misses", "fills", "evictions", "full_steps", "padded_steps", "empty_steps", "max_pairs")
 
 
 def _caches(rng: np.random.Generator, experts: int, slots: int, policy: str,
-            device: str = "cpu") -> tuple[ExpertCache, ExpertCache]:
-    """Two caches with equal state over one row map: a random hot set, a few experts of another rank (-1), the
+            device: str = "cpu", n: int = 2) -> tuple[ExpertCache, ...]:
+    """``n`` caches with equal state over one row map: a random hot set, a few experts of another rank (-1), the
     rest cold after the slots."""
     perm = rng.permutation(experts)
     hot_n = int(rng.integers(0, experts // 3 + 1))
@@ -38,7 +40,7 @@ def _caches(rng: np.random.Generator, experts: int, slots: int, policy: str,
     cold = perm[hot_n + remote_n:]
     rows[cold] = hot_n + slots + np.arange(len(cold))
     return tuple(ExpertCache(torch.tensor(rows, dtype=torch.int32, device=device), hot_n, slots, policy,
-                             torch.zeros(1, dtype=torch.int64, device=device)) for _ in range(2))
+                             torch.zeros(1, dtype=torch.int64, device=device)) for _ in range(n))
 
 
 def _routing(rng: np.random.Generator, popularity: np.ndarray, tokens: int, top_k: int,
@@ -75,20 +77,61 @@ def _compare(ref: ExpertCache, got: ExpertCache, ref_plan, got_plan, where: str)
         assert have == want, f"{where}: plan {name} {have}, torch {want}"
 
 
+def _tiers(rng: np.random.Generator, cache: ExpertCache, device: str) -> tuple[dict, dict]:
+    """Per-expert tensors for a cache's layer: a float tensor of whole 32-bit words and a byte tensor whose rows
+    are not (the copy's two paths), slot rows zero, cold rows random."""
+    hbm, cold = cache.hot_rows + cache.slots, int(cache.cold.sum())
+    hot = {"w13_weight": torch.zeros(hbm, 3, 5, device=device), "w2_weight": torch.zeros(hbm, 7, dtype=torch.uint8,
+                                                                                        device=device)}
+    cold_t = {"w13_weight": torch.from_numpy(rng.standard_normal((cold, 3, 5)).astype(np.float32)).to(device),
+              "w2_weight": torch.from_numpy(rng.integers(0, 255, (cold, 7)).astype(np.uint8)).to(device)}
+    return hot, cold_t
+
+
+def _check_fused(ref: ExpertCache, fused: ExpertCache, ref_plan, fused_plan, ids: torch.Tensor,
+                 num_real: torch.Tensor | None, got_ids: tuple[torch.Tensor, torch.Tensor],
+                 counts: dict[str, torch.Tensor], ref_counts: dict[str, torch.Tensor], tiers: tuple[dict, dict],
+                 ref_tiers: tuple[dict, dict], where: str) -> None:
+    """The fused step (plan, copy, partition in one launch) against the torch plan, fill_rows and partition."""
+    from pinsidecar_hook.cache import fill_rows
+    from pinsidecar_hook.kernels.partition import partition_torch
+
+    _compare(ref, fused, ref_plan, fused_plan, where + " (fused)")
+    fill_rows(ref_plan, *ref_tiers)
+    want = partition_torch(ids, ref.row_map, ref.hot_rows + ref.slots, ref_counts["expert"], ref_counts["cold"],
+                           num_real=num_real, token_counts=ref_counts["tokens"])
+    for name, have, exp in zip(("hot_ids", "cold_ids"), got_ids, want, strict=True):
+        assert have.tolist() == exp.tolist(), f"{where}: fused {name} {have.tolist()}, torch {exp.tolist()}"
+    for name in ("expert", "cold", "tokens"):
+        assert counts[name].tolist() == ref_counts[name].tolist(), f"{where}: fused {name} counts"
+    for name in ("w13_weight", "w2_weight"):
+        assert torch.equal(tiers[0][name], ref_tiers[0][name]), f"{where}: fused copy of {name}"
+
+
 def run_cases(cases: list[dict]) -> dict[str, int]:
-    """Step both caches through each case's routing and compare after every step (runs under the interpreter)."""
+    """Step the caches through each case's routing and compare after every step (runs under the interpreter): the
+    plan alone, and the fused step (plan, copies, partition) against the torch plan, fill_rows and partition."""
     from pinsidecar_hook.kernels import cache_plan
 
     stats = dict.fromkeys(_STATS, 0)
-    for case in cases:
+    started = time.monotonic()
+    for n, case in enumerate(cases):
+        print(f"case {n + 1}/{len(cases)} at {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         cache_plan._BLOCK_P = case.get("block_p", 1024)  # small blocks: the loops' carries across blocks
         cache_plan._SLOT_CHUNK = case.get("slot_chunk", 32)
         rng = np.random.default_rng(case["seed"])
         experts, slots, top_k, policy = case["experts"], case["slots"], case["top_k"], case["policy"]
         device = case.get("device", "cpu")
-        ref, got = _caches(rng, experts, slots, policy, device)
+        ref, got, fused = _caches(rng, experts, slots, policy, device, n=3)
         hbm_rows = ref.hot_rows + slots
         tier_maps = tier_expert_maps(got.row_map, hbm_rows) if case.get("tier_maps") else None
+        fused.tier_maps = tier_expert_maps(fused.row_map, hbm_rows) if case.get("tier_maps") else None
+        tiers = _tiers(np.random.default_rng(case["seed"]), fused, device)
+        ref_tiers = _tiers(np.random.default_rng(case["seed"]), ref, device)
+        counts = {"expert": torch.zeros(experts, dtype=torch.int64, device=device),
+                  "cold": torch.zeros(1, dtype=torch.int64, device=device),
+                  "tokens": torch.zeros(1, dtype=torch.int64, device=device)}
+        ref_counts = {name: t.clone() for name, t in counts.items()}
         popularity = rng.dirichlet(np.full(experts, 0.3))
         previous = None
         for step in range(case["steps"]):
@@ -108,10 +151,21 @@ def run_cases(cases: list[dict]) -> dict[str, int]:
             # what the step must miss, to tell a full cache (more misses than free slots) from the state
             picked = torch.from_numpy(np.unique(ids[:real])).to(device)
             missed = int((ref.cold[picked] & (ref.slot_of[picked] < 0)).sum()) if real else 0
+            fused_misses = got_misses.clone() if own else None
             ref_plan = ref.plan(topk, num_real, ref_misses)
             got_plan = cache_plan.plan_triton(got, topk, num_real, got_misses, tier_maps)
             where = f"case {case}, step {step}"
             _compare(ref, got, ref_plan, got_plan, where)
+            fused_plan, out = cache_plan.step_triton(
+                fused, topk, num_real, fused_misses, fused.tier_maps, fills=fill_pairs(*tiers), partition=True,
+                expert_counts=counts["expert"], cold_counts=counts["cold"], token_counts=counts["tokens"])
+            _check_fused(ref, fused, ref_plan, fused_plan, topk, num_real, (out.hot_ids, out.cold_ids), counts,
+                         ref_counts, tiers, ref_tiers, where)
+            if own:
+                assert fused_misses.tolist() == ref_misses.tolist(), f"{where}: fused misses counter"
+            if fused.tier_maps is not None:
+                want = tier_expert_maps(fused.row_map, hbm_rows)
+                assert all(torch.equal(a, b) for a, b in zip(fused.tier_maps, want, strict=True)), where
             if own:
                 assert got_misses.tolist() == ref_misses.tolist(), f"{where}: misses counter"
             if tier_maps is not None:
@@ -203,11 +257,13 @@ def test_the_comparison_catches_a_one_step_difference() -> None:
 
 @pytest.mark.gpu
 def test_the_kernel_matches_the_torch_plan_on_cuda_eagerly_and_replayed_from_a_captured_graph() -> None:
-    """On the GPU: the same comparison without the interpreter (real atomics and barriers between the phases), then
-    the kernel captured once in a CUDA graph and replayed for each step with that step's ids copied in."""
+    """On the GPU: the same comparison without the interpreter (real atomics and barriers between the phases, the
+    fill programs waiting on program 0), then the plan and the fused step captured once in a CUDA graph and
+    replayed for each step with that step's ids copied in."""
     from pinsidecar_hook.kernels import cache_plan
 
-    cases = [dict(case, device="cuda") for policy in ("lru", "lfu") for case in _grid(policy)]
+    # every third case of the grid: Triton compiles a variant per launch shape, ~15 s a case on an H100
+    cases = [dict(case, device="cuda") for policy in ("lru", "lfu") for case in _grid(policy)[::3]]
     cases += [{"seed": 7, "experts": 1024, "slots": 256, "top_k": 8, "policy": policy, "steps": 12,
                "max_tokens": 512, "tier_maps": True, "device": "cuda"} for policy in ("lru", "lfu")]
     stats = run_cases(cases)
@@ -216,18 +272,33 @@ def test_the_kernel_matches_the_torch_plan_on_cuda_eagerly_and_replayed_from_a_c
     for policy in ("lru", "lfu"):
         rng = np.random.default_rng(3)
         experts, slots, top_k, tokens = 160, 16, 8, 32
-        ref, got = _caches(rng, experts, slots, policy, "cuda")
+        ref, got, fused = _caches(rng, experts, slots, policy, "cuda", n=3)
         warm = _caches(np.random.default_rng(3), experts, slots, policy, "cuda")[0]
         hbm_rows = ref.hot_rows + slots
         tier_maps = tier_expert_maps(got.row_map, hbm_rows)
+        fused.tier_maps = tier_expert_maps(fused.row_map, hbm_rows)
+        tiers = _tiers(np.random.default_rng(3), fused, "cuda")
+        ref_tiers = _tiers(np.random.default_rng(3), ref, "cuda")
+        counts = {"expert": torch.zeros(experts, dtype=torch.int64, device="cuda"),
+                  "cold": torch.zeros(1, dtype=torch.int64, device="cuda"),
+                  "tokens": torch.zeros(1, dtype=torch.int64, device="cuda")}
+        ref_counts = {name: t.clone() for name, t in counts.items()}
         static_ids = torch.zeros(tokens, top_k, dtype=torch.int32, device="cuda")
         static_real = torch.full((1,), tokens, dtype=torch.int64, device="cuda")
         cache_plan.plan_triton(warm, static_ids, static_real)  # compile, outside the capture
+        warm_counts = {name: t.clone() for name, t in counts.items()}
+        cache_plan.step_triton(warm, static_ids, static_real, fills=fill_pairs(*_tiers(rng, warm, "cuda")),
+                               partition=True, expert_counts=warm_counts["expert"], cold_counts=warm_counts["cold"],
+                               token_counts=warm_counts["tokens"])
         cache_plan._buffers_of(got)  # the plan's tensors exist before the capture
+        cache_plan._buffers_of(fused)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got_plan = cache_plan.plan_triton(got, static_ids, static_real, None, tier_maps)
+            fused_plan, out = cache_plan.step_triton(
+                fused, static_ids, static_real, None, fused.tier_maps, fills=fill_pairs(*tiers), partition=True,
+                expert_counts=counts["expert"], cold_counts=counts["cold"], token_counts=counts["tokens"])
         popularity = rng.dirichlet(np.full(experts, 0.3))
         previous = None
         for step in range(40):
@@ -241,6 +312,10 @@ def test_the_kernel_matches_the_torch_plan_on_cuda_eagerly_and_replayed_from_a_c
             _compare(ref, got, ref_plan, got_plan, f"graph, {policy}, step {step}")
             want = tier_expert_maps(got.row_map, hbm_rows)
             assert torch.equal(tier_maps[0], want[0]) and torch.equal(tier_maps[1], want[1]), step
+            _check_fused(ref, fused, ref_plan, fused_plan, static_ids, static_real, (out.hot_ids, out.cold_ids),
+                         counts, ref_counts, tiers, ref_tiers, f"graph, {policy}, step {step}")
+            assert all(torch.equal(a, b) for a, b in zip(fused.tier_maps, want, strict=True)), step
+            assert cache_plan._buffers_of(fused).sync.tolist() == [0, 0], step  # the fill programs' word reset
         assert int(ref.evictions.item()) > 0 and int(ref.hits.item()) > 0
 
 

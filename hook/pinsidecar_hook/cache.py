@@ -38,9 +38,16 @@ from collections.abc import Mapping
 
 import torch
 
-from pinsidecar_hook.kernels.cache_plan import MAX_EXPERTS, MAX_PAIRS, MAX_SLOTS, plan_triton
-from pinsidecar_hook.kernels.fill import CachePlan, fill_rows_cuda, fill_rows_reference
-from pinsidecar_hook.kernels.partition import triton_available
+from pinsidecar_hook.kernels.cache_plan import (
+    MAX_EXPERTS,
+    MAX_FILL_TENSORS,
+    MAX_PAIRS,
+    MAX_SLOTS,
+    plan_triton,
+    step_triton,
+)
+from pinsidecar_hook.kernels.fill import CachePlan, fill_pairs, fill_rows_cuda, fill_rows_reference
+from pinsidecar_hook.kernels.partition import partition, triton_available
 
 __all__ = ["ExpertCache", "fill_rows", "register", "registered"]
 
@@ -185,6 +192,28 @@ class ExpertCache:
         """The whole step before the tiers compute: :meth:`plan`, then :func:`fill_rows`."""
         fill_rows(self.plan(topk_ids, num_real, misses), hot, cold)
 
+    def step_partition(self, topk_ids: torch.Tensor, hot: Mapping[str, torch.Tensor | None],
+                       cold: Mapping[str, torch.Tensor | None], *, expert_counts: torch.Tensor | None = None,
+                       cold_counts: torch.Tensor | None = None, num_real: torch.Tensor | None = None,
+                       token_counts: torch.Tensor | None = None,
+                       misses: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step`, then the split's partition of the ids by the new row map (``hot_rows = H + K``; the
+        counters as :func:`pinsidecar_hook.kernels.partition.partition` takes them; ``cold_counts`` then counts
+        what is still cold after the fills). On CUDA it is one launch that plans, copies the fills and
+        partitions (:func:`pinsidecar_hook.kernels.cache_plan.step_triton`): a step with nothing to fill costs
+        little more than the partition the split launches anyway."""
+        fused = self._fused and topk_ids.numel() <= MAX_PAIRS and (expert_counts is None) == (cold_counts is None)
+        pairs = fill_pairs(hot, cold)
+        if fused and len(pairs) <= MAX_FILL_TENSORS:
+            self.maps_followed = self.tier_maps is not None
+            _, out = step_triton(self, topk_ids, num_real, misses, self.tier_maps, fills=pairs, partition=True,
+                                 expert_counts=expert_counts, cold_counts=cold_counts, token_counts=token_counts)
+            assert out is not None
+            return out.hot_ids, out.cold_ids
+        self.step(topk_ids, hot, cold, num_real, misses)
+        return partition(topk_ids, self.row_map, self.hot_rows + self.slots, expert_counts, cold_counts,
+                         num_real=num_real, token_counts=token_counts)
+
     def counters(self) -> dict[str, int]:
         """Hits, fills and evictions since the last reset (a small device-to-host copy)."""
         return {"hits": int(self.hits.item()), "fills": int(self.fills.item()),
@@ -211,10 +240,5 @@ def fill_rows(plan: CachePlan, hot: Mapping[str, torch.Tensor | None], cold: Map
     biases). Must run after :meth:`ExpertCache.plan` and before the tiers compute. Aliases (two names of one
     tensor) are copied once."""
     copy = fill_rows_cuda if plan.dst_rows.is_cuda else fill_rows_reference
-    done: set[int] = set()
-    for name, dst in hot.items():
-        src = cold.get(name)
-        if dst is None or src is None or id(dst) in done:
-            continue
-        done.add(id(dst))
+    for dst, src in fill_pairs(hot, cold):
         copy(dst, src, plan.dst_rows, plan.src_rows, plan.n_fill)

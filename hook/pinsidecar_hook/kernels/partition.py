@@ -81,7 +81,8 @@ def partition_torch(
     cold_ids = torch.where(is_cold, rows - hot_rows, minus_one).to(torch.int32)
     counted = in_range
     if num_real is not None:
-        real_row = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) < num_real.to(ids.device)
+        real_row = torch.arange(ids.shape[0], device=ids.device) < num_real.to(ids.device)
+        real_row = real_row.reshape(-1, *[1] * (ids.dim() - 1))  # a row per token (1-D ids: one selection each)
         counted = counted & real_row
     if expert_counts is not None:
         expert_counts.index_add_(0, safe_ids.reshape(-1), counted.reshape(-1).to(expert_counts.dtype))
