@@ -18,9 +18,11 @@ Each placement is re-homed by pin mode's production path (:func:`pinsidecar_hook
 ``slot_rows=K``: hot rows then slot rows in one HBM tensor, the cold rows in pinned host memory read in place
 through the device view), each cached layer gets the engine's :class:`pinsidecar_hook.cache.ExpertCache` over
 the same row map layout pin mode builds (hot ``0..H-1``, slots ``H..H+K-1``, cold ``H+K..``). One step is, for
-every layer: the cache step (one Triton launch that plans and flips the row map, then the fill copy) if the layer
-has slots, then the torch reference backend's split (:func:`pinsidecar_hook.backends.torch_ref.split`: the fused
-partition, a grouped experts call per tier, the cold one on a side stream, the shared finalize). On CUDA the whole
+every layer: if the layer has slots, the cache step as pin mode's triton_experts backend runs it
+(:meth:`pinsidecar_hook.cache.ExpertCache.step_partition`: one Triton launch that plans, flips the row map, copies
+the fills and partitions the ids), then the torch reference backend's split
+(:func:`pinsidecar_hook.backends.torch_ref.split`: the partition, unless the cache step made it, a grouped experts
+call per tier, the cold one on a side stream, the shared finalize). On CUDA the whole
 step is captured in one CUDA graph (the ids, router weights and hidden states are copied into static buffers
 before each replay); if the capture fails the JSON says so and the step runs eagerly.
 
@@ -36,7 +38,8 @@ cache's fills plus the distinct experts the cold tier computed in place, from th
 counts and the row map after the step), checked EQUAL to the simulator (:func:`pinsidecar.placement.simulate`)
 on the same ids at the same batching, and bit identity of every step with the all-HBM reference (every expert in
 HBM, the unsplit call). Bookkeeping: on each cached placement, a step whose ids select only hot and slot-resident
-experts (nothing to fill), with the cache step and without it, interleaved; the difference as a share of the step.
+experts (nothing to fill), with the cache step (the engine's fused launch, and beside it the unfused launches it
+replaced) and without it, interleaved; the difference as a share of the step, and in microseconds per layer.
 
     python3 bench/cache_tier.py --out bench/results/cache_tier_h200.json   # the H200 (device tool: --out $OUT/...)
     python3 bench/cache_tier.py --small --out /tmp/cache_tier_cpu.json    # anywhere, CPU included (CI runs it)
@@ -288,25 +291,34 @@ def release(*objs: Any) -> None:
 
 
 class CacheSteps(Steps):
-    """:class:`bench.placement.Steps` with the cache: per layer the cache step (``with_cache`` and slots), then the
+    """:class:`bench.placement.Steps` with the cache: per layer the cache step (``cache``, on a layer with slots:
+    ``"fused"``, the engine's one launch that plans, copies and partitions; ``"unfused"``, the plan launch, a copy
+    launch per tensor and the split's own partition, as before the fused step; ``"off"``: none), then the
     split. The partition's cold counter (``cold_counts``) counts what is still cold after the step's fills (read in
     place); with a cache the misses are the cache's own counter (:attr:`Built.misses`), as in pin mode."""
 
     def __init__(self, placement: Built, data: dict[str, torch.Tensor], impl: str, overlap: bool, graph: bool,
-                 with_cache: bool = True) -> None:
-        self.with_cache = with_cache
+                 cache: str = "fused") -> None:
+        self.cache = cache
         super().__init__(placement, data, impl, overlap, count=True, graph=graph)  # type: ignore[arg-type]
 
     def _compute(self) -> list[torch.Tensor]:
         outs = []
         for i, layer in enumerate(self.p.layers):
-            if self.with_cache and layer.cache is not None:
-                layer.cache.step(self.ids[i], layer.hot, layer.cold)
             hot, cold = layer.hot, layer.cold
+            partitioned = None
+            if self.cache == "unfused" and layer.cache is not None:
+                layer.cache.step(self.ids[i], hot, cold)
+            elif self.cache == "fused" and layer.cache is not None:  # the engine's step: plan, fills, partition
+                partitioned = layer.cache.step_partition(self.ids[i], hot, cold,
+                                                         expert_counts=self.expert_counts[i],
+                                                         cold_counts=self.cold_counts[i],
+                                                         token_counts=self.token_counts[i])
             outs.append(torch_ref.split(
                 self.x[i], hot["w13_weight"], hot["w2_weight"], cold["w13_weight"], cold["w2_weight"],
                 self.weights[i], self.ids[i], layer.row_map, layer.hot_rows, self.expert_counts[i],
-                self.cold_counts[i], token_counts=self.token_counts[i], impl=self.impl, overlap=self.overlap))
+                self.cold_counts[i], token_counts=self.token_counts[i], impl=self.impl, overlap=self.overlap,
+                partitioned=partitioned))
         return outs
 
     def reset(self) -> None:
@@ -316,16 +328,16 @@ class CacheSteps(Steps):
 
 
 def make_steps(bp: Built, data: dict[str, torch.Tensor], impl: str, overlap: bool, graph: bool,
-               notes: list[str], with_cache: bool = True) -> CacheSteps:
+               notes: list[str], cache: str = "fused") -> CacheSteps:
     """Capture the step in a CUDA graph when asked; if the capture fails, say why and run it eagerly."""
     if graph:
         try:
-            return CacheSteps(bp, data, impl, overlap, True, with_cache)
+            return CacheSteps(bp, data, impl, overlap, True, cache)
         except Exception as exc:
             torch.cuda.synchronize()
             notes.append(f"{bp.spec.name}: CUDA graph capture failed ({exc!r:.300}); eager")
             say(notes[-1])
-    return CacheSteps(bp, data, impl, overlap, False, with_cache)
+    return CacheSteps(bp, data, impl, overlap, False, cache)
 
 
 def snapshot(steps: CacheSteps) -> dict[str, np.ndarray]:
@@ -522,10 +534,19 @@ def resident_ids(bp: Built, tokens: int, top_k: int) -> np.ndarray:
     return out
 
 
+def _share(with_ms: list[float], without_ms: list[float], layers: int) -> dict[str, Any]:
+    """A cache step's extra time per round: as a share of the step with it, and in microseconds per layer."""
+    per = [(a - b) / a for a, b in zip(with_ms, without_ms, strict=True)]
+    extra_us = [(a - b) * 1000 / layers for a, b in zip(with_ms, without_ms, strict=True)]
+    return {"median": statistics.median(per), "min": min(per), "max": max(per), "per_round": per,
+            "extra_us_per_layer": _spread(extra_us)}
+
+
 def bookkeeping(built: list[Built], data: dict[str, torch.Tensor], batch: int, impl: str, overlap: bool,
                 graph: bool, clock: Clock, device: torch.device, notes: list[str]) -> list[dict[str, Any]]:
-    """Per cached placement: the step with its cache step and without, on ids that fill nothing, interleaved; the
-    difference as a share of the step with it. The slots hold what the run left in them."""
+    """Per cached placement: the step with its cache step (the fused launch, and the unfused launches it replaced)
+    and without, on ids that fill nothing, interleaved (the order rotates each round); each cache step's extra time
+    as a share of the step with it. The slots hold what the run left in them."""
     cuda = device.type == "cuda"
     rounds, inner = (9, 20) if cuda else (3, 1)
     rows = []
@@ -538,32 +559,37 @@ def bookkeeping(built: list[Built], data: dict[str, torch.Tensor], batch: int, i
         before = {key: sum(layer.cache.counters()[key] for layer in bp.layers if layer.cache is not None)
                   for key in ("fills", "hits")}
         misses_before = int(bp.misses.sum().item())
-        with_cache = make_steps(bp, d, impl, overlap, graph, notes, with_cache=True)
-        without = make_steps(bp, d, impl, overlap, graph, notes, with_cache=False)
+        variants = {mode: make_steps(bp, d, impl, overlap, graph, notes, cache=mode)
+                    for mode in ("fused", "unfused", "off")}
+        times: dict[str, list[float]] = {mode: [] for mode in variants}
 
         def reps(s: CacheSteps) -> Callable[[], None]:
             return lambda: [s.run() for _ in range(inner)]
 
-        t_with, t_without = [], []
-        for rnd in range(rounds):  # alternate which goes first
-            pair = [(with_cache, t_with), (without, t_without)]
-            for s, acc in (pair if rnd % 2 == 0 else pair[::-1]):
-                acc.append(clock.time_ms(reps(s)) / inner)
-        identical = bool(torch.equal(torch.stack(with_cache.outputs).cpu(), torch.stack(without.outputs).cpu()))
+        order = list(variants)
+        for rnd in range(rounds):
+            for mode in order[rnd % 3:] + order[:rnd % 3]:
+                times[mode].append(clock.time_ms(reps(variants[mode])) / inner)
+        outputs = {mode: torch.stack(v.outputs).cpu() for mode, v in variants.items()}
+        identical = all(torch.equal(outputs[m], outputs["off"]) for m in ("fused", "unfused"))
         fills = sum(layer.cache.counters()["fills"] for layer in bp.layers if layer.cache is not None)
-        shares = [(a - b) / a for a, b in zip(t_with, t_without, strict=True)]
+        layers = len(bp.layers)
         rows.append({
-            "placement": bp.spec.name, "batch": batch, "cache_slots": bp.spec.cache_slots,
-            "execution": "cuda_graph" if with_cache.graph is not None else "eager", "replays_per_timing": inner,
-            "with_cache_ms": summarize(t_with), "without_cache_ms": summarize(t_without),
-            "share_of_step": {"median": statistics.median(shares), "min": min(shares), "max": max(shares),
-                              "per_round": shares},
+            "placement": bp.spec.name, "batch": batch, "cache_slots": bp.spec.cache_slots, "layers": layers,
+            "execution": "cuda_graph" if variants["fused"].graph is not None else "eager",
+            "replays_per_timing": inner, "rounds": rounds,
+            "with_cache_ms": summarize(times["fused"]), "unfused_ms": summarize(times["unfused"]),
+            "without_cache_ms": summarize(times["off"]),
+            "share_of_step": _share(times["fused"], times["off"], layers),
+            "unfused_share_of_step": _share(times["unfused"], times["off"], layers),
             "nothing_filled": fills == before["fills"] and int(bp.misses.sum().item()) == misses_before,
             "outputs_identical_with_and_without": identical,
         })
-        say(f"bookkeeping {bp.spec.name} b{batch}: with {statistics.median(t_with):.4f} ms, without "
-            f"{statistics.median(t_without):.4f} ms, share {statistics.median(shares):.2%}")
-        del with_cache, without
+        say(f"bookkeeping {bp.spec.name} b{batch}: fused {statistics.median(times['fused']):.4f} ms, unfused "
+            f"{statistics.median(times['unfused']):.4f} ms, without {statistics.median(times['off']):.4f} ms; "
+            f"share fused {rows[-1]['share_of_step']['median']:.2%}, unfused "
+            f"{rows[-1]['unfused_share_of_step']['median']:.2%}")
+        del variants
     return rows
 
 

@@ -373,10 +373,14 @@ def _split(
     impl: str = "loop",
     overlap: bool | None = None,
     scheme: QuantScheme | None = None,
+    partitioned: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     hot_tier, cold_tier = _tiers(hot, cold, scheme)
-    hot_ids, cold_ids = partition(topk_ids, row_map, hot_rows, expert_counts, cold_counts, num_real=num_real,
-                                  token_counts=token_counts)
+    if partitioned is not None:  # the cache's step partitioned the ids (and counted) in its own launch
+        hot_ids, cold_ids = partitioned
+    else:
+        hot_ids, cold_ids = partition(topk_ids, row_map, hot_rows, expert_counts, cold_counts, num_real=num_real,
+                                      token_counts=token_counts)
     if overlap is None:
         overlap = OVERLAP_DEFAULT
     if impl == "loop" and not (overlap and x.is_cuda):  # the original path: one rows buffer, the calls in turn
@@ -391,7 +395,8 @@ def split(x: torch.Tensor, hot: Mapping[str, torch.Tensor], cold: Mapping[str, t
           topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor, hot_rows: int, /,
           expert_counts: torch.Tensor | None = None, cold_counts: torch.Tensor | None = None, *,
           num_real: torch.Tensor | None = None, token_counts: torch.Tensor | None = None, impl: str = "loop",
-          overlap: bool | None = None, scheme: QuantScheme | None = None) -> torch.Tensor: ...
+          overlap: bool | None = None, scheme: QuantScheme | None = None,
+          partitioned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 @overload
@@ -399,7 +404,8 @@ def split(x: torch.Tensor, w13_hot: torch.Tensor, w2_hot: torch.Tensor, w13_cold
           w2_cold: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
           hot_rows: int, /, expert_counts: torch.Tensor | None = None, cold_counts: torch.Tensor | None = None, *,
           num_real: torch.Tensor | None = None, token_counts: torch.Tensor | None = None, impl: str = "loop",
-          overlap: bool | None = None) -> torch.Tensor: ...
+          overlap: bool | None = None,
+          partitioned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 def split(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -411,7 +417,9 @@ def split(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     Two forms, told apart by the second argument: ``split(x, hot, cold, topk_weights, topk_ids, row_map,
     hot_rows, ...)`` with each tier's per-expert tensors by name (every per-expert tensor split in mirror; shared
     scalars in both; ``scheme``: :func:`scheme_of` of each tier, which must agree, unless given), or
-    ``split(x, w13_hot, w2_hot, w13_cold, w2_cold, topk_weights, ...)`` for unquantized weights."""
+    ``split(x, w13_hot, w2_hot, w13_cold, w2_cold, topk_weights, ...)`` for unquantized weights. ``partitioned``:
+    the ``(hot_ids, cold_ids)`` a cache's step already made (:meth:`pinsidecar_hook.cache.ExpertCache.step_partition`,
+    which counted too), instead of partitioning here."""
     if args and isinstance(args[0], Mapping):
         return _split(x, *args, **kwargs)
     w13_hot, w2_hot, w13_cold, w2_cold, *rest = args

@@ -252,7 +252,7 @@ class TritonExpertsSplit(SplitBackend):
     scalar)."""
 
     NAME = "triton_experts"
-    CACHE = True  # not run on a GPU yet: the cache's step in a captured graph is the next device run
+    CACHE = True  # one fused launch a step (pinsidecar_hook.kernels.cache_plan); run in vLLM 0.26 on an H100
     SPLIT_TENSORS = ("w13_weight", "w2_weight", *_QUANT_FIELD_OF)
     SHARED_TENSORS = ("w13_input_scale", "w2_input_scale")
 
@@ -333,12 +333,16 @@ class TritonExpertsSplit(SplitBackend):
         self._check_call(num_tokens)
         layer = self.layer
         hot, cold = layer.hot, layer.cold
-        if layer.cache is not None:  # fill the slots, flip the row map and the tier maps (pinsidecar_hook.cache)
-            layer.cache.step(topk_ids, hot, cold, num_real=self.num_real)
+        if layer.cache is not None:  # fill the slots, flip the row map and the tier maps, partition: one launch
+            hot_ids, cold_ids = layer.cache.step_partition(
+                topk_ids, hot, cold, expert_counts=layer.expert_counts, cold_counts=self.partition_cold,
+                num_real=self.num_real, token_counts=layer.token_counts)
             if not layer.cache.maps_followed:
                 self.refresh()
-        hot_ids, cold_ids = partition(topk_ids, self.row_map, self.hot_rows, layer.expert_counts, self.partition_cold,
-                                      num_real=self.num_real, token_counts=layer.token_counts)
+        else:
+            hot_ids, cold_ids = partition(topk_ids, self.row_map, self.hot_rows, layer.expert_counts,
+                                          self.partition_cold, num_real=self.num_real,
+                                          token_counts=layer.token_counts)
         config = self.config_fn(self.experts, self.full_w1_shape, self.full_w2_shape, top_k, hidden_states.dtype,
                                 num_tokens)
         # Decode-sized batches on a version whose per-pair path takes -1 ids: each tier's ids, no expert_map (the
