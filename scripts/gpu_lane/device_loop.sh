@@ -28,6 +28,8 @@
 #             only, hybrid; batch 1 and 4; CUDA graphs; interleaved rounds), no vLLM needed, ~240 s
 #   cachelane bench/cache_lane.py: the same three placements as pin engines on a replay model per profile, booted
 #             together, 1 and 4 streams interleaved, ~4 min a profile (GPU_LANE_CACHE_PROFILES: a comma list, default all)
+#             (GPU_LANE_CACHE_TOKENS: tokens per stream and run, default 64). Two profiles a call: four replay
+#             models do not fit the device's disk at once (2026-12-06)
 # Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
 # document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
 # GPU_LANE_LOOP_STEPS overrides the list (e.g. "model guide heal1"); GPU_LANE_ENGAPPLY_REPS the rounds of
@@ -234,7 +236,7 @@ step_cachekern() {
 }
 step_cachelane() {
   timeout $(( $(left) - PACK_S )) python3 bench/cache_lane.py --work /tmp/gl/cachelane \
-    ${GPU_LANE_CACHE_PROFILES:+--profiles "$GPU_LANE_CACHE_PROFILES"} \
+    ${GPU_LANE_CACHE_PROFILES:+--profiles "$GPU_LANE_CACHE_PROFILES"} ${GPU_LANE_CACHE_TOKENS:+--tokens "$GPU_LANE_CACHE_TOKENS"} \
     --out "$OUT/cache_lane_h200.json" --deadline-s $(( $(left) - PACK_S - 30 ))
 }
 step_heal4() { step_heal 4; }
