@@ -61,9 +61,11 @@ HOST_FRACTION = 0.23  # the issue's budget: 23 % of each layer's experts in host
 SEEDS = {"model": 0, "train": 1, "test": 2}  # as bench/placement.py's sequence section
 TRAIN_TOKENS = 20000  # the training trace, from which counts and the hybrid's split come
 STREAMS = (1, 4)  # concurrent streams of a run
-# Tokens each stream generates per run (--tokens): at 64 a GPU run is about a second, too short to resolve 2 %
-# (bench/results/cache_lane_h100_2026-12-06_*: rounds of one placement 0.82-1.01 of each other).
-TOKENS = {"gpu": 64, "small": 12}
+# Tokens each stream generates per run (--tokens): at 64 a GPU run was about a second, too short to resolve 2 %
+# (bench/results/cache_lane_h100_2026-12-06_*: rounds of one placement 0.82-1.01 of each other), and each run
+# starts cold at a new place in the cycle, so its first tokens refill the working set: a short run's live misses
+# overstate a cache's (there, 7.2 host reads a token live against 4.5 simulated on the cycle for the hybrid).
+TOKENS = {"gpu": 256, "small": 12}
 PROMPT_TOKENS = 8
 IDENTITY_PROMPTS = 4
 IDENTITY_TOKENS = 16
@@ -140,8 +142,12 @@ def _identity(eng: Any, prompts: list[str]) -> list[list[int]]:
                 for p in prompts]
 
 
+COUNTERS = ("tokens", "selections", "misses", "cache_hits", "cache_fills", "cache_evictions")
+
+
 def _live(eng: Any) -> dict[str, Any]:
-    """The hook's counters over everything this engine served since they were zeroed."""
+    """The hook's counters over everything this engine served since they were zeroed (cumulative: a run's own
+    figures are the difference of two of these, :func:`_since`)."""
     from pinsidecar_hook.contract import load_stats
     from pinsidecar_hook.contract.requests import request_and_wait
 
@@ -154,6 +160,11 @@ def _live(eng: Any) -> dict[str, Any]:
             "cache_evictions": sum(cache.get("evictions", [])),
             "selections_exact": all(x == snap.tokens * snap.top_k for x in snap.selections),
             "map_hash": snap.map_hash}
+
+
+def _since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """One run's counters: what the engine counted between two :func:`_live` snapshots."""
+    return {k: int(after[k]) - int(before[k]) for k in COUNTERS}
 
 
 def run_profile(prep: dict[str, Any], work: Path, small: bool, reps: int, deadline: float,
@@ -201,7 +212,9 @@ def run_profile(prep: dict[str, Any], work: Path, small: bool, reps: int, deadli
                 for k, (streams, tokens) in enumerate(streams_plan.items()):
                     off = (r * len(streams_plan) + k) * 4 % len(load_prompts)
                     prompts = load_prompts[off:] + load_prompts[:off]
+                    before = _live(eng)
                     runs[str(streams)] = run_streams(eng.base_url, eng.spec.model_name, prompts, streams, tokens)
+                    runs[str(streams)]["live"] = _since(before, _live(eng))
                 this[n] = runs
                 say(f"  round {r + 1} {n}: " + ", ".join(
                     f"{s} streams {v['decode_tok_s_per_stream']} tok/s per stream" for s, v in runs.items()))
@@ -223,16 +236,68 @@ def figures(profile: str, rounds: list[dict[str, dict[str, Any]]], streams_plan:
     out: dict[str, Any] = {}
     for streams in map(str, streams_plan):
         rate = {n: [r[n][streams]["decode_tok_s_per_stream"] or 0.0 for r in rounds] for n in PLACEMENTS}
+        live = {n: [r[n][streams]["live"] for r in rounds if "live" in r[n][streams]] for n in PLACEMENTS}
         gain = [h / max(s, lr) for h, s, lr in zip(rate["hybrid"], rate["static"], rate["lru_only"], strict=True)
                 if max(s, lr) > 0]
         med = statistics.median(gain) if gain else None
         out[streams] = {
             "tok_s_per_stream": {n: spread(v) for n, v in rate.items() if v},
             "hybrid_over_better": spread(gain) if gain else None,
+            # the runs' own misses (prefill included), so 1 and 4 streams can be told apart
+            "live_miss_rate": {n: _rate(v) for n, v in live.items() if v},
             "no_worse_than_1_02": None if med is None else med >= 1 / TARGETS["all"],
             **({"target": target, "target_met": None if med is None else med >= target} if target else {}),
         }
     return out
+
+
+def _rate(runs: list[dict[str, int]]) -> float | None:
+    sel = sum(r["selections"] for r in runs)
+    return round(sum(r["misses"] for r in runs) / sel, 5) if sel else None
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Decode tok/s per stream (median; whiskers: the rounds' min and max) and the runs' live miss rate, per
+    profile, placement and stream count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = [(name, p) for name, p in doc["profiles"].items() if p.get("figures")]
+    streams = [str(s) for s in STREAMS]
+    fig, axes = plt.subplots(2, len(streams), figsize=(5.5 * len(streams), 7), squeeze=False)
+    width = 0.8 / len(PLACEMENTS)
+    for col, st in enumerate(streams):
+        for i, pl in enumerate(PLACEMENTS):
+            xs, med, lo, hi, miss = [], [], [], [], []
+            for j, (_, prof) in enumerate(profiles):
+                fig_s = prof["figures"].get(st, {})
+                tok = fig_s.get("tok_s_per_stream", {}).get(pl)
+                if tok is None:
+                    continue
+                xs.append(j + (i - 1) * width)
+                med.append(tok["median"])
+                lo.append(tok["median"] - tok["min"])
+                hi.append(tok["max"] - tok["median"])
+                miss.append(100 * (fig_s.get("live_miss_rate", {}).get(pl) or 0.0))
+            axes[0][col].bar(xs, med, width, yerr=[lo, hi], label=pl, capsize=2)
+            axes[1][col].bar(xs, miss, width, label=pl)
+        for row, label in ((0, "decode tok/s per stream"), (1, "live misses, % of selections")):
+            ax = axes[row][col]
+            ax.set_xticks(range(len(profiles)), [name for name, _ in profiles])
+            ax.set_ylabel(label)
+            ax.set_title(f"{st} stream{'s' if st != '1' else ''}")
+            ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=8)
+    any_prof = profiles[0][1] if profiles else {}
+    g = any_prof.get("geometry", {})
+    fig.suptitle(f"{doc.get('device', '?')}, vLLM pin engines on replay models: {g.get('layers')} layers x "
+                 f"{g.get('experts')} experts top-{g.get('top_k')}, {any_prof.get('hbm_rows')} HBM rows a layer "
+                 f"({doc['command']})", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, required=True, help="working folder (traces, models, maps, logs)")
     ap.add_argument("--out", type=Path, required=True, help="the report (JSON)")
     ap.add_argument("--profiles", default=",".join(routing_sequences.PROFILES))
-    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds per profile")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds per profile")
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens each stream generates per run (default 64 on the GPU lane, 12 with --small; the GPU "
                          "lane's engines hold 1024 tokens a sequence, the prompt included)")
@@ -281,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.monotonic() - t0, 1)
         doc["profiles"][profile] = result
         atomic_write_json(args.out, doc)  # a profile at a time: what ran survives a cut-off call
+    try:
+        plot(doc, args.out.with_suffix(".png"))
+    except Exception as exc:  # the JSON is the result; a plot that fails says why and costs nothing else
+        say(f"  plot failed: {type(exc).__name__}: {exc}")
     failed = [p for p, r in doc["profiles"].items() if "error" in r]
     return 1 if failed else 0
 

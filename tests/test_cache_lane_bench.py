@@ -28,3 +28,12 @@ def test_cache_lane_runs_one_profile_on_vllm_cpu(tmp_path: Path) -> None:
     # a short-reuse cycle: slots catch what a static set misses
     assert live["lru_only"]["misses"] < live["static"]["misses"]
     assert set(prof["figures"]) == {"1", "4"} and len(prof["rounds"]) == 1
+    # each run's own counters add up to the engine's (after the identity prompts, which no run counts)
+    for n in PLACEMENTS:
+        runs = [prof["rounds"][0][n][s]["live"] for s in ("1", "4")]
+        assert all(r["tokens"] > 0 and r["selections"] > 0 for r in runs)
+        assert sum(r["selections"] for r in runs) < live[n]["selections"]
+        assert prof["figures"]["1"]["live_miss_rate"][n] == pytest.approx(runs[0]["misses"] / runs[0]["selections"],
+                                                                          abs=1e-5)
+    assert prof["figures"]["4"]["live_miss_rate"]["static"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000

@@ -28,7 +28,7 @@
 #             only, hybrid; batch 1 and 4; CUDA graphs; interleaved rounds), no vLLM needed, ~240 s
 #   cachelane bench/cache_lane.py: the same three placements as pin engines on a replay model per profile, booted
 #             together, 1 and 4 streams interleaved, ~4 min a profile (GPU_LANE_CACHE_PROFILES: a comma list, default all)
-#             (GPU_LANE_CACHE_TOKENS: tokens per stream and run, default 64). Two profiles a call: four replay
+#             (GPU_LANE_CACHE_TOKENS: tokens per stream and run, default 256). Two profiles a call: four replay
 #             models do not fit the device's disk at once (2026-12-06)
 # Every heal step gives the engine one Triton cache of its own (/tmp/gl/triton, shared by the heal steps), so its
 # document lists the kernels compiled during the run and which long gaps they overlapped (jit, gaps).
