@@ -161,6 +161,7 @@ def run_cases(cases: list[dict]) -> dict[str, int]:
                 expert_counts=counts["expert"], cold_counts=counts["cold"], token_counts=counts["tokens"])
             _check_fused(ref, fused, ref_plan, fused_plan, topk, num_real, (out.hot_ids, out.cold_ids), counts,
                          ref_counts, tiers, ref_tiers, where)
+            assert not cache_plan._buffers_of(fused).sync.any(), f"{where}: a fill program's word not reset"
             if own:
                 assert fused_misses.tolist() == ref_misses.tolist(), f"{where}: fused misses counter"
             if fused.tier_maps is not None:
