@@ -26,6 +26,7 @@
 #   engapplyw the same at 16 streams, 1024 rows an apply (64 hot rows against the complement map), ~300 s
 #   cachekern bench/cache_tier.py: the cache tier's step at the kernel level per routing profile (static, LRU
 #             only, hybrid; batch 1 and 4; CUDA graphs; interleaved rounds), no vLLM needed, ~240 s
+#             (GPU_LANE_CACHEKERN_PROFILES: a comma list, default all)
 #   cachelane bench/cache_lane.py: the same three placements as pin engines on a replay model per profile, booted
 #             together, 1 and 4 streams interleaved, ~4 min a profile (GPU_LANE_CACHE_PROFILES: a comma list, default all)
 #             (GPU_LANE_CACHE_TOKENS: tokens per stream and run, default 256). Two profiles a call: four replay
@@ -232,7 +233,7 @@ step_callane() {
 # still writes its report; a profile whose engines did not boot in time is missing from it.
 step_cachekern() {
   timeout $(( $(left) - PACK_S )) python3 bench/cache_tier.py --out "$OUT/cache_tier_h200.json" \
-    --deadline-s $(( $(left) - PACK_S - 120 ))
+    ${GPU_LANE_CACHEKERN_PROFILES:+--profiles "$GPU_LANE_CACHEKERN_PROFILES"} --deadline-s $(( $(left) - PACK_S - 120 ))
 }
 step_cachelane() {
   timeout $(( $(left) - PACK_S )) python3 bench/cache_lane.py --work /tmp/gl/cachelane \
