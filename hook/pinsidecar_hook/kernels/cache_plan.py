@@ -260,9 +260,10 @@ if triton is not None:
                     tl.atomic_xchg(sync_ptr + f_offs, tl.full([BLOCK_F], 2, tl.int32), mask=f_offs < fill_programs,
                                    sem="release")
             else:
-                if NT > 0:  # nothing to fill: the fill programs return (nothing for them to read, so no release)
+                if NT > 0:  # nothing to fill: the fill programs return (nothing for them to read, so relaxed)
                     f_offs = tl.arange(0, BLOCK_F)
-                    tl.store(sync_ptr + f_offs, tl.full([BLOCK_F], 1, tl.int32), mask=f_offs < fill_programs)
+                    tl.atomic_xchg(sync_ptr + f_offs, tl.full([BLOCK_F], 1, tl.int32), mask=f_offs < fill_programs,
+                                   sem="relaxed")
                 tl.store(n_fill_ptr, tl.zeros([], dtype=tl.int64))
                 tl.store(dst_rows_ptr + s_offs, tl.zeros([BLOCK_K], dtype=tl.int64), mask=s_live)
                 tl.store(src_rows_ptr + s_offs, tl.zeros([BLOCK_K], dtype=tl.int64), mask=s_live)
