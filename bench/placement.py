@@ -108,7 +108,7 @@ TARGET_GAIN = 1.3  # the issue's target: hybrid >= 1.3x better than the better o
 ISSUE_FIGURES = {"source": "quoted from the cache-tier issue, not measured here",
                  "short_reuse": {"static": 0.144, "lru_only": 0.049, "hybrid": 0.035},
                  "stationary": {"static": 0.035, "lru_only": 0.057, "hybrid": 0.035},
-                 "mixed": {"static": 0.084, "lru_only": 0.046, "hybrid": 0.032}}
+                 "mixed": routing_sequences.MIXED_CALIBRATION}  # the row the mixed profile is fitted to
 
 __all__ = ["main"]
 
