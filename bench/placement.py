@@ -907,7 +907,7 @@ def sequence_section(names: list[str], layers: int, experts: int, top_k: int, ho
             entry["batches"][str(b)] = {
                 "static": _sim_row(static), "lru_only": _sim_row(lru_only),
                 "hybrid": {**_sim_row(hybrid), "tuning_miss_rate": auto.tuning[auto.chosen].miss_rate,
-                           "chosen_on": auto.tuned_on},
+                           "chosen_on": auto.tuned_on, "cross_fitted": auto.cross_fitted},
                 "splits": [{**_sim_row(r), "tuning_miss_rate": t.miss_rate, "chosen": i == auto.chosen}
                            for i, (r, t) in enumerate(zip(auto.results, auto.tuning, strict=True))],
                 "gain_over_better_single": gain,

@@ -137,11 +137,13 @@ def test_auto_chooses_the_split_on_the_trace_and_records_the_tried_splits(worklo
     auto = placement.auto_split(trace, ranked, 8, "lru", train=trace)
     tried = emap.meta["cache"]["tried"]
     assert [t["cache_slots"] for t in tried] == [x.cache_slots for x in auto.results]
-    assert [t["miss_rate"] for t in tried] == [x.miss_rate for x in auto.tuning]
+    assert [t["miss_rate"] for t in tried] == [x.miss_rate for x in auto.results]
+    assert [t["tuning_miss_rate"] for t in tried] == [x.miss_rate for x in auto.tuning]
+    assert emap.meta["cache"]["cross_fitted"] is True
     chosen = [t for t in tried if t["chosen"]]
     assert len(chosen) == 1 and chosen[0]["cache_slots"] == emap.cache_slots and emap.cache_slots > 0
     admissible = [t for t in tried if t["cache_slots"] < 8]
-    assert chosen[0]["miss_rate"] == min(t["miss_rate"] for t in admissible)
+    assert chosen[0]["tuning_miss_rate"] == min(t["tuning_miss_rate"] for t in admissible)
     assert emap.hot_rows + emap.cache_slots == 8 and emap.meta["cache"]["chosen"] == "auto"
     assert emap.predicted_cold_rate == pytest.approx(chosen[0]["miss_rate"])
     assert r["cache"]["chosen"] == "auto" and r["cache_slots"] == emap.cache_slots

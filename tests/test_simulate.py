@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from pinsidecar_hook.contract import ArtifactError, RoutingTrace, save_trace
 
+from bench import routing_sequences as rs
 from pinsidecar import placement
 from pinsidecar.placement import HotRanking, auto_split, simulate
 from pinsidecar.placement.simulate import cache_slot_grid, tuning_tokens
@@ -331,6 +332,43 @@ def test_auto_takes_slots_only_when_they_cut_misses_by_the_margin(monkeypatch: p
     capped = auto_split(test, rank, 16, "lru", max_slots=k.cache_slots - 1)
     assert capped.tuning[capped.chosen].cache_slots < k.cache_slots
     assert [r.cache_slots for r in capped.results] == cache_slot_grid(16)
+
+def test_auto_grades_the_splits_on_train_with_the_hot_set_ranked_on_the_other_half() -> None:
+    """The case that made auto cross-fit: six domains in long segments. Ranked and graded on the same tokens,
+    the static set holds their heads, so no split with slots misses SLOT_MIN_GAIN fewer there and an in-sample
+    auto kept K = 0; held out the slots miss far fewer. Cross-fitted, auto takes them."""
+    sim = importlib.import_module("pinsidecar.placement.simulate")
+    params = rs.Params(zipf=1.0, domains=6, segment=512.0)
+    for seed in (1, 3):
+        train = rs.to_trace(rs.generate_with(params, 6000, 2, 160, 6, seed=seed), 160)
+        test = rs.to_trace(rs.generate_with(params, 6000, 2, 160, 6, seed=seed + 1), 160)
+        rank = HotRanking.from_counts(train.counts(), "train")
+        in_sample = [simulate(train, rank, 123, k, "lru").miss_rate for k in cache_slot_grid(123)]
+        assert min(in_sample) > (1 - sim.SLOT_MIN_GAIN) * in_sample[0], (seed, in_sample)
+        auto = auto_split(test, rank, 123, "lru", train=train)
+        assert auto.cross_fitted and auto.tuned_on == "train" and auto.tuning_tokens == 6000
+        assert all(t.tokens == 6000 for t in auto.tuning)
+        held_out = auto.results[auto.chosen]
+        assert held_out.cache_slots > 0, seed
+        assert held_out.miss_rate < (1 - sim.SLOT_MIN_GAIN) * auto.results[0].miss_rate, seed
+        # the folds by hand: rank on one half, replay the other, both ways
+        halves = RoutingTrace(train.experts[:3000], 160), RoutingTrace(train.experts[3000:], 160)
+        folds = [simulate(replay, HotRanking.from_counts(ranked.counts(), "train"), 123, held_out.cache_slots, "lru")
+                 for ranked, replay in (halves, halves[::-1])]
+        assert auto.tuning[auto.chosen].misses == sum(f.misses for f in folds)
+        assert auto.tuning[auto.chosen].host_fetches == sum(f.host_fetches for f in folds)
+
+
+def test_a_train_trace_too_short_to_halve_is_graded_as_it_is() -> None:
+    rng = np.random.default_rng(8)
+    test = RoutingTrace(reuse_trace(rng, 200, 2, 32, 4), 32)
+    train = RoutingTrace(reuse_trace(rng, 3, 2, 32, 4), 32)
+    rank = HotRanking.from_counts(train.counts(), "train")
+    auto = auto_split(test, rank, 16, "lru", batch=2, train=train)  # 3 tokens: one whole step, no two halves
+    assert not auto.cross_fitted and auto.tuning_tokens == 3
+    assert [t.misses for t in auto.tuning] == [simulate(train, rank, 16, k, "lru", 2).misses
+                                              for k in cache_slot_grid(16)]
+
 
 def test_configurations_that_cannot_be_simulated_are_refused() -> None:
     trace = one_layer(TOKENS)
