@@ -428,14 +428,17 @@ def test_cli_json_is_one_document_with_the_configuration(files: dict[str, str]) 
 def test_cli_auto_marks_exactly_one_chosen(files: dict[str, str]) -> None:
     r = run_json("placement", "simulate", files["test"], "--train", files["train"], "--hbm-rows", "8",
                  "--cache-slots", "auto")
-    assert r["hot_from"] == "train" and r["auto"]["chosen_on"] == "train"
+    assert r["hot_from"] == "train" and r["auto"]["chosen_on"] == "train" and r["auto"]["cross_fitted"] is True
     assert [x["cache_slots"] for x in r["results"]] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert sum(x["chosen"] for x in r["results"]) == 1
     assert all(isinstance(x["chosen"], bool) for x in r["results"])
     head = run_json("placement", "simulate", files["test"], "--counts", files["counts"], "--hbm-rows", "8",
                     "--cache-slots", "auto")
     assert head["auto"]["chosen_on"] == "trace_head" and head["auto"]["tuning_tokens"] == 200
-    assert head["auto"]["tuning_fraction"] == placement.TUNE_FRACTION
+    assert head["auto"]["tuning_fraction"] == placement.TUNE_FRACTION and head["auto"]["cross_fitted"] is False
+    human = run("placement", "simulate", files["test"], "--train", files["train"], "--hbm-rows", "8",
+                "--cache-slots", "auto")
+    assert human.exit_code == 0 and "ranked on the other half" in human.stdout, human.stdout
 
 
 def test_cli_human_output_is_a_table(files: dict[str, str]) -> None:
