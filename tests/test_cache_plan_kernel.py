@@ -316,7 +316,7 @@ def test_the_kernel_matches_the_torch_plan_on_cuda_eagerly_and_replayed_from_a_c
             _check_fused(ref, fused, ref_plan, fused_plan, static_ids, static_real, (out.hot_ids, out.cold_ids),
                          counts, ref_counts, tiers, ref_tiers, f"graph, {policy}, step {step}")
             assert all(torch.equal(a, b) for a, b in zip(fused.tier_maps, want, strict=True)), step
-            assert cache_plan._buffers_of(fused).sync.tolist() == [0, 0], step  # the fill programs' word reset
+            assert not cache_plan._buffers_of(fused).sync.any(), step  # every fill program's word reset
         assert int(ref.evictions.item()) > 0 and int(ref.hits.item()) > 0
 
 

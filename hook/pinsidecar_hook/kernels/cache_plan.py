@@ -39,12 +39,16 @@ Program 0, the plan and the partition:
 Each phase that reads global memory another thread of the program wrote in an earlier phase is separated from it
 by ``tl.debug_barrier()`` (Triton orders shared memory by itself, not global memory).
 
-Programs 1..F, the copy: each waits for program 0's word (``sync[0]``: 1 nothing to fill, 2 the plan is written;
-an acquire load that pairs with program 0's release), then copies its share of the fills' row blocks of every
-per-expert tensor (at most :data:`MAX_FILL_TENSORS`; :func:`pinsidecar_hook.kernels.fill.copy_row_block`) from
-pinned host memory into the slots, and the last one to finish (``sync[1]`` counts them) sets both words back to 0
-for the next step. F is at most the number of SMs, so all programs can be resident at once; only program 0 is
-ever waited on, and the hardware dispatches it first.
+Programs 1..F, the copy: program ``i`` waits for its own word, ``sync[i - 1]`` (1: nothing to fill, 2: the plan is
+written), which program 0 writes for all of them at once (one lane each; with a release when there is a plan, and
+an acquire in the program that reads it), then copies its share of the fills' row blocks of every per-expert
+tensor (at most :data:`MAX_FILL_TENSORS`; :func:`pinsidecar_hook.kernels.fill.copy_row_block`) from pinned host
+memory into the slots, and sets its word back to 0: the next step's launch cannot begin before this one ends. A
+word per program, polled by plain volatile loads, replaced one word that every program polled with atomics and a
+counter that every program incremented: with F = 132 on an H100 those were hundreds of atomics on two addresses a
+step, where a step with nothing to fill should cost little more than the partition. F is at most the number of
+SMs, so all programs can be resident at once; only program 0 is ever waited on, and the hardware dispatches it
+first.
 
 Nothing is written to the state tensors' junk elements (the torch version's masked-off writes are masked here), so
 the first ``E``/``K`` elements of every state tensor, the counters, the clock and the plan are the torch
@@ -106,6 +110,7 @@ if triton is not None:
         NT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
         FILL_BLOCK: tl.constexpr,
         BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SLOT_CHUNK: tl.constexpr,
+        BLOCK_F: tl.constexpr,
     ):
         if tl.program_id(0) == 0:
             clock = tl.load(clock_ptr)
@@ -250,10 +255,15 @@ if triton is not None:
                         n_cold += tl.sum((in_range & (pos < real) & (rows >= hbm_rows)).to(tl.int64), axis=0)
                 if NT > 0:
                     tl.debug_barrier()
-                    tl.atomic_xchg(sync_ptr, 2, sem="release")  # the fill programs may read the plan
+                    # each fill program's own word: it may read the plan (one lane a program, release)
+                    f_offs = tl.arange(0, BLOCK_F)
+                    tl.atomic_xchg(sync_ptr + f_offs, tl.full([BLOCK_F], 2, tl.int32), mask=f_offs < fill_programs,
+                                   sem="release")
             else:
-                if NT > 0:
-                    tl.atomic_xchg(sync_ptr, 1, sem="relaxed")  # nothing to fill: the fill programs return
+                if NT > 0:  # nothing to fill: the fill programs return (nothing for them to read, so relaxed)
+                    f_offs = tl.arange(0, BLOCK_F)
+                    tl.atomic_xchg(sync_ptr + f_offs, tl.full([BLOCK_F], 1, tl.int32), mask=f_offs < fill_programs,
+                                   sem="relaxed")
                 tl.store(n_fill_ptr, tl.zeros([], dtype=tl.int64))
                 tl.store(dst_rows_ptr + s_offs, tl.zeros([BLOCK_K], dtype=tl.int64), mask=s_live)
                 tl.store(src_rows_ptr + s_offs, tl.zeros([BLOCK_K], dtype=tl.int64), mask=s_live)
@@ -269,12 +279,15 @@ if triton is not None:
                     tl.atomic_add(token_counts_ptr, real_tokens, sem="relaxed")
         else:
             if NT > 0:
-                # 7. the fill programs: wait for program 0's word, copy the fills' rows of every tensor, the last
-                # one out resets the word for the next step
-                ready = tl.atomic_add(sync_ptr, 0, sem="acquire")
+                # 7. the fill programs: each waits for its own word from program 0 (a plain volatile load: no two
+                # programs poll one address), copies its share of the fills' rows of every tensor, and sets its word
+                # back to 0 for the next step, which cannot start before this launch ends
+                mine = sync_ptr + tl.program_id(0) - 1
+                ready = tl.load(mine, volatile=True)
                 while ready == 0:
-                    ready = tl.atomic_add(sync_ptr, 0, sem="acquire")
+                    ready = tl.load(mine, volatile=True)
                 if ready == 2:
+                    tl.atomic_add(mine, 0, sem="acquire")  # pairs with program 0's release: the plan is visible
                     items = tl.load(n_fill_ptr, cache_modifier=".cg") * (B0 + B1 + B2 + B3)
                     for item in range((tl.program_id(0) - 1).to(tl.int64), items, fill_programs):
                         f = item // (B0 + B1 + B2 + B3)
@@ -289,10 +302,7 @@ if triton is not None:
                             copy_row_block(d2, s2, dst_row, src_row, w2, b - B0 - B1, FILL_BLOCK)
                         else:
                             copy_row_block(d3, s3, dst_row, src_row, w3, b - B0 - B1 - B2, FILL_BLOCK)
-                done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
-                if done == fill_programs - 1:
-                    tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
-                    tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+                tl.store(mine, 0)
 
 
 @dataclass
@@ -302,8 +312,8 @@ class _Buffers:
     last: torch.Tensor  # int32 [E]
     first: torch.Tensor  # int32 [E]
     miss_list: torch.Tensor  # int32 [K]
-    sync: torch.Tensor  # int32 [2]: program 0's word to the fill programs (0, 1: nothing to fill, 2: the plan),
-    # and how many fill programs are done; both back at 0 when a step ends
+    sync: torch.Tensor  # int32 [the most fill programs]: program 0's word to each fill program (0: wait, 1:
+    # nothing to fill, 2: the plan is written); each program sets its own back to 0 before the launch ends
     plan: CachePlan
 
 
@@ -320,7 +330,7 @@ def _buffers_of(cache: ExpertCache) -> _Buffers:
             last=torch.empty(e, dtype=torch.int32, device=device),
             first=torch.empty(e, dtype=torch.int32, device=device),
             miss_list=torch.zeros(k, dtype=torch.int32, device=device),
-            sync=torch.zeros(2, dtype=torch.int32, device=device),
+            sync=torch.zeros(_fill_programs(device, 1 << 30), dtype=torch.int32, device=device),
             plan=CachePlan(torch.zeros(1, dtype=torch.int64, device=device),
                            torch.zeros(k, dtype=torch.int64, device=device),
                            torch.zeros(k, dtype=torch.int64, device=device)),
@@ -450,6 +460,7 @@ def step_triton(cache: ExpertCache, topk_ids: torch.Tensor, num_real: torch.Tens
         BLOCK_E=max(_MIN_BLOCK, triton.next_power_of_2(e)),
         BLOCK_K=max(_MIN_BLOCK, triton.next_power_of_2(k)),
         SLOT_CHUNK=min(_SLOT_CHUNK, max(_MIN_BLOCK, triton.next_power_of_2(k))),
+        BLOCK_F=max(_MIN_BLOCK, triton.next_power_of_2(max(fill_programs, 1))),
     )
     return buf.plan, out
 
