@@ -325,9 +325,9 @@ def tuning_tokens(tokens: int, batch: int) -> int:
     return min(tokens, max(batch, int(tokens * TUNE_FRACTION) // batch * batch))
 
 
-def cross_fitted(tune: RoutingTrace, hbm_rows: int, cache_slots: int, policy: str = "lru",
-                 batch: int = 1) -> SimResult | None:
-    """One split's figures on ``tune`` with every hot set ranked out of sample: rank on the first half, replay
+def cross_fitted(tune: RoutingTrace, hbm_rows: int, grid: Sequence[int], policy: str = "lru",
+                 batch: int = 1) -> tuple[SimResult, ...] | None:
+    """Each split of ``grid`` on ``tune`` with the hot set ranked out of sample: rank on the first half, replay
     the second; rank on the second, replay the first; the two summed. None when ``tune`` has under two steps.
 
     Why: a hot set ranked on the tokens it is graded on holds exactly their heads, so the static split looks
@@ -339,14 +339,16 @@ def cross_fitted(tune: RoutingTrace, hbm_rows: int, cache_slots: int, policy: st
     half = tune.tokens // 2 // batch * batch
     if half < batch:
         return None
-    halves = (dataclasses.replace(tune, experts=tune.experts[:half]),
-              dataclasses.replace(tune, experts=tune.experts[half:]))
-    folds = [simulate(replay, HotRanking.from_counts(rank.counts(), "train", rank.layer_ids), hbm_rows,
-                      cache_slots, policy, batch)
-             for rank, replay in ((halves[0], halves[1]), (halves[1], halves[0]))]
-    a, b = folds
-    return dataclasses.replace(a, tokens=a.tokens + b.tokens, selections=a.selections + b.selections,
-                               misses=a.misses + b.misses, host_fetches=a.host_fetches + b.host_fetches)
+    first = dataclasses.replace(tune, experts=tune.experts[:half])
+    second = dataclasses.replace(tune, experts=tune.experts[half:])
+    folds = [(replay, HotRanking.from_counts(ranked.counts(), "train", ranked.layer_ids))
+             for ranked, replay in ((first, second), (second, first))]
+    out = []
+    for k in grid:
+        a, b = (simulate(replay, ranking, hbm_rows, k, policy, batch) for replay, ranking in folds)
+        out.append(dataclasses.replace(a, tokens=a.tokens + b.tokens, selections=a.selections + b.selections,
+                                       misses=a.misses + b.misses, host_fetches=a.host_fetches + b.host_fetches))
+    return tuple(out)
 
 
 def auto_split(trace: RoutingTrace, ranking: HotRanking, hbm_rows: int, policy: str = "lru", batch: int = 1,
@@ -373,22 +375,17 @@ def auto_split(trace: RoutingTrace, ranking: HotRanking, hbm_rows: int, policy: 
     grid = cache_slot_grid(hbm_rows)
     for k in grid:
         check_split(ranking, hbm_rows, k, policy, batch)
-    tuning: tuple[SimResult, ...] | None = None
     if train is not None:
         tune, tuned_on = train, "train"
-        folds = [cross_fitted(train, hbm_rows, k, policy, batch) for k in grid]
-        if all(f is not None for f in folds):
-            tuning = tuple(f for f in folds if f is not None)
+        crossed = cross_fitted(train, hbm_rows, grid, policy, batch)
     else:
         n = tuning_tokens(trace.tokens, batch)
-        tune, tuned_on = dataclasses.replace(trace, experts=trace.experts[:n]), "trace_head"
-    crossed = tuning is not None
-    if tuning is None:
-        tuning = tuple(simulate(tune, ranking, hbm_rows, k, policy, batch) for k in grid)
+        tune, tuned_on, crossed = dataclasses.replace(trace, experts=trace.experts[:n]), "trace_head", None
+    tuning = crossed or tuple(simulate(tune, ranking, hbm_rows, k, policy, batch) for k in grid)
     allowed = [i for i, k in enumerate(grid) if max_slots is None or k <= max_slots]
     chosen = min(allowed, key=lambda i: (tuning[i].miss_rate, tuning[i].host_fetches_per_token, grid[i]))
     static = grid.index(0)
     if tuning[chosen].miss_rate > (1.0 - SLOT_MIN_GAIN) * tuning[static].miss_rate:
         chosen = static
     results = tuple(simulate(trace, ranking, hbm_rows, k, policy, batch) for k in grid)
-    return AutoSplit(results, tuning, chosen, tuned_on, tune.tokens, crossed)
+    return AutoSplit(results, tuning, chosen, tuned_on, tune.tokens, crossed is not None)
