@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Pack vLLM 0.26.0 (slimmed for one H200) and the Python packages it needs into chunks the device tool can carry.
+"""Pack a vLLM release (slimmed for one H100/H200) and the Python packages it needs into chunks the device tool
+can carry.
 
 The lent H200 machine has no network, and a device call carries at most 64 MiB of the working tree. This script,
 run here (stdlib + pip; network to the package index), builds everything a Qwen3-MoE server boot needs on that
@@ -12,12 +13,15 @@ machine and writes it under ``--out`` (default ``.gpu_lane``, git-ignored):
 - ``device-calls.txt`` / ``device-calls.json``: the exact device calls, in order, to paste one after another;
 - ``pack-report.json``: every size measured, every wheel carried, everything left out and why.
 
-What goes in, and why it is safe, is written down in ``docs/gpu-lane.md``. The decisions are the constants below:
-``ROOTS`` (what the boot imports), ``LEFT_OUT`` (declared requirements not carried, with the reason),
-``NOT_REQUIRED`` (requirements the device satisfies in its own way) and ``SLIM_DROP`` (files removed from the
-vLLM wheel). The payload is deterministic for a given set of downloaded wheels.
+What goes in, and why it is safe, is written down in ``docs/gpu-lane.md``. The decisions are one
+:class:`lane_profiles.LaneProfile` per vLLM release (``scripts/gpu_lane/lane_profiles.py``): what the boot imports,
+the declared requirements left out or satisfied by the device, the files dropped from the vLLM wheel, and the wheels
+carried whole because the device's own version is the wrong one (torch, triton and NCCL for vLLM 0.34, slimmed to
+SM90 device code by ``scripts/gpu_lane/fatbin.py``). The payload is deterministic for a given set of downloaded
+wheels.
 
-Usage: ``python3 scripts/gpu_lane/pack.py --out .gpu_lane`` (about 10 minutes, most of it xz).
+Usage: ``python3 scripts/gpu_lane/pack.py --vllm 0.34.0 --out .gpu_lane`` (10-40 minutes, most of it xz; vLLM 0.26.0
+by default, the release that runs on the device's own torch).
 """
 
 from __future__ import annotations
@@ -39,9 +43,13 @@ import time
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fatbin  # noqa: E402  (scripts/gpu_lane is a folder of scripts, not a package)
+from lane_profiles import LaneProfile, profile  # noqa: E402
+
 __all__ = ["main"]
 
-VLLM_VERSION = "0.26.0"
+DEFAULT_VLLM = "0.26.0"  # the newest release that pins the device's own torch (2.11.0)
 PYTHON_VERSION = "3.12"  # the device's python3 (3.12.3)
 # manylinux tags pip may accept for the device (Ubuntu 24.04 userland, glibc 2.39). pip matches each N exactly.
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35, 39)] + [
@@ -54,114 +62,6 @@ CALL_LIMIT_MIB = 63  # the device tool's 64 MiB per call, less a margin for what
 CTL_ROOM_BYTES = 1 << 20  # ctl/ (manifest and install script, ~13 KiB) and the call's own files
 DEVICE_SRC = "/tmp/gpu_lane"  # where each call drops its chunk on the device
 DEVICE_SITE = "/tmp/site"  # where the last call installs (used through PYTHONPATH)
-
-# vLLM's own requirements that the device satisfies differently, or that we never want from PyPI: the CUDA stack
-# and torch are the device's (torch 2.11.0+cu130, triton 3.6.0, nvidia-*); numba (vLLM pins 0.65.0, the device
-# has 0.68.0; only n-gram speculative decoding and two multimodal processors use it); setuptools (<81 pinned,
-# device has 81.0.0; only pkg_resources-style lookups use it); opencv (device has 5.0, vLLM asks >=4.13).
-NOT_REQUIRED = {
-    "torch": "the device's torch 2.11.0+cu130 (the version vLLM 0.26.0 pins)",
-    "torchaudio": "the device's 2.11.0 (audio models only)",
-    "torchvision": "the device's 0.26.0 (vision models only)",
-    "triton": "the device's 3.6.0",
-    "numba": "vLLM pins 0.65.0; the device's 0.68.0 is used (n-gram speculative decoding only)",
-    "setuptools": "vLLM asks <81; the device's 81.0.0 is used (no boot path needs the difference)",
-    "opencv-python-headless": "the device's 5.0.0.93 satisfies >=4.13",
-    "torchcodec": "video decoding for multimodal models; imported lazily and guarded",
-    "pynvvideocodec": "GPU video decoding; imported lazily",
-    "flashinfer-python": "FlashInfer attention/MoE kernels; SM90 runs FLASH_ATTN (FA3) or TRITON_ATTN and Triton "
-    "fused MoE; every vLLM import of flashinfer is guarded (has_flashinfer())",
-    "apache-tvm-ffi": "pinned ==0.1.10 for flashinfer, which is not carried; xgrammar's own requirement "
-    "(>=0.1.11) decides the version instead",
-    "tilelang": "TileLang kernels (DeepSeek sparse attention); lazy",
-    "nvidia-cudnn-frontend": "cuDNN frontend for FlashInfer/ViT paths; lazy",
-    "nvtx": "only with VLLM_NVTX / profiling; imported inside a function",
-    "fastsafetensors": "only with --load-format fastsafetensors",
-    "nvidia-cutlass-dsl": "CuTe DSL kernels (FA4, SM100 paths, the optional bf16 router GEMM); every use checks "
-    "`import cutlass` and falls back",
-    "quack-kernels": "CuTe DSL helpers for the same optional kernels",
-    "tokenspeed-mla": "MLA kernels (DeepSeek-style models)",
-    "humming-kernels": "quantized MoE kernels (humming); lazy",
-}
-
-# Requirements vLLM declares that a text-only, bf16, OpenAI-server boot does not import (checked by importing the
-# boot modules with these packages absent; see docs/gpu-lane.md). Left out to keep the payload and the risk small.
-LEFT_OUT = {
-    "mistral-common": "Mistral tokenizers/models only; its wheels need numpy<2.4 on Python 3.12, the device has "
-    "numpy 2.5.2, so it cannot be installed consistently anyway",
-    "anthropic": "the Anthropic /v1/messages endpoint imports it on demand; not imported at boot",
-    "mcp": "MCP tool server for the Responses API; lazy (brings pyjwt[crypto], cryptography, jsonschema)",
-    "opentelemetry-sdk": "tracing (--otlp-traces-endpoint); vllm/tracing/otel.py guards the import",
-    "opentelemetry-api": "tracing; guarded",
-    "opentelemetry-exporter-otlp": "tracing; guarded",
-    "opentelemetry-semantic-conventions-ai": "tracing; guarded",
-    "lm-format-enforcer": "structured-output backend 'lm-format-enforcer'; only imported when a request selects it",
-    "outlines-core": "structured-output backend 'outlines'; only imported when a request selects it",
-    "lark": "used by the outlines/lm-format-enforcer backends only",
-    "jsonschema": "not imported by vLLM 0.26 itself (grep finds no import)",
-    "python-json-logger": "only with a JSON logging config (VLLM_LOGGING_CONFIG_PATH)",
-    "ijson": "Mistral tool parser only",
-    # What fastapi[standard] adds beyond the ROOTS: the `fastapi` command-line tools and uvicorn's optional extras
-    # (uvicorn falls back to h11 and the stdlib event loop policy; the device has uvloop and h11).
-    "fastapi-cli": "the `fastapi` command; vLLM starts uvicorn itself",
-    "fastapi-cloud-cli": "the `fastapi cloud` command (brings sentry-sdk, rignore, fastar, ...)",
-    "rich-toolkit": "fastapi-cli only",
-    "httptools": "optional uvicorn HTTP parser; uvicorn uses h11 (on the device) without it",
-    "websockets": "optional uvicorn websocket support; only vLLM's realtime speech endpoint uses websockets",
-    "python-dotenv": "uvicorn --env-file only",
-    "pydantic-settings": "fastapi-cli / cloud-cli only",
-    "sentry-sdk": "fastapi-cloud-cli only",
-    "rignore": "fastapi-cloud-cli only",
-    "fastar": "fastapi-cloud-cli only",
-    "agent-detector": "fastapi-cloud-cli only",
-    "detect-installer": "fastapi-cloud-cli only",
-}
-
-# The packages a boot imports (module level, or lazily on the boot path), found by importing vLLM's server,
-# engine-core, worker, model-runner, Qwen3-MoE, fused-MoE and attention modules with CUDA forced, then parsing the
-# `serve` arguments and building the FastAPI app. Their own requirements (minus the device's) are carried too.
-ROOTS = [
-    "fastapi",  # the server (fastapi[standard] extras are not needed: uvicorn etc. are listed here)
-    "starlette",
-    "uvicorn",
-    "python-multipart",  # fastapi form parsing, imported by vllm.entrypoints
-    "email-validator",  # pydantic networks, imported at boot
-    "pydantic",
-    "pydantic-extra-types",
-    "prometheus-fastapi-instrumentator",  # /metrics (build_app)
-    "openai",  # request/response types of the OpenAI server
-    "openai-harmony",  # imported at module level by the chat serving code
-    "msgspec",  # engine core <-> front end messages
-    "pyzmq",  # engine core <-> front end transport
-    "cbor2",  # prefix-cache block hashing
-    "cachetools",
-    "partial-json-parser",  # tool parsers, imported by the serving code
-    "pybase64",
-    "xgrammar",  # imported at module level (vllm/v1/structured_output/backend_xgrammar.py)
-    "llguidance",  # imported at module level by the structured-output package
-    "model-hosting-container-standards",  # imported by the api server (SageMaker routes)
-    "watchfiles",  # imported by vllm/entrypoints/serve/utils/ssl.py
-    "setproctitle",  # process titles (guarded, but tiny)
-    "blake3",  # multimodal hashing (lazy; tiny)
-    "depyf",  # torch.compile debug dumps and one error path (lazy; tiny)
-    "compressed-tensors",  # compressed-tensors checkpoints (lazy; tiny; lets fp8/int checkpoints load)
-]
-
-# Files removed from the vLLM wheel: (regex on the path inside the wheel, reason). Everything else is kept.
-SLIM_DROP = [
-    (r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$",
-     "FlashAttention-2 (SM80/SM89). On SM90 vLLM picks FA3 (fa_utils.get_flash_attn_version); FA2 would only "
-     "serve ALiBi models. FA3 is kept: vllm_flash_attn/__init__.py raises ImportError when neither is present, "
-     "and every model imports it through model_executor/layers/attention"),
-    (r"^vllm/vllm-rs$", "Rust front end binary; used only with VLLM_USE_RUST_FRONTEND=1"),
-    (r"^vllm/third_party/deep_gemm/",
-     "DeepGEMM (FP8 block-scaled GEMMs); without it has_deep_gemm() is False and FP8 falls back; bf16 never uses it"),
-    (r"^vllm/third_party/fmha_sm100/", "SM100-only sparse attention (MiniMax-M3); imported lazily"),
-    (r"^vllm/_flashmla_C\.abi3\.so$", "FlashMLA (MLA models); import guarded in v1/attention/ops/flashmla.py"),
-    (r"^vllm/_flashmla_extension_C\.abi3\.so$", "FlashMLA FP8 extension; import guarded"),
-    (r"^vllm/_qutlass_C\.abi3\.so$", "QuTLASS MXFP4/NVFP4 (Blackwell); import suppressed in platforms/cuda.py"),
-    (r"^vllm/_rust_tool_parser\.abi3\.so$", "Rust tool-call parsers; imported only when such a parser is chosen"),
-]
 
 # The device's `pip freeze` (python3 there: /opt/torch/.venv/bin/python3, Python 3.12.3). Resolution treats these
 # as installed and pins them, so nothing here is downloaded and every carried wheel agrees with them.
@@ -307,17 +207,37 @@ def _b64(digest: bytes) -> str:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def resolve(vllm_wheel: Path, cache: Path) -> dict[str, Path]:
-    """Resolve vLLM's requirements (minus NOT_REQUIRED and LEFT_OUT) against the device's freeze with pip's own
-    resolver; returns the downloaded wheels that the device does not already have, by canonical name."""
+def lane_pins(prof: LaneProfile, vllm_reqs: list) -> tuple[dict[str, str], dict[str, str]]:
+    """The device packages the resolver takes as installed (with the carried wheels' versions in place of the
+    device's: torch 2.14.0 for vLLM 0.34), and those it must not (``{name: why}``): the ones whose device version a
+    requirement of vLLM excludes (vLLM 0.34 asks for newer tokenizers, huggingface_hub, pillow, ...; the newer
+    release is then carried and shadows the device's)."""
     pins = device_freeze()
+    for req in prof.carried:  # the carried wheel stands where the device's own was (torch 2.14.0, not 2.11.0)
+        name, version = req.split("==")
+        pins[canon(name)] = version
+    skip = {canon(n) for n in prof.not_required} | {canon(n) for n in prof.left_out}
+    unpinned = {canon(n): why for n, why in prof.unpin.items()}
+    for req in vllm_reqs:
+        name = canon(req.name)
+        if name in pins and name not in skip and not req.specifier.contains(pins[name], prereleases=True):
+            unpinned[name] = f"vLLM asks {req.specifier}, the device has {pins[name]}"
+    return {n: v for n, v in pins.items() if n not in unpinned}, unpinned
+
+
+def resolve(vllm_wheel: Path, cache: Path, prof: LaneProfile) -> tuple[dict[str, Path], dict[str, str]]:
+    """Resolve vLLM's requirements (minus the profile's not-required and left-out ones) against the device's freeze
+    with pip's own resolver. Returns the downloaded wheels that the device does not already have, by canonical name,
+    and the device packages that had to be resolved anew (:func:`lane_pins`)."""
+    vllm_reqs = applicable(requires_dist(wheel_metadata(vllm_wheel)))
+    pins, unpinned = lane_pins(prof, vllm_reqs)
     stubs = cache / "device-stubs"
     if stubs.exists():
         shutil.rmtree(stubs)
     make_stub_wheels(pins, stubs)
-    skip = {canon(n) for n in NOT_REQUIRED} | {canon(n) for n in LEFT_OUT}
+    skip = {canon(n) for n in prof.not_required} | {canon(n) for n in prof.left_out}
     reqs = []
-    for req in applicable(requires_dist(wheel_metadata(vllm_wheel))):
+    for req in vllm_reqs:
         if canon(req.name) not in skip:
             reqs.append(str(req).split(";")[0].strip())  # markers already evaluated for the device
     resolved_dir = cache / "resolved"
@@ -338,16 +258,19 @@ def resolve(vllm_wheel: Path, cache: Path) -> dict[str, Path]:
         if name in out:
             raise SystemExit(f"pack: two versions of {name} resolved: {out[name].name}, {whl.name}")
         out[name] = whl
-    return out
+    return out, unpinned
 
 
-def closure(resolved: dict[str, Path]) -> tuple[dict[str, Path], list[str]]:
-    """ROOTS plus their requirements (markers for the device, no extras) that the device lacks. Returns the carried
-    wheels and a list of requirements that neither the device nor the payload satisfies (warnings)."""
-    pins = device_freeze()
+def closure(resolved: dict[str, Path], prof: LaneProfile, unpinned: dict[str, str]) -> tuple[dict[str, Path],
+                                                                                              list[str]]:
+    """The profile's roots, the device packages resolved anew, and their requirements (markers for the device, no
+    extras) that the device lacks. Returns the carried wheels and a list of requirements that neither the device nor
+    the payload satisfies (warnings)."""
+    pins, _ = lane_pins(prof, [])
+    pins = {n: v for n, v in pins.items() if n not in unpinned}
     carry: dict[str, Path] = {}
     problems: list[str] = []
-    todo = [canon(r) for r in ROOTS]
+    todo = [canon(r) for r in prof.roots] + [n for n in unpinned if n in resolved]
     while todo:
         name = todo.pop()
         if name in carry or name in pins:
@@ -374,11 +297,17 @@ def _record_line(name: str, data: bytes) -> list[str]:
     return [name, f"sha256={_b64(hashlib.sha256(data).digest())}", str(len(data))]
 
 
-def slim_vllm(src: Path, dest: Path) -> dict:
-    """Copy the vLLM wheel without SLIM_DROP's files, stored (uncompressed) so xz sees the raw bytes; RECORD is
-    rewritten to list exactly what is left."""
-    drops = [(re.compile(p), why) for p, why in SLIM_DROP]
+_SHARED_LIB = re.compile(r"\.so(\.\d+)*$")
+
+
+def slim_wheel(src: Path, dest: Path, drop: tuple[tuple[str, str], ...], arch: int | None = None) -> dict:
+    """Copy a wheel without the files ``drop`` names (regex, why), stored (uncompressed) so xz sees the raw bytes;
+    with ``arch``, every shared library keeps only that SM architecture's device code (``fatbin.py``: the other
+    generations' cubins are zeroed, so they compress to nothing). RECORD is rewritten to list exactly what is left,
+    with the new hashes."""
+    drops = [(re.compile(p), why) for p, why in drop]
     dropped: dict[str, dict] = {}
+    zeroed = {"libraries": 0, "bytes": 0}
     kept_bytes = 0
     total_bytes = 0
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", compression=zipfile.ZIP_STORED) as zout:
@@ -395,6 +324,17 @@ def slim_vllm(src: Path, dest: Path) -> dict:
                 entry["bytes"] += info.file_size
                 continue
             data = zin.read(info)
+            if arch is not None and _SHARED_LIB.search(info.filename):
+                buf = bytearray(data)
+                try:
+                    rep = fatbin.slim_buffer(buf, arch, info.filename)
+                except fatbin.FatbinError as exc:  # a format we do not know: carried as it is
+                    log(f"WARNING {src.name}:{info.filename}: {exc}; kept whole")
+                else:
+                    if rep.bytes_zeroed:
+                        zeroed["libraries"] += 1
+                        zeroed["bytes"] += rep.bytes_zeroed
+                        data = bytes(buf)
             zi = zipfile.ZipInfo(info.filename, date_time=(2020, 1, 1, 0, 0, 0))
             zi.external_attr = info.external_attr
             zi.compress_type = zipfile.ZIP_STORED
@@ -406,8 +346,27 @@ def slim_vllm(src: Path, dest: Path) -> dict:
         csv.writer(buf, lineterminator="\n").writerows(rows)
         zi = zipfile.ZipInfo(record_name, date_time=(2020, 1, 1, 0, 0, 0))
         zout.writestr(zi, buf.getvalue())
-    return {"wheel_bytes": src.stat().st_size, "unpacked_bytes": total_bytes, "slim_unpacked_bytes": kept_bytes,
-            "dropped": [{"reason": why, **v} for why, v in dropped.items()]}
+    return {"wheel": src.name, "wheel_bytes": src.stat().st_size, "unpacked_bytes": total_bytes,
+            "slim_unpacked_bytes": kept_bytes, "dropped": [{"reason": why, **v} for why, v in dropped.items()],
+            "fatbin_arch": arch, "fatbin_zeroed": zeroed}
+
+
+def download_carried(prof: LaneProfile, cache: Path) -> list[Path]:
+    """The wheels the profile carries whole (torch, triton, NCCL for vLLM 0.34), without their dependencies (the
+    device has them, or vLLM's resolution brings them), downloaded once into the cache."""
+    out = []
+    for req in prof.carried:
+        name, version = req.split("==")
+        folder = cache / "carried"
+        pattern = f"{re.sub(r'[-_.]+', '_', name)}-{version}-*.whl"
+        found = sorted(folder.glob(pattern)) if folder.exists() else []
+        if not found:
+            pip_download(["--no-deps", req], folder)
+            found = sorted(folder.glob(pattern))
+        if not found:
+            raise SystemExit(f"pack: {req} was not downloaded")
+        out.append(found[0])
+    return out
 
 
 def restore_wheel(src: Path, dest: Path) -> None:
@@ -499,6 +458,21 @@ PY
 mkdir -p "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
   --upgrade --target "$SITE" "$SRC"/payload/wheels/*.whl
+# A carried torch finds its CUDA libraries through its RPATH, $ORIGIN/../../nvidia/<lib>/lib, i.e. under $SITE:
+# link the device's own (cuBLAS, cuDNN, cuSPARSELt, NVSHMEM, the CUDA runtime) beside the carried NCCL there.
+python3 - "$SITE" "$MANIFEST" <<'PY'
+import json, os, sys, sysconfig
+site, manifest = sys.argv[1:3]
+if not any(w.startswith("torch-") for w in json.load(open(manifest)).get("carried", [])):
+    sys.exit(0)
+device_nvidia = os.path.join(sysconfig.get_paths()["purelib"], "nvidia")
+os.makedirs(os.path.join(site, "nvidia"), exist_ok=True)
+for name in sorted(os.listdir(device_nvidia)):
+    dest = os.path.join(site, "nvidia", name)
+    if not os.path.exists(dest):
+        os.symlink(os.path.join(device_nvidia, name), dest)
+        print(f"gpu_lane: {dest} -> the device's {name}")
+PY
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 echo "gpu_lane: installed into $SITE in $(( $(date +%s) - t0 )) s"
 python3 -c "import vllm, sys; print(vllm.__version__)"
@@ -524,8 +498,9 @@ from vllm.platforms import current_platform
 print("platform", type(current_platform).__name__, "capability", current_platform.get_device_capability())
 from vllm.vllm_flash_attn.flash_attn_interface import FA2_AVAILABLE, FA3_AVAILABLE, is_fa_version_supported
 print("FA2", FA2_AVAILABLE, "FA3", FA3_AVAILABLE, "FA3 supported", is_fa_version_supported(3))
-for mod in ["vllm.entrypoints.openai.api_server", "vllm.v1.worker.gpu_worker", "vllm.model_executor.models.qwen3_moe",
-            "vllm.model_executor.layers.fused_moe.experts.triton_moe", "vllm.v1.attention.backends.triton_attn"]:
+import triton
+print("triton", triton.__version__, "nccl", torch.cuda.nccl.version())
+for mod in __BOOT_IMPORTS__:
     importlib.import_module(mod)
 print("gpu_lane: imports ok")
 # Two facts the hook depends on, checked on the real kernels (cheap; failures are reported, not fatal):
@@ -596,12 +571,16 @@ def travel_bytes(repo: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm", default=DEFAULT_VLLM,
+                    help="vLLM release to pack (a profile in scripts/gpu_lane/lane_profiles.py): 0.26.0 or 0.34.0")
     ap.add_argument("--out", default=".gpu_lane", help="output folder, relative to the repository root")
     ap.add_argument("--cache", default=os.environ.get("GPU_LANE_CACHE", "/tmp/pinsidecar-gpu-lane-cache"),
                     help="download cache (kept between runs)")
     ap.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_MIB)
     ap.add_argument("--xz-preset", default="9e")
     args = ap.parse_args(argv)
+    prof = profile(args.vllm)
+    version = prof.vllm
 
     repo = Path(__file__).resolve().parents[2]
     out = (repo / args.out).resolve()
@@ -611,15 +590,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
 
     vdir = cache / "vllm"
-    vllm_wheels = sorted(vdir.glob(f"vllm-{VLLM_VERSION}-*.whl")) if vdir.exists() else []
+    vllm_wheels = sorted(vdir.glob(f"vllm-{version}-*.whl")) if vdir.exists() else []
     if not vllm_wheels:
-        pip_download(["--no-deps", f"vllm=={VLLM_VERSION}"], vdir)
-        vllm_wheels = sorted(vdir.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        pip_download(["--no-deps", f"vllm=={version}"], vdir)
+        vllm_wheels = sorted(vdir.glob(f"vllm-{version}-*.whl"))
     vllm_wheel = vllm_wheels[0]
+    carried_wheels = download_carried(prof, cache)
 
-    resolved = resolve(vllm_wheel, cache)
-    carry, problems = closure(resolved)
-    not_carried = {n: next((why for k, why in LEFT_OUT.items() if canon(k) == n), None)
+    resolved, unpinned = resolve(vllm_wheel, cache, prof)
+    for n, why in sorted(unpinned.items()):
+        log(f"not the device's {n}: {why}")
+    carry, problems = closure(resolved, prof, unpinned)
+    not_carried = {n: next((why for k, why in prof.left_out.items() if canon(k) == n), None)
                    for n in resolved if n not in carry}
     for n, why in sorted(not_carried.items()):
         log(f"left out {resolved[n].name}: {why or 'only reached through a left-out or optional requirement'}")
@@ -632,8 +614,14 @@ def main(argv: list[str] | None = None) -> int:
     (work / "wheels").mkdir(parents=True)
     slim_path = work / "wheels" / vllm_wheel.name
     log("slimming the vLLM wheel")
-    slim = slim_vllm(vllm_wheel, slim_path)
+    slim = slim_wheel(vllm_wheel, slim_path, prof.slim_drop, prof.fatbin_arch)
     wheels = [slim_path]
+    carried_rows = []
+    for src in carried_wheels:
+        log(f"slimming {src.name}")
+        dest = work / "wheels" / src.name
+        carried_rows.append(slim_wheel(src, dest, prof.carried_drop, prof.fatbin_arch))
+        wheels.append(dest)
     dep_rows = []
     for name in sorted(carry):
         src = carry[name]
@@ -641,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         restore_wheel(src, dest)
         wheels.append(dest)
         dep_rows.append({"name": name, "wheel": src.name, "bytes": src.stat().st_size})
-    payload_json = {"vllm": VLLM_VERSION, "wheels": [w.name for w in wheels]}
+    payload_json = {"vllm": version, "wheels": [w.name for w in wheels],
+                    "carried": [w.name for w in carried_wheels]}
     tar_path = work / "payload.tar"
     build_tar(wheels, payload_json, tar_path)
     xz_path = work / "payload.tar.xz"
@@ -679,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
             (folder / f"{name}.sha256").write_text(f"{digest}  {name}\n")
             chunks.append({"name": name, "folder": f"c{i:02d}", "bytes": len(data), "sha256": digest})
             i += 1
-    manifest = {"vllm": VLLM_VERSION, "created_by": "scripts/gpu_lane/pack.py", "compression": method,
+    manifest = {"vllm": version, "carried": payload_json["carried"], "created_by": "scripts/gpu_lane/pack.py",
+                "compression": method,
                 "payload": {"bytes": xz_path.stat().st_size, "sha256": sha256_file(xz_path),
                             "tar_bytes": tar_path.stat().st_size},
                 "chunks": chunks, "wheels": payload_json["wheels"], "device_src": DEVICE_SRC,
@@ -688,14 +678,14 @@ def main(argv: list[str] | None = None) -> int:
     ctl.mkdir()
     (ctl / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     script = (DEVICE_INSTALL.replace("__SRC__", DEVICE_SRC).replace("__SITE__", DEVICE_SITE)
-              .replace("__OUTNAME__", outname))
+              .replace("__OUTNAME__", outname).replace("__BOOT_IMPORTS__", repr(list(prof.boot_imports))))
     (ctl / "device_install.sh").write_text(script)
     (ctl / "device_install.sh").chmod(0o755)
 
     calls = device_calls(len(chunks), outname)
     (out / "device-calls.json").write_text(json.dumps(calls, indent=1) + "\n")
     ctl_bytes = sum(p.stat().st_size for p in ctl.iterdir())
-    lines = [f"# Device calls for vLLM {VLLM_VERSION} ({len(chunks)} calls). Send them back to back: the machine",
+    lines = [f"# Device calls for vLLM {version} ({len(chunks)} calls). Send them back to back: the machine",
              "# stays warm ~30 s after each call and /tmp is lost when it goes cold (then start again at call 1).",
              "# Each call carries one chunk folder; the last one also carries ctl/ and installs into "
              f"{DEVICE_SITE}.",
@@ -712,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         "dependency_wheels": dep_rows,
         "dependency_wheel_bytes": sum(r["bytes"] for r in dep_rows),
         "left_out": {n: (resolved[n].name, why) for n, why in sorted(not_carried.items())},
-        "left_out_requirements": LEFT_OUT, "not_required": NOT_REQUIRED, "problems": problems,
+        "carried": carried_rows, "not_the_device_s": unpinned,
+        "left_out_requirements": prof.left_out, "not_required": prof.not_required, "problems": problems,
         "tar_bytes": tar_path.stat().st_size,
         "payload_bytes": xz_path.stat().st_size, "compression": method, "chunks": chunks,
         "working_tree_bytes": tree, "seconds": round(time.time() - t0, 1),
