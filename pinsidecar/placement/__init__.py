@@ -91,6 +91,7 @@ __all__ = [
     "load_build_trace",
     "load_counts_files",
     "positional_for",
+    "rebuild_map",
     "resolve_expert_bytes",
     "resolve_hbm_rows",
     "save_map",
