@@ -3,6 +3,7 @@
 - :mod:`~pinsidecar.daemon.config` — the TOML config, validated completely on load;
 - :mod:`~pinsidecar.daemon.service` — the daemon itself (start order, drain-reboot, stop);
 - :mod:`~pinsidecar.daemon.supervisor` — boot, readiness, restarts with backoff, the crash loop;
+- :mod:`~pinsidecar.daemon.engine_state` — the engine's states and the transitions allowed between them, as data;
 - :mod:`~pinsidecar.daemon.liveness` — the engine's exit watch and health probe;
 - :mod:`~pinsidecar.daemon.boots` — boot records, and what a boot's engine log says (cache miss, pin refusal);
 - :mod:`~pinsidecar.daemon.peers` — the supervisor's observer and gate protocols;

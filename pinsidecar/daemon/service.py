@@ -48,9 +48,10 @@ from pinsidecar import __version__
 from pinsidecar.daemon.config import Config
 from pinsidecar.daemon.control import ControlError, ControlServer, read_token
 from pinsidecar.daemon.drain import DrainReboot
+from pinsidecar.daemon.engine_state import EngineState
 from pinsidecar.daemon.map_library import MapLibrary, MapNotFound
 from pinsidecar.daemon.sdnotify import Notifier
-from pinsidecar.daemon.supervisor import EngineState, Supervisor
+from pinsidecar.daemon.supervisor import Supervisor
 from pinsidecar.drift import NO_SKEW, DriftWatch, WindowRecord
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 from pinsidecar.engine.ports import check_ports_free
