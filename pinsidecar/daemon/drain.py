@@ -2,7 +2,7 @@
 
 Two callers, one implementation, so that what an operator's ``pinsidecar drain-reboot`` was tested to do is what
 every remap's reboot does: the control API (:meth:`~pinsidecar.daemon.service.Daemon.drain_reboot`) and the remap
-pipeline's reboot deploy (:meth:`~pinsidecar.daemon.service.Daemon.reboot_with`). :meth:`DrainReboot.run`:
+pipeline's reboot deploy (:meth:`~pinsidecar.daemon.remap_host.DaemonRemapHost.reboot_with`). :meth:`DrainReboot.run`:
 
 1. refuses a second one while one runs (``busy``); a map given is validated first;
 2. takes the supervisor's lock (no restart of its own in between), puts the engine in ``draining``
