@@ -84,6 +84,7 @@ __all__ = [
     "check_cache_policy",
     "check_compatible",
     "check_trace_geometry",
+    "choose_cache_slots",
     "counts_summary",
     "diff_maps",
     "evaluate",
