@@ -65,8 +65,8 @@ from pinsidecar_hook.contract.io import atomic_write_json
 from pinsidecar_hook.contract.requests import APPLY_ORDERINGS
 
 from bench.gpu_lane import spread
+from bench.scenario.remap_lane import domain_prompts
 from pinsidecar.remap.apply import request_apply
-from pinsidecar.testing.remap_lane import domain_prompts
 from pinsidecar.testing.streaming import ClientStats, LoadResult, load_during
 
 __all__ = ["complement_map", "gap_figures", "main", "run_pair"]

@@ -10,7 +10,7 @@ table):
 - ``static``: the N experts a training trace of the profile selects most, no slots (the map without a cache);
 - ``lru_only``: 1 hot row and N-1 LRU slots (a map keeps at least one hot row); every other expert in host memory;
 - ``hybrid``: H hot rows and K LRU slots, K chosen on the training trace by what ``pinsidecar map build
-  --cache-slots auto --trace`` runs (:func:`pinsidecar.cli.maps._choose_cache_slots`, i.e.
+  --cache-slots auto --trace`` runs (:func:`pinsidecar.placement.choose_cache_slots`, i.e.
   :func:`pinsidecar.placement.auto_split`). Where it chooses K = 0 the layout is the static one: an A/A control of
   the timing's drift.
 
@@ -130,7 +130,7 @@ def prepare_profile(name: str, geo: dict[str, int], host_fraction: float, tokens
     """A profile's training and held-out traces (the sequence table's seeds, all ``model_layers``), and the
     split map build would choose on the training trace: the hot set ranked by its counts, K by
     ``--cache-slots auto`` (batch 1, at least one hot row). CPU only, no torch: runs in a worker process."""
-    from pinsidecar.cli.maps import _choose_cache_slots  # what `map build --cache-slots auto --trace` runs
+    from pinsidecar.placement import choose_cache_slots  # what `map build --cache-slots auto --trace` runs
 
     t0 = time.monotonic()
     layers, experts, top_k = geo["model_layers"], geo["experts"], geo["top_k"]
@@ -142,7 +142,7 @@ def prepare_profile(name: str, geo: dict[str, int], host_fraction: float, tokens
     n = hbm_rows_for(experts, host_fraction)
     counts = CountsArtifact(layer_ids=list(range(layers)), num_experts=experts, top_k=top_k,
                             counts=train.counts(), tokens=tokens, workload=f"{name}-train")
-    k, choice = _choose_cache_slots("auto", "lru", n, counts, train, f"{name}.train.npz")
+    k, choice = choose_cache_slots("auto", "lru", n, counts, train, f"{name}.train.npz")
     return {"name": name, "train_ids": train_ids, "test_ids": test_ids, "train_counts": train.counts(),
             "hbm_rows": n, "hybrid_slots": k, "cache_choice": choice,
             "reuse_heldout": routing_sequences.reuse_stats(test_ids), "seconds": round(time.monotonic() - t0, 1)}

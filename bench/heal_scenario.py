@@ -1,7 +1,7 @@
 """The heal scenario under load: a real ``pinsidecar run`` daemon through a traffic shift, its automatic in-place
 remap, an operator's drain-reboot onto another geometry and a SIGKILLed engine, with N streaming clients all along.
 
-The scenario is :class:`~pinsidecar.testing.scenario.HealScenario` (the stages, the per-second sampler, the
+The scenario is :class:`~bench.scenario.heal.HealScenario` (the stages, the per-second sampler, the
 figures); this is its command line. Two forms:
 
 - ``--short``: the CPU/CI form (short stages, small drift windows) on vLLM CPU and the demo model (built when
@@ -37,11 +37,14 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a file: the repository root, so that siblings import as bench.<name>
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from pinsidecar_hook.contract import APPLY_ORDERINGS, atomic_write_json
 
-from pinsidecar.testing.remap_lane import HOT_ROWS, OTHER_HOT_ROWS, lane_maps, load_lane_maps
-from pinsidecar.testing.scenario import FULL, SHORT, HealScenario
-from pinsidecar.testing.scenario_plot import draw_timeline
+from bench.scenario.heal import FULL, SHORT, HealScenario
+from bench.scenario.plot import draw_timeline
+from bench.scenario.remap_lane import HOT_ROWS, OTHER_HOT_ROWS, lane_maps, load_lane_maps
 
 __all__ = ["main"]
 

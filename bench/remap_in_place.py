@@ -1,6 +1,6 @@
 """Remap in place against drain-reboot: what 8 streaming clients see during each, on one daemon, in one run.
 
-The CPU demo lane (:class:`~pinsidecar.testing.remap_lane.RemapLane`: a real ``pinsidecar run`` daemon, the vLLM
+The CPU demo lane (:class:`~bench.scenario.remap_lane.RemapLane`: a real ``pinsidecar run`` daemon, the vLLM
 CPU engine on the demo model, maps of the demo's code and prose traffic built from its routing). Each round, with
 ``--clients`` clients streaming prose through the gate:
 
@@ -33,7 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pinsidecar.testing.remap_lane import RemapLane, domain_prompts, lane_maps
+if __package__ in (None, ""):  # run as a file: the repository root, so that siblings import as bench.<name>
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.scenario.remap_lane import RemapLane, domain_prompts, lane_maps
 
 __all__ = ["main"]
 

@@ -28,9 +28,10 @@ import numpy as np
 import pytest
 from pinsidecar_hook.contract import CountsArtifact, ExpertMap, ModelInfo, cold_selection_ratio
 
-from pinsidecar.drift import NO_SKEW, replay
+from pinsidecar.drift import NO_SKEW
 from pinsidecar.drift.config import DriftConfig
 from pinsidecar.placement import build_usage_map
+from pinsidecar.remap.replay import replay
 from pinsidecar.testing.artifacts import make_counts, make_map
 
 DATA = Path(__file__).parent / "data" / "drift" / "demo_routing.json"

@@ -102,7 +102,7 @@ class Lane:
         if tokens:
             self.hook.add(CODE, tokens)
         self.now += TICK_S
-        return await self.daemon.watch_tick(self.now)
+        return await self.daemon.drift.tick(self.now)
 
     @property
     def drift(self) -> dict[str, Any]:

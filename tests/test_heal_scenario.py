@@ -1,6 +1,6 @@
 """The heal scenario's short form on vLLM CPU: a real ``pinsidecar run`` daemon, 2 streaming clients all along,
 through a shift from code to prose, the automatic remap it trips (in place), an operator's drain-reboot onto a map
-of another geometry, and the engine SIGKILLed under load (:mod:`pinsidecar.testing.scenario`; the figures and the
+of another geometry, and the engine SIGKILLed under load (:mod:`bench.scenario.heal`; the figures and the
 GPU form: ``bench/heal_scenario.py``).
 
 One run, then what must hold of it: the stages ran in order; the remap was the drift watch's own, applied in
@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from pinsidecar.testing.remap_lane import OTHER_HOT_ROWS, lane_maps
-from pinsidecar.testing.scenario import SHORT, STAGES, HealScenario
-from pinsidecar.testing.scenario_plot import draw_timeline
+from bench.scenario.heal import SHORT, STAGES, HealScenario
+from bench.scenario.plot import draw_timeline
+from bench.scenario.remap_lane import OTHER_HOT_ROWS, lane_maps
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,8 +1,14 @@
-"""The rooms import downwards only: no import cycle between modules, nor between the daemon's packages.
+"""The rooms import downwards only: no import cycle between modules, nor between the daemon's packages, and none
+of the arrows the rooms' order forbids.
 
 A cycle is how two rooms start to share one idea without anyone noticing (the hook's old ``patches`` <-> ``count``
-/ ``pin`` cycle was one). This reads every module's top-level imports (imports inside functions are deliberate lazy
-imports and are not counted) and fails naming the cycle. The hook's finer rules (every vLLM import in
+/ ``pin`` cycle was one). The cycle checks read every module's top-level imports (imports inside functions are
+deliberate lazy imports and are not counted) and fail naming the cycle. A cycle check alone lets a new arrow point
+upwards until something points back, so the order itself is written down too (:data:`FORBIDDEN`, checked against
+every import statement, lazy ones included): placement below everything that builds or judges maps, the drift
+watch below the remap that decides on it, the daemon's roles wired by ``service`` and never reaching back into it
+or sideways into each other, and nothing that ships importing the test helpers or the benchmarks. The remap ->
+daemon rule has its own test (``test_remap_layering.py``); the hook's finer rules (every vLLM import in
 ``vllm_seam``, modules importable without vLLM) are in ``test_hook_rooms.py``.
 """
 
@@ -26,18 +32,21 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(*, every: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules it imports: top-level imports of the package's own modules, or (``every``) every
+    import statement anywhere in the file, of anything (``bench``, third-party names included)."""
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
-        for node in ast.parse(path.read_text()).body:  # top level only
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if every else tree.body:
             if isinstance(node, ast.ImportFrom) and node.module:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
                 continue
-            graph[name].update(t for t in targets if t in modules and t != name)
+            graph[name].update(t for t in targets if (every or t in modules) and t != name)
     return graph
 
 
@@ -64,6 +73,37 @@ def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+_DAEMON_ROLES = ("pinsidecar.daemon.drift_loop", "pinsidecar.daemon.remap_host", "pinsidecar.daemon.status_view")
+# importer (a room or a module, with everything under it) -> what it must never import (idem).
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    # pure functions over artifacts: the CLI, the drift watch, the remap and the daemon build and judge maps with it
+    "pinsidecar.placement": ("pinsidecar.drift", "pinsidecar.remap", "pinsidecar.daemon", "pinsidecar.cli"),
+    # the watch says that traffic moved; whether a candidate deploys is the remap's (which may import the watch)
+    "pinsidecar.drift": ("pinsidecar.remap", "pinsidecar.daemon", "pinsidecar.cli"),
+    "pinsidecar.remap": ("pinsidecar.cli",),
+    # the daemon's parts: service wires them; none reaches back into the wiring or sideways into another role
+    "pinsidecar.daemon.supervisor": ("pinsidecar.daemon.service", "pinsidecar.daemon.drain", *_DAEMON_ROLES),
+    "pinsidecar.daemon.drain": ("pinsidecar.daemon.service", *_DAEMON_ROLES),
+    "pinsidecar.daemon.drift_loop": ("pinsidecar.daemon.service", "pinsidecar.daemon.remap_host",
+                                     "pinsidecar.daemon.status_view"),
+    "pinsidecar.daemon.remap_host": ("pinsidecar.daemon.service", "pinsidecar.daemon.status_view"),
+    "pinsidecar.daemon.status_view": ("pinsidecar.daemon.service", "pinsidecar.daemon.remap_host"),
+    # what ships never needs the benchmarks (not in the wheel) nor the scenario harness they keep
+    "pinsidecar": ("bench",),
+    "pinsidecar_hook": ("bench",),
+}
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  for importer, banned in FORBIDDEN.items() if _under(m, importer)
+                  for b in banned if _under(t, b))
+
+
 def _room(module: str) -> str:
     """``pinsidecar.remap.pipeline`` -> ``pinsidecar.remap``; top-level modules are rooms of their own."""
     return ".".join(module.split(".")[:2])
@@ -80,6 +120,22 @@ def test_no_import_cycle_between_rooms() -> None:
         rooms[_room(module)].update(_room(t) for t in targets if _room(t) != _room(module))
     cycle = _a_cycle(rooms)
     assert cycle is None, "import cycle between rooms: " + " -> ".join(cycle or [])
+
+
+def test_no_import_the_rooms_order_forbids() -> None:
+    bad = _forbidden_arrows(_import_graph(every=True))
+    assert not bad, "imports against the rooms' order (tests/test_layering.py FORBIDDEN):\n  " + "\n  ".join(bad)
+
+
+def test_the_order_check_sees_a_forbidden_arrow() -> None:
+    """The detector itself: an arrow upwards (also from a module deep in the room) is caught, one downwards and a
+    look-alike name are not."""
+    assert _forbidden_arrows({"pinsidecar.placement.builder": {"pinsidecar.remap.decision"},
+                              "pinsidecar.remap.pipeline": {"pinsidecar.placement"},
+                              "pinsidecar.daemon.drift_loop": {"pinsidecar.daemon.service_ish"},
+                              "pinsidecar.daemon.status_view": {"pinsidecar.daemon.service"}}) == [
+        "pinsidecar.daemon.status_view -> pinsidecar.daemon.service",
+        "pinsidecar.placement.builder -> pinsidecar.remap.decision"]
 
 
 def test_the_check_sees_a_cycle() -> None:

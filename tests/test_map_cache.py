@@ -14,11 +14,12 @@ import pytest
 from pinsidecar_hook.contract import CountsArtifact, RoutingTrace, load_map, save_trace
 
 from pinsidecar import placement
-from pinsidecar.drift import build_candidate, decide
 from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.signals import compute_signals, map_cold_rate_on
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement.cache_model import che_hit_probabilities, miss_rates
+from pinsidecar.remap.candidates import build_candidate
+from pinsidecar.remap.decision import decide
 from pinsidecar.testing.cli import assert_user_error, run, run_json
 
 LAYERS, EXPERTS, TOP_K = 3, 32, 4

@@ -261,15 +261,13 @@ def test_status_line_shows_slots_policy_and_hit_rate() -> None:
 
 
 def test_the_daemons_status_reports_the_cache_from_the_engines_stats_file(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
-    from pinsidecar.daemon.service import Daemon
+    from pinsidecar.daemon.status_view import pin_status
 
     stats = tmp_path / "stats.json"
-    daemon = SimpleNamespace(stats_path=stats, cfg=SimpleNamespace(engine=SimpleNamespace(hook_mode="pin")))
     cached(slots=16, policy="lru").save(stats)
-    c = Daemon._pin_status(daemon)["cache"]  # type: ignore[arg-type]
+    c = pin_status(stats, "pin")["cache"]  # type: ignore[index]
     assert (c["slots"], c["policy"], c["hits"], c["misses"], c["fills"], c["evictions"]) == (16, "lru", 80, 12, 12, 5)
     assert c["hit_ratio"] == pytest.approx(80 / 92)
     make_stats().save(stats)
-    assert Daemon._pin_status(daemon)["cache"] is None  # type: ignore[arg-type]
+    assert pin_status(stats, "pin")["cache"] is None  # type: ignore[index]
+    assert pin_status(stats, "count") is None  # the split is pin mode's

@@ -8,7 +8,9 @@ listed both in a module and in its package ``__init__``, so the face cannot grow
 what ``from x import *``, the docs and a reader take as the contract; keeping it true keeps refactors cheap.
 
 The hook (``pinsidecar_hook``) is left as it is: it changes only where it must (its rooms have their own test,
-``test_hook_rooms.py``), and its imports still count as uses of the daemon's names.
+``test_hook_rooms.py``), and its imports still count as uses of the daemon's names. So do the benchmarks'
+(``bench/``, not part of the distribution, with no ``__all__`` of the daemon's): they import what they measure,
+and the scenario harness they share with their tests, by its public names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"pinsidecar": ROOT / "pinsidecar", "pinsidecar_hook": ROOT / "hook" / "pinsidecar_hook"}
+CONSUMERS = {"bench": ROOT / "bench"}  # their imports are uses; their own names are not the daemon's face
 # Used by name, not by an import: the console script, vLLM's plugin entry point, pytest's fixture plugin.
 USED_BY_NAME = {("pinsidecar.cli", "main"), ("pinsidecar", "__version__")}
 PLUGIN_MODULES = {"pinsidecar.testing.fixtures"}  # pytest finds its fixtures by name; tests/test_engine.py reads it
@@ -26,8 +29,8 @@ PLUGIN_MODULES = {"pinsidecar.testing.fixtures"}  # pytest finds its fixtures by
 MOST_PUBLIC_NAMES = 200
 
 
-def _modules() -> Iterator[tuple[str, Path]]:
-    for top, base in SOURCES.items():
+def _modules(sources: dict[str, Path] = SOURCES) -> Iterator[tuple[str, Path]]:
+    for top, base in sources.items():
         for path in sorted(base.rglob("*.py")):
             parts = [top, *path.relative_to(base).with_suffix("").parts]
             if parts[-1] == "__init__":
@@ -56,7 +59,7 @@ def _exports() -> dict[str, list[str]]:
 def _uses() -> set[tuple[str, str, str]]:
     """(importing room, module imported from, name) for every import and ``alias.attr`` in the library."""
     uses: set[tuple[str, str, str]] = set()
-    for module, path in _modules():
+    for module, path in [*_modules(), *_modules(CONSUMERS)]:
         tree = ast.parse(path.read_text())
         room = _room(module)
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]

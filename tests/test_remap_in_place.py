@@ -1,6 +1,6 @@
 """Remap in place on the real vLLM CPU engine, through a real ``pinsidecar run`` daemon on the demo lane.
 
-One daemon serves the module (:class:`~pinsidecar.testing.remap_lane.RemapLane`; maps of the demo's code and prose
+One daemon serves the module (:class:`~bench.scenario.remap_lane.RemapLane`; maps of the demo's code and prose
 traffic at 48 hot rows and, another geometry, 56), so the engine boots three times in all: the start, the reboot
 the geometry change needs, and the supervisor's restart after the engine is killed mid-apply. The engine runs
 with live hook faults (:func:`~pinsidecar.testing.hook_faults.live_engine_env`), none until step 3 sets a stall,
@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 
+from bench.scenario.remap_lane import LaneMap, RemapLane, domain_prompts, lane_maps
 from pinsidecar.testing import hook_faults
-from pinsidecar.testing.remap_lane import LaneMap, RemapLane, domain_prompts, lane_maps
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -907,12 +907,12 @@ def test_the_apply_request_names_the_map_as_the_engine_sees_it(tmp_path: Path, l
     daemon = Daemon(load_config(tmp_path / "pinsidecar.toml"), launcher_factory=InstantEngine)
     cand = tmp_path / "state" / "maps" / "prose.json"
     want = "/var/lib/pinsidecar/maps/prose.json" if launcher == "container" else str(cand)
-    assert daemon.engine_map_path(cand) == want
+    assert daemon.remaps.host.engine_map_path(cand) == want
     if launcher == "container":  # a map the container cannot see is an error the pipeline turns into a fallback
         from pinsidecar.engine.launcher import EngineSetupError
 
         with pytest.raises(EngineSetupError, match="outside the state folder"):
-            daemon.engine_map_path(tmp_path / "elsewhere.json")
+            daemon.remaps.host.engine_map_path(tmp_path / "elsewhere.json")
 
 
 # ---------------------------------------------------------------------------------------------------- commit
@@ -987,16 +987,22 @@ def test_a_commit_that_cannot_write_active_map_ends_commit_failed_and_the_old_ma
     asyncio.run(scenario())
 
 
-def test_the_daemon_is_the_pipelines_host_and_the_host_stays_narrow(tmp_path: Path) -> None:
-    """Everything :class:`RemapHost` names, the daemon has; and the protocol stays what the pipeline needs (it was
-    20 members with the daemon's whole config, the drain flag, the map resolver and three metric callbacks)."""
+def test_the_daemons_remap_host_is_the_pipelines_host_and_the_host_stays_narrow(tmp_path: Path) -> None:
+    """Everything :class:`RemapHost` names, the daemon's host (:mod:`pinsidecar.daemon.remap_host`) has; and the
+    protocol stays what the pipeline needs (it was 20 members with the daemon's whole config, the drain flag, the
+    map resolver and three metric callbacks)."""
+    from pinsidecar.daemon.remap_host import DaemonRemapHost
     from pinsidecar.remap.host import RemapHost, RemapSettings
 
     daemon = Daemon(load_config(write_config(tmp_path, code_map(tmp_path))), launcher_factory=InstantEngine)
+    host = daemon.remaps.host
+    assert isinstance(host, DaemonRemapHost)
     members = [n for n in vars(RemapHost) if not n.startswith("_")]
     assert len(members) <= 15, members
-    assert [n for n in members if not hasattr(daemon, n)] == []
-    assert all(hasattr(daemon.cfg, n) for n in vars(RemapSettings) if not n.startswith("_"))
+    assert [n for n in members if not hasattr(host, n)] == []
+    assert all(hasattr(host.cfg, n) for n in vars(RemapSettings) if not n.startswith("_"))
+    daemon.cfg = _with_remap(daemon.cfg, verify_tokens=7)  # read at every use: a swapped config is seen
+    assert host.cfg.remap.verify_tokens == 7
 
 
 # ---------------------------------------------------------------------------------------------------- recovery

@@ -16,9 +16,9 @@ from pinsidecar.remap.record import (
     STATES,
     TERMINAL_STATES,
     TRANSITIONS,
-    IllegalTransition,
     RemapRecord,
 )
+from pinsidecar.transitions import IllegalTransition
 
 ALL = STATES + TERMINAL_STATES
 

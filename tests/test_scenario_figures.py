@@ -12,8 +12,8 @@ import os
 import time
 from pathlib import Path
 
-from pinsidecar.testing.jit_cache import compiles_since, per_kernel
-from pinsidecar.testing.scenario_figures import apply_request_gaps, long_gaps
+from bench.scenario.figures import apply_request_gaps, long_gaps
+from bench.scenario.jit_cache import compiles_since, per_kernel
 from pinsidecar.testing.streaming import ClientStats, Gap
 
 WALL0 = 1_800_000_000.0

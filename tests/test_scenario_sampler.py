@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pinsidecar.testing.scenario_sampler import Sampler
+from bench.scenario.sampler import Sampler
 from pinsidecar.testing.streaming import ClientStats
 
 

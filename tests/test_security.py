@@ -264,7 +264,7 @@ def test_traversal_through_the_api_gets_400_and_does_nothing(tmp_path: Path, map
         assert r.status_code == 400, (ref, r.status_code, r.text)
         assert r.headers["Content-Type"].startswith("application/json") and r.json()["error"]
     assert "outside the maps folder" in answers[0].json()["error"]
-    assert daemon.last_drain_reboot is None
+    assert daemon.drains.last is None
 
 
 # ------------------------------------------------------------------------------------------------ capture store

@@ -40,12 +40,12 @@ import httpx
 import psutil
 import pytest
 
+from bench.scenario.remap_lane import HOT_ROWS, LaneMap, lane_maps
 from pinsidecar.daemon.service import ENGINE_PID_FILE
 from pinsidecar.demo.clients import GateClients
 from pinsidecar.demo.model import load_prompts
 from pinsidecar.demo.sidecar import MAX_HOLD_S, SERVED_MODEL_NAME
 from pinsidecar.testing.daemon import DaemonUnderTest
-from pinsidecar.testing.remap_lane import HOT_ROWS, LaneMap, lane_maps
 
 SOAK_ENV = "PINSIDECAR_SOAK_S"
 OUT_ENV = "PINSIDECAR_SOAK_OUT"

@@ -78,7 +78,8 @@ def register(main: click.Group) -> None:
     def replay_cmd(map_path: str, counts: tuple[str, ...], config_path: str | None,
                    source_counts: tuple[str, ...], window_seconds: float | None, as_json: bool) -> None:
         """Run COUNTS (one counts file per window, in order) through the drift detector and deploy decision."""
-        from pinsidecar.drift import load_drift_config, replay
+        from pinsidecar.drift import load_drift_config
+        from pinsidecar.remap.replay import replay
         from pinsidecar.schema import ConfigError
 
         try:

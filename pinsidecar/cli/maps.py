@@ -8,13 +8,12 @@ which the map format refuses on purpose (see :class:`pinsidecar.placement.Placem
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
-from pinsidecar_hook.contract import CACHE_POLICIES, CountsArtifact, RoutingTrace, load_counts, load_map, load_trace
+from pinsidecar_hook.contract import load_counts, load_map
 
 from pinsidecar import placement
 from pinsidecar.cli._common import UserError, emit, handle_errors, json_option, parse_cache_slots
@@ -78,153 +77,6 @@ def _write(fn: Any, path: Path) -> None:
                         ) from None
 
 
-def _expert_bytes(counts: Sequence[CountsArtifact], names: Sequence[str], given: int | None) -> int:
-    if given is not None:
-        if given <= 0:
-            raise UserError(f"--expert-bytes must be positive, got {given}")
-        return given
-    known = {(n, c.meta.get("expert_bytes")) for n, c in zip(names, counts, strict=True)
-             if c.meta.get("expert_bytes") is not None}
-    values = {v for _, v in known}
-    if len(values) > 1:
-        raise UserError(f"counts files disagree on expert_bytes: {sorted(known)}",
-                        "pass --expert-bytes X to say which is right")
-    if not values:
-        return 0
-    value = values.pop()
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"counts meta expert_bytes={value!r} is not a positive integer", "pass --expert-bytes X")
-    return value
-
-
-def _model_expert_bytes(model: str, dtype: str, quantization: str | None,
-                        total: CountsArtifact) -> placement.CheckpointExperts:
-    """The checkpoint's bytes per expert, after checking it is the counted model's twin (same experts and layers)."""
-    try:
-        info = placement.checkpoint_experts(model, dtype=dtype, quantization=quantization)
-    except placement.ExpertBytesError as exc:
-        raise UserError(str(exc)) from None
-    problems = []
-    if info.num_experts != total.num_experts:
-        problems.append(f"{info.num_experts} experts per layer in --model, {total.num_experts} in the counts")
-    if list(info.moe_layer_ids) != list(total.layer_ids):
-        problems.append(f"MoE layers {_ids_span(info.moe_layer_ids)} in --model, {_ids_span(total.layer_ids)} in "
-                        "the counts")
-    if info.top_k != total.top_k:
-        problems.append(f"top-{info.top_k} in --model, top-{total.top_k} in the counts")
-    if problems:
-        raise UserError(f"--model {model} is not a twin of the counted model: " + "; ".join(problems),
-                        "pass the checkpoint of the model the counts were counted on (or its quantized twin), "
-                        "or give the figure as --expert-bytes N")
-    return info
-
-
-def _ids_span(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    if ids and ids == list(range(ids[0], ids[0] + len(ids))):
-        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
-    return str(ids)
-
-
-def _resolve_expert_bytes(counts: Sequence[CountsArtifact], names: Sequence[str], total: CountsArtifact,
-                          given: int | None, model: str | None, dtype: str | None,
-                          quantization: str | None) -> tuple[int, dict[str, Any]]:
-    """Bytes per expert for the map, and where they come from: ``--expert-bytes``, else ``--model``, else the
-    counts' meta (the engine the counts were counted on)."""
-    if given is not None and model is not None:
-        raise UserError("--expert-bytes and --model both give the bytes per expert", "pass one of them")
-    if model is None and (dtype is not None or quantization is not None):
-        raise UserError("--dtype and --quantization describe the engine that will run --model",
-                        "add --model DIR, or drop them")
-    counted = _expert_bytes(counts, names, None)
-    source: dict[str, Any] = {"from": "counts" if counted else "unknown", "counts_expert_bytes": counted or None}
-    if given is not None:
-        source["from"] = "expert-bytes"
-        return _expert_bytes(counts, names, given), source
-    if model is not None:
-        info = _model_expert_bytes(model, dtype or "auto", quantization, total)
-        source.update({"from": "model", "model": info.as_dict()})
-        return info.expert_bytes, source
-    return counted, source
-
-
-def _resolve_hot_rows(hot_rows: int | None, hbm_bytes: int | None, expert_bytes: int, counts: CountsArtifact) -> int:
-    if (hot_rows is None) == (hbm_bytes is None):
-        raise UserError("give exactly one budget: --hot-rows N or --hbm-bytes B")
-    if hot_rows is not None:
-        placement.check_hot_rows(hot_rows, counts.num_experts)
-        return hot_rows
-    assert hbm_bytes is not None
-    if expert_bytes <= 0:
-        raise UserError(
-            f"--hbm-bytes {hbm_bytes} needs the size of one expert, and the counts do not record it",
-            "pass --expert-bytes X (bytes of one expert: weights, scales and biases of all its tensors), "
-            "or give the budget as --hot-rows N",
-        )
-    return placement.hot_rows_for_budget(hbm_bytes, counts.num_layers, expert_bytes, counts.num_experts)
-
-
-def _check_cache_policy(policy: str) -> str:
-    if policy not in CACHE_POLICIES:
-        hint = (" (static is the simulator's baseline, not a cache: a static set of N rows is a map with "
-                "--cache-slots 0)" if policy == "static" else "")
-        raise UserError(f"--cache-policy {policy!r} is not one of {', '.join(CACHE_POLICIES)}{hint}",
-                        "pass --cache-policy lru or --cache-policy lfu")
-    return policy
-
-
-def _load_build_trace(trace_path: str, total: CountsArtifact) -> RoutingTrace:
-    """The routing trace of ``--trace``, refused when it is of another model than the counts (the simulator's
-    check, naming both sides)."""
-    trace = load_trace(trace_path)
-    ranking = placement.HotRanking.from_counts(total.counts, "counts", total.layer_ids)
-    placement.check_trace_geometry(trace, ranking, trace_path, "the counts")
-    return trace
-
-
-def _choose_cache_slots(slots: int | str, policy: str, hbm_rows: int, total: CountsArtifact,
-                        trace: RoutingTrace | None, trace_path: str | None) -> tuple[int, dict[str, Any]]:
-    """K, and what the choice was (recorded in the map's meta as ``cache``). ``auto`` runs the simulator's
-    :func:`~pinsidecar.placement.auto_split` on the trace, the hot set ranked by the counts (as the map's)."""
-    if slots != "auto":
-        assert isinstance(slots, int)
-        if slots > hbm_rows - 1:
-            raise UserError(f"--cache-slots {slots} leaves no hot row: the budget gives {hbm_rows} HBM rows per "
-                            f"layer, and the slots are taken out of them (H = {hbm_rows} - {slots})",
-                            f"pass --cache-slots 0..{hbm_rows - 1}, or a larger budget")
-        info: dict[str, Any] = {"slots": slots, "policy": policy, "hbm_rows": hbm_rows, "hot_rows": hbm_rows - slots,
-                                "chosen": "given"}
-        return slots, info
-    if trace is None:
-        raise UserError("--cache-slots auto chooses the split on a routing trace, and none was given",
-                        "add --trace TRACE.npz (recorded with `pinsidecar count-boot --trace`), or pass "
-                        "--cache-slots K")
-    ranking = placement.HotRanking.from_counts(total.counts, "counts", total.layer_ids)
-    # A map keeps at least one hot row; the simulator's grid also tries K = N (no hot row), which is only reported.
-    auto = placement.auto_split(trace, ranking, hbm_rows, policy, train=trace, max_slots=hbm_rows - 1)
-    grid = [r.cache_slots for r in auto.tuning]
-    admissible = [i for i, k in enumerate(grid) if k <= hbm_rows - 1]
-    chosen = auto.chosen
-    k = grid[chosen]
-    info = {
-        "slots": k, "policy": policy, "hbm_rows": hbm_rows, "hot_rows": hbm_rows - k, "chosen": "auto",
-        "chosen_on": "trace", "trace": os.path.basename(trace_path or ""), "trace_tokens": trace.tokens,
-        "cross_fitted": auto.cross_fitted,
-        "rule": f"lowest miss rate on the trace, each half replayed with the hot set ranked on the other half"
-                f"{'' if auto.cross_fitted else ' (the trace is too short to halve: ranked on all of it)'}; equal "
-                f"rates to fewer host fetches, then fewer slots; at least one hot row; slots only when they miss "
-                f"{placement.SLOT_MIN_GAIN:.0%} fewer than no slots",
-        # miss_rate: the split on the whole trace, hot set ranked by the counts (the map's own figure, in-sample);
-        # tuning_miss_rate: what the choice was made on (cross-fitted, so a static set is not graded on its own
-        # training tokens)
-        "tried": [{"cache_slots": r.cache_slots, "hot_rows": r.hot_rows, "miss_rate": r.miss_rate,
-                   "host_fetches_per_token": r.host_fetches_per_token, "tuning_miss_rate": t.miss_rate,
-                   "chosen": i == chosen, **({} if i in admissible else {"admissible": False})}
-                  for i, (r, t) in enumerate(zip(auto.results, auto.tuning, strict=True))],
-    }
-    return k, info
-
-
 def _positional_description(mask: placement.PlacementMask) -> str:
     full, part = mask.meta["full_cold_layers"], mask.meta["partial_layer_cold"]
     ordered = sorted(mask.layer_ids)
@@ -244,11 +96,8 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
            quantization: str | None = None, cache_slots: str | None = None, cache_policy: str = "lru",
            trace_path: str | None = None) -> dict[str, Any]:
     slots_arg = 0 if cache_slots is None else parse_cache_slots(cache_slots)
-    policy = _check_cache_policy(cache_policy)
-    if slots_arg == "auto" and trace_path is None:
-        raise UserError("--cache-slots auto chooses the split on a routing trace, and none was given",
-                        "add --trace TRACE.npz (recorded with `pinsidecar count-boot --trace`), or pass "
-                        "--cache-slots K")
+    policy = placement.check_cache_policy(cache_policy)
+    placement.check_auto_has_trace(slots_arg, trace_path is not None)
     if positional and out:
         raise UserError(
             "--positional cannot be written to --out: the positional placement has a different hot count in every "
@@ -263,25 +112,13 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
     names = list(counts_paths)
     counts = placement.load_counts_files(names)
     total = placement.sum_counts(counts, names)
-    xbytes, xsource = _resolve_expert_bytes(counts, names, total, expert_bytes, model, dtype, quantization)
-    hbm_rows = _resolve_hot_rows(hot_rows, hbm_bytes, xbytes, total)  # all HBM rows: hot rows + cache slots
-    trace = _load_build_trace(trace_path, total) if trace_path else None
-    slots, cache_info = _choose_cache_slots(slots_arg, policy, hbm_rows, total, trace, trace_path)
-    rows = hbm_rows - slots
-    # A figure other than the counted engine's means the map is for another format (a quantized twin).
-    same_format = xsource["from"] in ("counts", "unknown") or xbytes == xsource["counts_expert_bytes"]
-    build_meta: dict[str, Any] = {"source_files": [os.path.basename(n) for n in names]}
-    if xsource["from"] == "model":
-        m = xsource["model"]
-        build_meta["expert_bytes_from"] = {"model": m["path"], "format": m["format"], "dtype": m["dtype"],
-                                           "measured_on_gpu": m["measured_on_gpu"]}
-    elif xsource["from"] == "expert-bytes":
-        build_meta["expert_bytes_from"] = {"expert_bytes": xbytes}
-    if slots or slots_arg == "auto":
-        build_meta["cache"] = cache_info
-    emap = placement.build_usage_map(counts, rows, label, expert_bytes=xbytes, names=names, meta=build_meta,
-                                     same_format=same_format, cache_slots=slots, cache_policy=policy, trace=trace,
-                                     trace_name=os.path.basename(trace_path) if trace_path else "the trace")
+    xbytes = placement.resolve_expert_bytes(counts, names, total, expert_bytes, model, dtype, quantization)
+    hbm_rows = placement.resolve_hbm_rows(hot_rows, hbm_bytes, xbytes.value, total)  # hot rows + cache slots
+    trace = placement.load_build_trace(trace_path, total) if trace_path else None
+    built = placement.build_map(counts, hbm_rows, xbytes, names=names, label=label, cache_slots=slots_arg,
+                                cache_policy=policy, trace=trace, trace_path=trace_path)
+    emap = built.map
+    rows, slots = emap.hot_rows, emap.cache_slots
     mask = placement.positional_for(emap)
     usage_eval = placement.evaluate(emap, total, "map", "counts")
     positional_eval = placement.evaluate(mask, total, "positional baseline", "counts")
@@ -292,14 +129,14 @@ def _build(counts_paths: tuple[str, ...], hot_rows: int | None, hbm_bytes: int |
         "cache_slots": slots,
         "cache_policy": policy if slots else None,
         "cache_model": emap.meta.get("cache_model"),
-        "cache": cache_info if (slots or slots_arg == "auto") else None,
+        "cache": built.cache,
         "trace": trace_path,
         "budget_from": "hot-rows" if hot_rows is not None else "hbm-bytes",
         "hbm_bytes": hbm_bytes,
-        "expert_bytes": xbytes,
-        "expert_bytes_from": xsource["from"],
-        "counts_expert_bytes": xsource["counts_expert_bytes"],
-        "model": xsource.get("model"),
+        "expert_bytes": xbytes.value,
+        "expert_bytes_from": xbytes.source,
+        "counts_expert_bytes": xbytes.counted,
+        "model": xbytes.model,
         "counts": names,
         "tokens": total.tokens,
         "selections": total.selections,

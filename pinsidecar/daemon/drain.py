@@ -2,12 +2,14 @@
 
 Two callers, one implementation, so that what an operator's ``pinsidecar drain-reboot`` was tested to do is what
 every remap's reboot does: the control API (:meth:`~pinsidecar.daemon.service.Daemon.drain_reboot`) and the remap
-pipeline's reboot deploy (:meth:`~pinsidecar.daemon.service.Daemon.reboot_with`). :meth:`DrainReboot.run`:
+pipeline's reboot deploy (:meth:`~pinsidecar.daemon.remap_host.DaemonRemapHost.reboot_with`). :meth:`DrainReboot.run`:
 
 1. refuses a second one while one runs (``busy``); a map given is validated first;
-2. takes the supervisor's lock (no restart of its own in between), holds the gate (new requests wait, none fail)
-   and drains in-flight requests for up to ``timeout`` seconds;
-3. runs ``before_stop`` on the drained old engine: a reason returned means nothing is rebooted (``skipped``);
+2. takes the supervisor's lock (no restart of its own in between), puts the engine in ``draining``
+   (:meth:`~pinsidecar.daemon.supervisor.Supervisor.draining`), holds the gate (new requests wait, none fail) and
+   drains in-flight requests for up to ``timeout`` seconds;
+3. runs ``before_stop`` on the drained old engine: a reason returned means nothing is rebooted (``skipped``; the
+   engine's state goes back to what the drain interrupted);
 4. reboots; ``after_boot`` runs on the new engine before anyone is served by it: a reason returned (a remap's
    parity difference), or a boot that fails, boots the old map again inside the same hold (``rolled_back``);
 5. releases the gate onto the engine that serves; with none serving the gate keeps holding until the
@@ -31,7 +33,8 @@ from typing import Any
 import structlog
 from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
 
-from pinsidecar.daemon.supervisor import EngineState, Supervisor
+from pinsidecar.daemon.engine_state import EngineState
+from pinsidecar.daemon.supervisor import Supervisor
 from pinsidecar.engine import EngineError
 from pinsidecar.errors import ControlError
 from pinsidecar.remap.commit import active_map_path, write_active_map
@@ -96,26 +99,24 @@ class DrainReboot:
             result["hash_hit"] = hash_hit
             log.info("drain_reboot_begin", map=str(new_map) if new_map else None, timeout_s=timeout, reason=reason)
             async with sup.lock:
-                sup._set_state(EngineState.DRAINING, "holding new requests, draining in-flight ones")
                 hold_t0 = time.monotonic()
-                if gate is not None:
-                    gate.hold()
                 try:
-                    if gate is not None:
-                        result["in_flight_cut"] = await gate.drain(timeout)
-                    result["drain_s"] = round(time.monotonic() - t0, 3)
-                    old_map = sup.map_path
-                    why_not = await before_stop(result) if before_stop is not None else None
-                    if why_not is not None:
-                        result.update(skipped=True, error=why_not)
-                        sup._set_state(EngineState.READY)
-                    else:
-                        await self._reboot_locked(sup, new_map, emap, old_map, reason, record_active, after_boot,
-                                                  result)
-                finally:
+                    with sup.draining("holding new requests, draining in-flight ones"):
+                        if gate is not None:
+                            gate.hold()
+                            result["in_flight_cut"] = await gate.drain(timeout)
+                        result["drain_s"] = round(time.monotonic() - t0, 3)
+                        old_map = sup.map_path
+                        why_not = await before_stop(result) if before_stop is not None else None
+                        if why_not is not None:  # nothing rebooted: leaving draining() gives the state back
+                            result.update(skipped=True, error=why_not)
+                        else:
+                            await self._reboot_locked(sup, new_map, emap, old_map, reason, record_active,
+                                                      after_boot, result)
+                finally:  # after draining() has given the state back: release onto an engine that serves
                     if gate is not None:
                         result["held_at_release"] = gate.held  # requests that waited out the reboot
-                        if sup.launcher is not None and sup.state == EngineState.READY:
+                        if sup.serving and sup.launcher is not None:
                             gate.set_upstream(sup.launcher.base_url)
                             gate.release()
                         result["hold_s"] = round(time.monotonic() - hold_t0, 3)

@@ -1,5 +1,15 @@
 """The sidecar daemon: one asyncio process that fronts, supervises and reports on one engine.
 
+:class:`Daemon` is the wiring: it builds the parts, starts and stops them in order, and is the control API's
+target. What the parts do lives in their own modules, each reading the others only through what is wired here:
+
+- the supervisor (:mod:`~pinsidecar.daemon.supervisor`) runs the engine; the drain-reboot
+  (:mod:`~pinsidecar.daemon.drain`) is the one way to reboot it on purpose;
+- the drift loop (:mod:`~pinsidecar.daemon.drift_loop`) feeds the drift watch from the live stats and asks for a
+  remap on a trip;
+- the remap host (:mod:`~pinsidecar.daemon.remap_host`) is the daemon as the remap pipeline sees it;
+- the status view (:mod:`~pinsidecar.daemon.status_view`) gathers ``GET /status`` from all of them.
+
 ``pinsidecar run`` calls :func:`run_daemon`. The start order is chosen so that nothing is half-up:
 
 1. the config is already validated; the control token is read (mode 0600 or the daemon refuses to start);
@@ -10,16 +20,17 @@
    commit, so the old map serves);
 3. the Prometheus exporter, the gate (clients' entry point), the control API and the maps library start;
 4. the supervisor boots the engine and keeps it alive (:mod:`pinsidecar.daemon.supervisor`); in pin mode the
-   drift watch (:class:`~pinsidecar.drift.DriftWatch`) starts on the served map and reads the engine's live stats
-   every ``remap.watch_interval_s``; a trip asks for a remap;
+   drift loop starts the drift watch (:class:`~pinsidecar.drift.DriftWatch`) on the served map and reads the
+   engine's live stats every ``remap.watch_interval_s``; a trip asks for a remap;
 5. ``READY=1`` goes to systemd when the engine is first ready (or has failed for good: the daemon stays up to
    report that, and systemd must not kill it for a slow start); the main loop sends ``WATCHDOG=1`` at half of
    ``WATCHDOG_USEC`` and ``STATUS=`` on every state change.
 
-**Drain-reboot** (:meth:`Daemon.drain_reboot` from the control API, and every remap's reboot: one
-implementation, :mod:`pinsidecar.daemon.drain`): the gate holds new requests, in-flight ones drain (bounded), the
-engine reboots (with the new map if one is given), and once it serves the gate releases what it held; a boot that
-fails, or a remap's check on the new engine, boots the old map again inside the hold (``rolled_back``).
+**Drain-reboot** (:meth:`Daemon.drain_reboot` from the control API, and every remap's reboot through the remap
+host: one implementation, :mod:`pinsidecar.daemon.drain`): the gate holds new requests, in-flight ones drain
+(bounded), the engine reboots (with the new map if one is given), and once it serves the gate releases what it
+held; a boot that fails, or a remap's check on the new engine, boots the old map again inside the hold
+(``rolled_back``).
 
 **Remaps** (:meth:`Daemon.request_remap`, every trigger's one entry): one at a time, through the drift config's
 cooldown and daily cap, run by :class:`~pinsidecar.remap.pipeline.RemapPipeline` in the background. A remap
@@ -34,33 +45,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map
+from pinsidecar_hook.contract import ArtifactError, load_map
 
 from pinsidecar import __version__
 from pinsidecar.daemon.config import Config
 from pinsidecar.daemon.control import ControlError, ControlServer, read_token
 from pinsidecar.daemon.drain import DrainReboot
+from pinsidecar.daemon.drift_loop import DriftLoop
+from pinsidecar.daemon.engine_state import EngineState
 from pinsidecar.daemon.map_library import MapLibrary, MapNotFound
+from pinsidecar.daemon.remap_host import DaemonRemapHost
 from pinsidecar.daemon.sdnotify import Notifier
-from pinsidecar.daemon.supervisor import EngineState, Supervisor
-from pinsidecar.drift import NO_SKEW, DriftWatch, WindowRecord
+from pinsidecar.daemon.status_view import StatusView
+from pinsidecar.daemon.supervisor import Supervisor
+from pinsidecar.drift import DriftWatch
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 from pinsidecar.engine.ports import check_ports_free
 from pinsidecar.engine.process import stop_recorded_engine
-from pinsidecar.live_stats import StatsReader, load_newest_stats
-from pinsidecar.metrics.cache import cache_status
-from pinsidecar.remap import admission
-from pinsidecar.remap.candidates import find_by_label, reference_counts
+from pinsidecar.remap.candidates import find_by_label
 from pinsidecar.remap.commit import committed_map
-from pinsidecar.remap.host import RebootHook
 from pinsidecar.remap.pipeline import COUNT_ENGINE_PID_FILE, RemapPipeline
 from pinsidecar.remap.tools import RemapTools
 
@@ -100,15 +109,22 @@ class Daemon:
         self.control: ControlServer | None = None
         self.maps = MapLibrary(cfg.maps_dir, watch=cfg.maps.watch)
         self.supervisor: Supervisor | None = None
-        self.drains = DrainReboot(self.state_dir, lambda: self.supervisor, lambda: self.gate, self._follow_map)
         self.capture: Any = None  # the gate's CaptureStore (gate.capture_dir), which a remap counts
-        self.watch: DriftWatch | None = None
-        self._stats_reader: StatsReader | None = None
-        self.remaps = RemapPipeline(self, remap_tools)
+        # the roles, each in its own module: the drift loop, the remap host (the pipeline's view of the daemon),
+        # the status view; they read each other only through the parts wired here
+        self.drift = DriftLoop(self.request_remap, lambda: self.remaps.current is not None)
+        self.drains = DrainReboot(self.state_dir, lambda: self.supervisor, lambda: self.gate, self.drift.follow_map)
+        self.remaps = RemapPipeline(DaemonRemapHost(self), remap_tools)
+        self.view = StatusView(self)
         self._stop = asyncio.Event()
         self._ready_sent = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._token = ""
+
+    @property
+    def watch(self) -> DriftWatch | None:
+        """The drift loop's watch (None until it runs): what the exporter and the tests read."""
+        return self.drift.watch
 
     # ------------------------------------------------------------------------------------------------ helpers
 
@@ -164,7 +180,7 @@ class Daemon:
             kwargs: dict[str, Any] = {} if cfg.metrics.nvml else {"nvml": None}
             self.exporter = Exporter(stats_path=stats_path, engine_url=engine_url, engine_pid=self._engine_pid,
                                      engine_container_id=self._engine_container_id, gate=lambda: self.gate,
-                                     drift=lambda: self.watch, remap=self.remaps.current_json,
+                                     drift=lambda: self.drift.watch, remap=self.remaps.current_json,
                                      cgroup_root=cfg.metrics.cgroup_root, **kwargs)
             self.exporter.start_http(cfg.metrics.host, cfg.metrics.port)
         if cfg.gate.enabled:
@@ -188,7 +204,7 @@ class Daemon:
             stop_timeout_s=cfg.engine.stop_timeout_s, map_path=self._initial_map(), observer=self.exporter,
             on_state=self._on_state, gate=self.gate)
         self._tasks.append(asyncio.create_task(self.supervisor.run(), name="supervisor"))
-        self._start_drift_watch(spec)
+        self._start_drift_loop(spec)
         log.info("daemon_started", version=__version__, config=str(cfg.path), control=self.control.address,
                  gate=f"{cfg.gate.host}:{cfg.gate.port}" if self.gate else None,
                  metrics=f"{cfg.metrics.host}:{cfg.metrics.port}" if self.exporter else None)
@@ -221,53 +237,13 @@ class Daemon:
         stats = self._spec_for(None).env.get("PINSIDECAR_STATS_PATH")
         self.remaps.recover(Path(stats) if stats else None)  # before the engine boots: see remap.recovery
 
-    def _start_drift_watch(self, spec: EngineSpec) -> None:
-        """Pin mode: watch the served map's live stats (one reader of our own, not the exporter's)."""
-        sup = self.supervisor
-        if self.cfg.engine.hook_mode != "pin" or sup is None or sup.map is None:
+    def _start_drift_loop(self, spec: EngineSpec) -> None:
+        """Pin mode: watch the served map's live stats (the drift loop reads them with a reader of its own)."""
+        sup, stats = self.supervisor, spec.env.get("PINSIDECAR_STATS_PATH")
+        if self.cfg.engine.hook_mode != "pin" or sup is None or sup.map is None or not stats:
             return
-        stats = spec.env.get("PINSIDECAR_STATS_PATH")
-        if not stats:
-            return
-        self.watch = DriftWatch(self.cfg.drift, sup.map, reference=reference_counts(sup.map_path, sup.map))
-        seeded = admission.seed_from_history(self.watch.detector, self.remaps.store.records())
-        self._stats_reader = StatsReader(Path(stats))
-        self._tasks.append(asyncio.create_task(self._watch_loop(), name="drift-watch"))
-        log.info("drift_watch_started", map=sup.map.short_hash, label=sup.map.label, stats=stats,
-                 reference=self.watch.reference_kind or "first window", remaps_last_day=seeded)
-
-    async def _watch_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.remap.watch_interval_s)
-            try:
-                await self.watch_tick()
-            except Exception as exc:  # the watch must never take the daemon down
-                log.exception("drift_watch_failed", error=str(exc))
-
-    async def watch_tick(self, now: float | None = None) -> list[WindowRecord]:
-        """One look at the live stats: feed the drift watch, log each closed window, ask for a remap on a trip."""
-        watch, reader = self.watch, self._stats_reader
-        if watch is None or reader is None:
-            return []
-        reading = reader.read()
-        records = watch.feed_reading(reading, now, error=reader.last_error) + watch.poll(now)
-        for rec in records:
-            sig = rec.signals
-            log.info("drift_window", index=rec.index, tokens=rec.window.get("tokens"), judged=rec.judged,
-                     state=rec.state, gain=None if sig is None else sig.projected_gain,
-                     cold_rate=None if sig is None else sig.cold_rate, trip=rec.trip, status=rec.status)
-            if rec.trip:
-                await self._drift_trip(rec)
-        return records
-
-    async def _drift_trip(self, rec: WindowRecord) -> None:
-        try:
-            await self.request_remap(trigger="drift", reason=rec.status,
-                                     detail={"window": rec.index, "signals": rec.as_dict().get("signals")})
-        except ControlError as exc:
-            log.warning("drift_remap_not_started", status=exc.status, reason=str(exc))
-            if self.watch is not None and self.remaps.current is None:
-                self.watch.detector.remap_finished(False)  # the trip marked a remap as running
+        self._tasks.append(self.drift.start(self.cfg.drift, self.cfg.remap.watch_interval_s, Path(stats),
+                                            sup.map_path, sup.map, self.remaps.store.records()))
 
     def _capture_store(self) -> Any:
         from pinsidecar.daemon.traffic_capture import CaptureStore
@@ -331,59 +307,7 @@ class Daemon:
     # ------------------------------------------------------------------------------------------------ control
 
     def status(self) -> dict[str, Any]:
-        sup = self.supervisor
-        return {
-            "daemon": {"version": __version__, "pid": os.getpid(),
-                       "uptime_s": round(time.monotonic() - self.started_at, 1),
-                       "config": str(self.cfg.path) if self.cfg.path else None,
-                       "control": self.control.address if self.control else None,
-                       "metrics": f"http://{self.cfg.metrics.host}:{self.cfg.metrics.port}/metrics"
-                       if self.exporter else None,
-                       "launcher": self.cfg.engine.launcher, "hook_mode": self.cfg.engine.hook_mode},
-            "engine": sup.snapshot() if sup else {"state": EngineState.STOPPED},
-            "gate": self.gate.snapshot() if self.gate is not None else None,
-            "maps": {"dir": str(self.maps.directory), "entries": [e.to_json() for e in self.maps.entries()]},
-            "last_drain_reboot": self.last_drain_reboot,
-            "pin": self._pin_status(),
-            "drift": self._drift_status(),
-            "remap": self.remaps.status(),
-        }
-
-    def _pin_status(self) -> dict[str, Any] | None:
-        """What the engine's hook says about its split (from its newest stats file): the backend, whether it has
-        been checked on hardware, bytes per expert, the attach-time self-check when one ran, and the cache tier
-        (:func:`~pinsidecar.metrics.cache.cache_status`, None without one). None when the
-        engine is not in pin mode or has not written stats yet."""
-        path = self.stats_path
-        if path is None or self.cfg.engine.hook_mode != "pin":
-            return None
-        try:
-            snap = load_newest_stats(path)
-        except (ArtifactError, OSError):
-            return None
-        meta = snap.meta or {}
-        ranks = meta.get("tp_size") if isinstance(meta.get("tp_size"), int) else 1
-        tiers = dict(snap.tier_bytes or {})
-        # Rank 0 writes the stats; under tensor parallel every rank holds an equal shard of every expert, and
-        # routing (so every count) is the same on all of them.
-        return {"backend": meta.get("backend"), "backend_verified": bool(meta.get("backend_verified", True)),
-                "expert_bytes": meta.get("expert_bytes"), "tier_bytes": tiers, "tp_size": ranks,
-                "lane_tier_bytes": {k: v * ranks for k, v in tiers.items()}, "selfcheck": meta.get("selfcheck"),
-                "cache": cache_status(snap)}
-
-    def _drift_status(self) -> dict[str, Any] | None:
-        watch = self.watch
-        if watch is None:
-            return None
-        st = watch.status()
-        last = watch.last_record
-        if last is None:
-            line = "no window closed yet"
-        elif last.signals is not None and last.signals.exploitable_skew is False:
-            line = NO_SKEW
-        else:
-            line = last.status
-        return {**st, "line": line}
+        return self.view.document()
 
     async def request_remap(self, *, trigger: str, dry_run: bool = False, map_ref: str | None = None,
                             reason: str = "", detail: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -407,74 +331,6 @@ class Daemon:
             if by_label is None:
                 raise
             return by_label
-
-    @property
-    def last_drain_reboot(self) -> dict[str, Any] | None:
-        return self.drains.last
-
-    def _follow_map(self, path: Path, emap: ExpertMap) -> None:
-        """The engine serves ``emap`` now (a switch or an apply in place): the drift watch judges against it."""
-        if self.watch is not None:
-            self.watch.set_active_map(emap, reference_counts(path, emap))
-
-    # What the remap pipeline reads and calls (its RemapHost protocol).
-
-    @property
-    def served_map(self) -> tuple[Path | None, ExpertMap | None]:
-        sup = self.supervisor
-        return (sup.map_path, sup.map) if sup is not None else (None, None)
-
-    @property
-    def engine_url(self) -> str | None:
-        launcher = self._launcher()
-        return launcher.base_url if launcher is not None else None
-
-    @property
-    def model_name(self) -> str:
-        return self._spec_for(None).model_name
-
-    @property
-    def stats_path(self) -> Path | None:
-        return self._stats_reader.path if self._stats_reader is not None else None
-
-    def library_entries(self) -> list[Any]:
-        return self.maps.entries()
-
-    def committed(self, path: Path, map_hash: str) -> None:
-        """A remap wrote ``active-map.json`` for ``map_hash``: a map applied in place is what a restart boots now."""
-        if self.supervisor is not None:
-            self.supervisor.committed(map_hash)
-
-    def engine_map_path(self, path: Path) -> str:
-        """``path`` as the engine sees it: the same file through the container's mount of the state folder, or
-        the absolute path for a local engine."""
-        if self.cfg.engine.launcher == "container":
-            from pinsidecar.engine.container import container_path
-
-            return container_path(path, self.cfg.container, self.state_dir)
-        return str(Path(path).absolute())
-
-    def engine_alive_probe(self) -> Callable[[], bool]:
-        """True while the engine serving now still runs and is still the supervisor's (callable from a thread:
-        a process poll or the container's init pid, no event loop)."""
-        sup = self.supervisor
-        launcher = sup.launcher if sup is not None else None
-        if sup is None or launcher is None:
-            return lambda: False
-        return lambda: sup.launcher is launcher and launcher.alive()
-
-    def applied_in_place(self, path: Path, emap: ExpertMap) -> None:
-        """The hook swapped the engine onto ``emap``: the supervisor (status, what a restart boots), the exporter
-        (through it) and the drift watch follow."""
-        if self.supervisor is not None:
-            self.supervisor.applied_in_place(path, emap)
-        self._follow_map(path, emap)
-
-    async def reboot_with(self, map_path: Path, *, reason: str, before_stop: RebootHook | None = None,
-                          after_boot: RebootHook | None = None) -> dict[str, Any]:
-        """A remap's drain-reboot onto ``map_path`` (``active-map.json`` is left to the commit)."""
-        return await self.drains.run(map_path, self.cfg.control.drain_timeout_s, reason=reason,
-                                     record_active=False, before_stop=before_stop, after_boot=after_boot)
 
     def resolve_map(self, ref: str) -> Path:
         try:

@@ -1,7 +1,9 @@
 """Keep one engine running: boot, wait for readiness (bounded), watch liveness, restart with backoff, give up.
 
 The supervisor owns the engine's lifecycle and nothing else; the daemon drives drain-reboots through
-:meth:`Supervisor.reboot` and reads :meth:`Supervisor.snapshot` for status. What it leans on lives beside it: how
+:meth:`Supervisor.draining` and :meth:`Supervisor.reboot` and reads :meth:`Supervisor.snapshot` for status. The
+engine's states and the transitions allowed between them are data (:mod:`~pinsidecar.daemon.engine_state`), and
+every change the supervisor makes is checked against that table. What it leans on lives beside it: how
 it knows the engine is alive (:mod:`~pinsidecar.daemon.liveness`), what a boot records and what the engine's log
 says about it (:mod:`~pinsidecar.daemon.boots`), and whom it tells (:mod:`~pinsidecar.daemon.peers`). Why it works
 the way it does:
@@ -36,10 +38,10 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import structlog
 from pinsidecar_hook.contract import ArtifactError, ExpertMap, load_map, utc_now
@@ -54,6 +56,7 @@ from pinsidecar.daemon.boots import (
     rotate_log,
 )
 from pinsidecar.daemon.config import SupervisorConfig
+from pinsidecar.daemon.engine_state import EngineState, check_engine_transition
 from pinsidecar.daemon.liveness import ExitWatch, HealthProbe
 from pinsidecar.daemon.peers import BootObserver, EngineGate
 from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
@@ -61,24 +64,6 @@ from pinsidecar.engine import EngineError, EngineProcess, EngineSpec, Launcher
 __all__: list[str] = []  # nothing here is another package's business
 
 log = structlog.get_logger(__name__)
-
-
-class EngineState:
-    """The engine's states, as exported (``pinsidecar_engine_state``) and shown in status."""
-
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    UNHEALTHY = "unhealthy"  # live but failing /health; restarted after health_failures checks
-    BACKOFF = "restarting"  # waiting (backoff) before the next boot after a crash or failed boot
-    DRAINING = "draining"  # drain-reboot in progress (the gate holds new requests)
-    STOPPING = "stopping"
-    FAILED = "failed"  # crash-loop limit reached: no more restarts until an operator asks
-
-    ALL = (STOPPED, STARTING, READY, UNHEALTHY, BACKOFF, DRAINING, STOPPING, FAILED)
-    # The exporter's state set (pinsidecar.metrics.ENGINE_STATES) has no separate unhealthy/stopping: an
-    # unhealthy engine is about to be restarted, a stopping one is about to be stopped.
-    EXPORTED: ClassVar[dict[str, str]] = {UNHEALTHY: BACKOFF, STOPPING: STOPPED}
 
 
 class Supervisor:
@@ -126,6 +111,8 @@ class Supervisor:
             log.warning("boot_observer_failed", observer=type(self.observer).__name__, error=str(exc))
 
     def _set_state(self, state: str, detail: str = "") -> None:
+        """The one place the engine's state changes: checked against the table (engine_state.TRANSITIONS)."""
+        check_engine_transition(self.state, state, detail)
         if state != self.state or detail != self.detail:
             log.info("engine_state", state=state, detail=detail or None)
         self.state, self.detail = state, detail
@@ -275,6 +262,30 @@ class Supervisor:
         self._set_state(state)
         return code
 
+    @property
+    def serving(self) -> bool:
+        """An engine runs and the gate may send it requests (ready, or unhealthy and not yet restarted)."""
+        return self.launcher is not None and self.state in EngineState.LIVE
+
+    @contextlib.contextmanager
+    def draining(self, detail: str) -> Iterator[None]:
+        """The engine is drained for a reboot (the daemon's drain-reboot): the state is ``draining`` inside.
+
+        Hold :attr:`lock` around it (no boot of the supervisor's own may start in between). Inside, the caller
+        reboots (:meth:`reboot`) or decides not to; when it leaves with the state still ``draining`` and the
+        engine it found still the supervisor's (nothing was stopped), the state it interrupted comes back, detail
+        and all: a drain that rebooted nothing changed nothing. An engine stopped and not booted again stays
+        ``draining``, and the loop boots it."""
+        if not self.lock.locked():
+            raise RuntimeError("Supervisor.draining() needs the supervisor's lock held (async with sup.lock)")
+        interrupted, launcher = (self.state, self.detail), self.launcher
+        self._set_state(EngineState.DRAINING, detail)
+        try:
+            yield
+        finally:
+            if self.state == EngineState.DRAINING and self.launcher is launcher:
+                self._set_state(*interrupted)
+
     # ------------------------------------------------------------------------------------------------ the loop
 
     def _backoff_s(self) -> float:
@@ -384,7 +395,10 @@ class Supervisor:
 
     async def reboot(self, reason: str, map_path: Path | None = None, *, use_map: bool = False) -> BootRecord:
         """Stop the engine and boot it again (with ``map_path`` when ``use_map``). Call with :attr:`lock` held.
-        An operator-driven reboot clears the crash count and the ``failed`` state."""
+        An operator-driven reboot clears the crash count and the ``failed`` state (through ``draining``, the
+        one way out of ``failed``, also when no engine runs to stop)."""
+        if self.state != EngineState.DRAINING:
+            self._set_state(EngineState.DRAINING, f"rebooting ({reason})")
         await self.stop_engine(EngineState.DRAINING)
         self.failures_in_row = 0
         return await self.boot(reason, map_path, use_map=use_map)

@@ -17,7 +17,8 @@ b. **per-layer divergence from the map's source counts** — Jensen-Shannon dive
    move *inside* the hot set (large divergence) with no effect on the cold rate.
 
 c. **projected gain** — how much lower the window's cold rate would be under a map rebuilt from recent traffic
-   (same hot rows, same budget, i.e. :func:`~pinsidecar.placement.build_usage_map`), than under the active map.
+   (same hot rows, same budget: :func:`~pinsidecar.placement.rebuild_map`, as a remap builds it), than under the
+   active map.
    This is the signal that decides. It is computed **out of sample**: the candidate is built from the *previous*
    window and scored on *this* one. A map built from a window and scored on the same window flatters itself: its
    hot set is fitted to that sample's noise, so even a uniform router shows a "gain" (64 experts, 48 hot, 4096
@@ -48,7 +49,7 @@ from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap
 
 from pinsidecar.drift.config import DriftConfig
 from pinsidecar.drift.windows import Window
-from pinsidecar.placement import build_usage_map
+from pinsidecar.placement import rebuild_map
 from pinsidecar.placement.cache_model import expected_misses
 
 __all__ = ["cold_rate_on"]
@@ -228,10 +229,8 @@ def split_half_cold_rate(histogram: np.ndarray, hot_rows: int, seed: int = SPLIT
 def candidate_hot_mask(previous: Window, active: ExpertMap) -> tuple[ExpertMap, np.ndarray]:
     """The map the pipeline would build from ``previous`` (same hot rows, cache slots and bytes as ``active``),
     and its mask."""
-    counts = previous.to_counts()
-    cand = build_usage_map([counts], active.hot_rows, label=f"window{previous.index}",
-                           expert_bytes=active.expert_bytes, cache_slots=active.cache_slots,
-                           cache_policy=active.cache_policy)
+    name = f"window{previous.index}"
+    cand = rebuild_map([previous.to_counts()], active, label=name, names=[name])
     return cand, cand.hot_mask()
 
 

@@ -111,7 +111,7 @@ class DriftWatch:
     # -------------------------------------------------------------------------------------------- the remap
     def held_out_window(self, exclude: Iterable[str] = ()) -> Window | None:
         """The most recent judged window whose counts are not in ``exclude`` (digests, e.g. a candidate's
-        ``source_counts``): what :func:`~pinsidecar.drift.decision.decide` judges a candidate on."""
+        ``source_counts``): what :func:`~pinsidecar.remap.decision.decide` judges a candidate on."""
         skip = set(exclude)
         for w in reversed(self.recent):
             if w.histogram is not None and w.judgeable(self.config.min_tokens) and w.to_counts().digest() not in skip:

@@ -6,6 +6,8 @@ pipeline do the I/O around them. Import from this package; the modules behind it
 
 - :mod:`~pinsidecar.placement.counts` — load, check and merge counts; skew figures;
 - :mod:`~pinsidecar.placement.build` — the usage map and the positional baseline;
+- :mod:`~pinsidecar.placement.builder` — the one map builder (``map build`` and a remap's candidate): budget,
+  bytes per expert, cache split, and the build's record in the map's meta;
 - :mod:`~pinsidecar.placement.expert_bytes` — bytes per expert per checkpoint format, read from a checkpoint
   directory (for a map built from one model's counts for its quantized twin);
 - :mod:`~pinsidecar.placement.evaluate` — cold-selection rates, leave-one-out, diffs and summaries;
@@ -24,6 +26,17 @@ from pinsidecar.placement.build import (
     positional_for,
     positional_mask,
     save_map,
+)
+from pinsidecar.placement.builder import (
+    ExpertBytes,
+    build_map,
+    check_auto_has_trace,
+    check_cache_policy,
+    choose_cache_slots,
+    load_build_trace,
+    rebuild_map,
+    resolve_expert_bytes,
+    resolve_hbm_rows,
 )
 from pinsidecar.placement.counts import (
     SKEW_TOP_FRACTION,
@@ -61,25 +74,27 @@ from pinsidecar.placement.simulate import (
 
 __all__ = [
     "POLICIES",
-    "SLOT_MIN_GAIN",
     "TUNE_FRACTION",
-    "CheckpointExperts",
-    "ExpertBytesError",
     "HotRanking",
     "PlacementMask",
     "auto_split",
+    "build_map",
     "build_usage_map",
+    "check_auto_has_trace",
+    "check_cache_policy",
     "check_compatible",
-    "check_hot_rows",
     "check_trace_geometry",
-    "checkpoint_experts",
+    "choose_cache_slots",
     "counts_summary",
     "diff_maps",
     "evaluate",
-    "hot_rows_for_budget",
     "leave_one_out",
+    "load_build_trace",
     "load_counts_files",
     "positional_for",
+    "rebuild_map",
+    "resolve_expert_bytes",
+    "resolve_hbm_rows",
     "save_map",
     "simulate",
     "sum_counts",

@@ -7,7 +7,10 @@ disk. The rooms, one idea each:
 - :mod:`~pinsidecar.remap.record` — the record and its states, written atomically at every transition;
 - :mod:`~pinsidecar.remap.admission` — one remap at a time, every trigger through the same cooldown and cap;
 - :mod:`~pinsidecar.remap.traffic` — what the candidate is built from: captured traffic, or the live windows;
-- :mod:`~pinsidecar.remap.candidates` — the map library (checked first) and how a candidate lands in it;
+- :mod:`~pinsidecar.remap.candidates` — the map library (checked first), the rebuilt candidate (the one map
+  builder, :func:`~pinsidecar.placement.rebuild_map`, with the active map's geometry) and how it lands in the library;
+- :mod:`~pinsidecar.remap.decision` — the evaluation: deploy a candidate only when it predicts fewer cold selections
+  than the active map on a held-out window of the traffic served (never one that predicts worse);
 - :mod:`~pinsidecar.remap.deploy` — the deploy contract (deploy, verify, roll back) and the shared verify-commit
   tail; :mod:`~pinsidecar.remap.in_place` and :mod:`~pinsidecar.remap.reboot` — its two deploys;
 - :mod:`~pinsidecar.remap.apply` — the hook's apply request and its answer (the in-place deploy's client);
@@ -16,6 +19,8 @@ disk. The rooms, one idea each:
 - :mod:`~pinsidecar.remap.commit` — ``active-map.json``, the commit point, written durably before ``committed``;
 - :mod:`~pinsidecar.remap.recovery` — closing the records a killed sidecar left open;
 - :mod:`~pinsidecar.remap.dry_run` — the decision a remap would reach now, changing nothing;
+- :mod:`~pinsidecar.remap.replay` — recorded windows through the drift watch and the decision, offline
+  (``pinsidecar drift replay``);
 - :mod:`~pinsidecar.remap.run`, :mod:`~pinsidecar.remap.host`, :mod:`~pinsidecar.remap.tools` — one remap's working
   state, what the pipeline asks of the daemon (it never imports it), and its blocking actions;
 - :mod:`~pinsidecar.remap.pipeline` — the steps in order;

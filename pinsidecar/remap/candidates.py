@@ -1,9 +1,13 @@
-"""Candidate maps: the library the pipeline checks first, and how a new candidate lands in it.
+"""Candidate maps: the library the pipeline checks first, how a new candidate is built, and how it lands there.
 
 **The library first.** Maps are per traffic class (``ExpertMap.label``), and traffic classes come back: the code
 traffic of the morning returns in the afternoon. If a map already in the library fits the live window better
 than the active map by the margin, deploying it costs a reboot only; a count boot would spend minutes of a second
 engine to rebuild what is already on disk. :func:`library_maps` lists the labelled maps of the folder.
+
+**A new candidate is the active map rebuilt** from the traffic served now (:func:`build_candidate`): the one map
+builder's :func:`~pinsidecar.placement.rebuild_map`, with the active map's geometry, bytes per expert and cache,
+so it carries the same meta as a map ``pinsidecar map build`` writes from the same counts.
 
 **A candidate lands atomically, beside its counts.** :func:`save_candidate` writes the counts the map was built
 from as ``<map>.counts.json`` first, then the map, each with write-fsync-rename, into a *new* file named after
@@ -16,11 +20,14 @@ measures divergence against once that map serves (:func:`reference_counts`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import structlog
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap, load_counts
+
+from pinsidecar.drift.windows import Window
+from pinsidecar.placement import rebuild_map
 
 __all__ = ["COUNTS_SUFFIX", "counts_path_for", "find_by_label", "reference_counts"]
 
@@ -52,6 +59,20 @@ def reference_counts(map_path: Path | None, emap: ExpertMap | None = None) -> Co
         log.warning("map_counts_other_model", path=str(path), map=emap.short_hash)
         return None
     return counts
+
+
+def build_candidate(counts: Sequence[CountsArtifact | Window], active: ExpertMap, label: str = "") -> ExpertMap:
+    """A usage map from counted traffic with the active map's geometry (same hot rows and bytes per expert, and
+    the same cache slots and policy: a remap never drops the cache, and the candidate stays eligible for an
+    in-place apply).
+
+    Pass the counts of one traffic class (one count boot, or the recent windows of what is served now); this never
+    mixes classes on its own. A drift window is named ``window<index>`` in the map's ``source_files``.
+    """
+    arts = [c.to_counts() if isinstance(c, Window) else c for c in counts]
+    names = [f"window{c.index}" if isinstance(c, Window) else (c.workload or f"counts{i}")
+             for i, c in enumerate(counts)]
+    return rebuild_map(arts, active, label=label, names=names)
 
 
 def library_maps(entries: Iterable[object]) -> list[tuple[Path, ExpertMap]]:

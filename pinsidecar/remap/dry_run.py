@@ -3,7 +3,7 @@
 A dry run answers "would a remap deploy, and why" from what the daemon already has: the drift watch's newest
 judged window, the library, and a candidate built from the live windows (never a count boot, never a record,
 never the gate's cooldown). It is how an operator, or a test of the alert chain, reads the decision without paying
-for one, so it runs the same :func:`~pinsidecar.drift.decide` the pipeline does.
+for one, so it runs the same :func:`~pinsidecar.remap.decision.decide` the pipeline does.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 import structlog
 from pinsidecar_hook.contract import ExpertMap, load_map
 
-from pinsidecar.drift import DriftWatch, build_candidate, decide, pick_from_library
-from pinsidecar.remap.candidates import library_maps
+from pinsidecar.drift import DriftWatch
+from pinsidecar.remap.candidates import build_candidate, library_maps
+from pinsidecar.remap.decision import decide, pick_from_library
 from pinsidecar.remap.host import RemapHost
 from pinsidecar.remap.traffic import NotEnoughTraffic, live_build_windows
 

@@ -1,8 +1,8 @@
 """What the remap pipeline needs from the process that runs it: :class:`RemapHost`, and nothing more.
 
-The daemon (:class:`~pinsidecar.daemon.service.Daemon`) implements it, but the pipeline never imports the daemon:
-the remap room sits below the daemon's (the daemon starts remaps, a remap does not start daemons), and a
-narrow host is what lets a test run a remap against anything that answers these few questions. Configuration
+The daemon implements it (:class:`~pinsidecar.daemon.remap_host.DaemonRemapHost`), but the pipeline never imports
+the daemon: the remap room sits below the daemon's (the daemon starts remaps, a remap does not start daemons), and
+a narrow host is what lets a test run a remap against anything that answers these few questions. Configuration
 comes as :class:`RemapSettings`, the three tables a remap reads plus the maps folder, which the daemon's config
 has as it is. Metrics come as :class:`RemapMetrics` (the exporter, or None without one).
 

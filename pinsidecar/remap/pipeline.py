@@ -16,7 +16,7 @@ c. otherwise the **count boot** (:func:`~pinsidecar.remap.tools.run_count_boot`)
    classes is never built, because on the reference deployment a map of mixed traffic cost the majority class
    10 % of its single-stream throughput against its own map (the reference deployment's figure, from the brief;
    not measured here: ``docs/design.md``);
-d. **evaluate** (:func:`~pinsidecar.drift.decide`) on the newest drift window not used to build the candidate;
+d. **evaluate** (:func:`~pinsidecar.remap.decision.decide`) on the newest drift window not used to build the candidate;
    refused -> ``refused``, with both predicted cold rates;
 e-g. **deploy, verify, commit** (:mod:`~pinsidecar.remap.deploy`): in place when the swap plan allows it
    (:class:`~pinsidecar.remap.in_place.InPlaceDeploy`, ``applying``), else, or when the hook cannot, by the drain
@@ -45,14 +45,15 @@ import structlog
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, load_map
 
 import pinsidecar.remap.admission as admission
-from pinsidecar.drift import Window, build_candidate, decide, pick_from_library
+from pinsidecar.drift import Window
 from pinsidecar.engine.process import stop_recorded_engine
 from pinsidecar.errors import ControlError
 from pinsidecar.placement.counts import sum_counts
 from pinsidecar.remap.apply import apply_summary, withdraw_apply_request
-from pinsidecar.remap.candidates import library_maps, reference_counts, save_candidate
+from pinsidecar.remap.candidates import build_candidate, library_maps, reference_counts, save_candidate
 from pinsidecar.remap.commit import active_map_path
 from pinsidecar.remap.config import resolve_workloads
+from pinsidecar.remap.decision import decide, pick_from_library
 from pinsidecar.remap.deploy import Deploy, DeployContext, verify_and_commit
 from pinsidecar.remap.dry_run import dry_run_decision
 from pinsidecar.remap.host import RemapHost

@@ -18,8 +18,9 @@ The deploy step is ``applying`` (the hook swaps the candidate in place while the
 done falls back from ``applying`` to ``rebooting``, and one with ``remap.in_place = false`` (or a candidate of
 another geometry) goes from ``evaluating`` to ``rebooting``. What the apply did is the record's ``apply``.
 
-Which state may follow which is :data:`TRANSITIONS`, checked by :meth:`RemapRecord.enter` and
-:meth:`RemapRecord.finish` on every change: a record is what recovery and the operator trust about the engine
+Which state may follow which is :data:`TRANSITIONS`, checked (:func:`pinsidecar.transitions.check_transition`,
+the check the engine's states go through too) by :meth:`RemapRecord.enter` and :meth:`RemapRecord.finish` on
+every change: a record is what recovery and the operator trust about the engine
 (``rolled_back`` says the old map serves, ``committed`` that ``active-map.json`` names the candidate), so a step
 the pipeline never meant to take is a bug that must stop the remap there (the pipeline then closes it as an
 unforeseen failure, the old map serving), never a record that says it happened.
@@ -42,6 +43,8 @@ from typing import Any
 
 import structlog
 from pinsidecar_hook.contract import atomic_write_json
+
+from pinsidecar.transitions import check_transition
 
 __all__ = ["STATES", "TERMINAL_STATES"]
 
@@ -80,19 +83,10 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
-class IllegalTransition(ValueError):
-    """A state change :data:`TRANSITIONS` does not allow (a bug in whoever asked for it)."""
-
-    def __init__(self, remap_id: str, frm: str, to: str) -> None:
-        allowed = ", ".join(sorted(TRANSITIONS.get(frm, ()))) or "none: it is terminal"
-        super().__init__(f"remap {remap_id}: illegal transition {frm!r} -> {to!r} (allowed after {frm!r}: {allowed})")
-        self.frm, self.to = frm, to
-
-
-def check_transition(remap_id: str, frm: str, to: str) -> None:
-    """Raise :class:`IllegalTransition` unless ``to`` may follow ``frm``."""
-    if to not in TRANSITIONS.get(frm, frozenset()):
-        raise IllegalTransition(remap_id, frm, to)
+def _check(remap_id: str, frm: str, to: str) -> None:
+    """Raise :class:`~pinsidecar.transitions.IllegalTransition` unless :data:`TRANSITIONS` lets ``to`` follow
+    ``frm`` (a bug in whoever asked for it)."""
+    check_transition(TRANSITIONS, f"remap {remap_id}", frm, to)
 
 
 def utc_stamp(t: float | None = None) -> str:
@@ -164,7 +158,7 @@ class RemapRecord:
         """Close the current state (its step gets ``detail``) and move to ``state``. Returns the closed step."""
         if state not in STATES:
             raise ValueError(f"unknown remap state {state!r}")
-        check_transition(self.id, self.state, state)
+        _check(self.id, self.state, state)
         step = self._close_step(detail)
         self.state = state
         return step
@@ -174,7 +168,7 @@ class RemapRecord:
         """Close the current state and end the remap in terminal ``state`` (the outcome has the same name)."""
         if state not in TERMINAL_STATES:
             raise ValueError(f"not a terminal remap state: {state!r}")
-        check_transition(self.id, self.state, state)
+        _check(self.id, self.state, state)
         step = self._close_step(detail)
         self.state, self.outcome = state, state
         self.ended_at = utc_stamp()

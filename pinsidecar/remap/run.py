@@ -13,7 +13,7 @@ from typing import Any
 
 from pinsidecar_hook.contract import CountsArtifact, ExpertMap
 
-from pinsidecar.drift import Decision
+from pinsidecar.remap.decision import Decision
 from pinsidecar.remap.record import RemapRecord
 from pinsidecar.remap.traffic import WorkloadChoice
 

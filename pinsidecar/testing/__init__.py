@@ -9,6 +9,9 @@ placement, the remap pipeline or the drift watch without a real count boot shoul
   :mod:`~pinsidecar.testing.moe` — stand-ins and servers for the exporter, the gate and the kernels;
 - :mod:`~pinsidecar.testing.fixtures` — the pytest fixtures (the one module that needs pytest), loaded with
   ``pytest_plugins = ["pinsidecar.testing.fixtures"]``.
+
+The benchmarks' scenario harness (the remap lane, the heal scenario, its sampler, figures and plot) is not here:
+nothing that ships uses it, so it lives beside the benchmarks, in ``bench/scenario/``.
 """
 
 from pinsidecar.engine.ports import free_port

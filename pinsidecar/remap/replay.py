@@ -1,8 +1,10 @@
-"""Replay recorded windows through the drift watch: how an operator tunes the thresholds on their own traffic.
+"""Replay recorded windows through the drift watch and the deploy decision: how an operator tunes the thresholds on
+their own traffic (``pinsidecar drift replay``).
 
 Each counts file is one window, in order. The windows go through the same :class:`~pinsidecar.drift.watch.
-DriftWatch` (signals and detector) and the same :func:`~pinsidecar.drift.decision.decide` the daemon runs; what
-the daemon does with I/O (a count boot, a reboot) is stood in for by the recording itself:
+DriftWatch` (signals and detector) and the same :func:`~pinsidecar.remap.decision.decide` the daemon runs (so this
+lives with the remap, which sits above the drift watch); what the daemon does with I/O (a count boot, a reboot) is
+stood in for by the recording itself:
 
 - on a trip at window ``t``, the candidate is the map built from the traffic the pipeline would count: window
   ``t``, with the active map's hot rows;
@@ -25,12 +27,13 @@ from typing import Any
 from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap
 
 from pinsidecar.drift.config import DriftConfig
-from pinsidecar.drift.decision import Decision, build_candidate, decide
 from pinsidecar.drift.watch import DriftWatch
 from pinsidecar.drift.windows import Window
 from pinsidecar.placement import check_compatible, sum_counts
+from pinsidecar.remap.candidates import build_candidate
+from pinsidecar.remap.decision import Decision, decide
 
-__all__: list[str] = []  # nothing here is another package's business
+__all__ = ["replay"]
 
 
 def _duration(counts: CountsArtifact, fallback: float) -> float:

@@ -6,7 +6,7 @@ held by the gate sees; a wait still in progress counts), the gate's held and in-
 rate (the cold share of the selections since the hook's previous stats write, read from the stats file with a
 :class:`~pinsidecar.live_stats.StatsReader` of its own: the hook writes every 5 s, so it is carried between writes)
 and the drift watch's newest window. It is a thread of its own so that neither the clients' event loop nor the
-scenario's waits for the daemon can delay a sample (:mod:`pinsidecar.testing.scenario` starts and stops it). The
+scenario's waits for the daemon can delay a sample (:mod:`bench.scenario.heal` starts and stops it). The
 daemon's status is fetched by a poller thread of its own and the sampler takes the newest answer: on a loaded
 2-core box a status call took up to 2.5 s, and calls made in the sampler's loop once delayed its ticks past a whole
 8-s stage, which then had no sample.
@@ -21,13 +21,13 @@ from typing import Any
 
 import structlog
 
+from bench.scenario.remap_lane import RemapLane
 from pinsidecar.live_stats import StatsReader
-from pinsidecar.testing.remap_lane import RemapLane
 from pinsidecar.testing.streaming import ClientStats
 
 __all__: list[str] = []  # nothing here is another package's business
 
-log = structlog.get_logger("pinsidecar.testing.scenario")  # the scenario's events, under its logger
+log = structlog.get_logger("bench.scenario.heal")  # the scenario's events, under its logger
 
 
 STATUS_STALE_S = 5.0  # an older status than this is not the daemon's now: the sample says it had none

@@ -1,5 +1,9 @@
 """The deploy decision: does a candidate map beat the active one, on traffic it was not built from?
 
+This is the remap's evaluation step (the pipeline's ``evaluating``, a dry run's answer, the offline replay's
+verdicts): the rule "never deploy a candidate that predicts worse on the traffic actually served" lives here and
+nowhere else. The drift watch only says traffic moved; whether to act on it is decided here.
+
 A trip only says traffic moved. Before a remap reboots the engine, the candidate (rebuilt from counted traffic,
 or taken from the map library) is judged against the active map on a **held-out window**: the most recent window
 that was not used to build it. Both maps are scored on the same held-out histogram, so the comparison is fair and
@@ -15,9 +19,10 @@ reboot (never an in-place apply, never a compile-cache hit).
 
 :func:`pick_from_library` is what the pipeline runs before paying for a count boot: the library holds one map per
 traffic class (``label``), and if one of them fits the live window better than the active map by the margin, it
-is deployed as it is. :func:`build_candidate` builds from one traffic class's counts only. A blend of classes is
-never built by default: a map built from mixed traffic was measured to cost the majority class 10 % against its
-own map, so adaptation means choosing or rebuilding the map of what is served now.
+is deployed as it is. A rebuilt candidate (:func:`~pinsidecar.remap.candidates.build_candidate`) comes from one
+traffic class's counts only. A blend of classes is never built by default: a map built from mixed traffic was
+measured to cost the majority class 10 % against its own map, so adaptation means choosing or rebuilding the map of
+what is served now.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from pinsidecar_hook.contract import ArtifactError, CountsArtifact, ExpertMap
 
 from pinsidecar.drift.signals import map_cold_rate_on
 from pinsidecar.drift.windows import Window
-from pinsidecar.placement import build_usage_map
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -82,19 +86,6 @@ def _check_held_out(emap: ExpertMap, counts: CountsArtifact) -> None:
         raise ArtifactError(None, f"held-out traffic ({counts.num_layers} layers, {counts.num_experts} experts) and "
                             f"map {_name(emap)} ({emap.num_layers} layers, {emap.num_experts} experts) are for "
                             "different models", "judge maps on traffic of the model they were built for")
-
-
-def build_candidate(counts: Sequence[CountsArtifact | Window], active: ExpertMap, label: str = "") -> ExpertMap:
-    """A usage map from counted traffic with the active map's geometry (same hot rows and bytes per expert, and
-    the same cache slots and policy: a remap never drops the cache, and the candidate stays eligible for an
-    in-place apply).
-
-    Pass the counts of one traffic class (one count boot, or the recent windows of what is served now); this never
-    mixes classes on its own.
-    """
-    arts = [c.to_counts() if isinstance(c, Window) else c for c in counts]
-    return build_usage_map(arts, active.hot_rows, label=label, expert_bytes=active.expert_bytes,
-                           cache_slots=active.cache_slots, cache_policy=active.cache_policy)
 
 
 def decide(candidate: ExpertMap, active: ExpertMap, held_out: Window | CountsArtifact, margin: float, *,

@@ -1,6 +1,6 @@
 """The heal scenario's figures: pure functions of what a run recorded (its samples, windows, requests, stages).
 
-:meth:`pinsidecar.testing.scenario.HealScenario.document` assembles the document from these; they take what the
+:meth:`bench.scenario.heal.HealScenario.document` assembles the document from these; they take what the
 run kept, not the run, so that each figure's definition can be read (and checked) in one place: the recovery of
 decode throughput after the shift, the requests per stage, the clients' longest waits during a remap state, what
 the kill cost, and the cold rates per stage.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from pinsidecar.testing.remap_lane import _epoch
+from bench.scenario.remap_lane import _epoch
 from pinsidecar.testing.streaming import ClientStats, LoadResult, Request
 
 __all__: list[str] = []  # nothing here is another package's business
@@ -133,7 +133,7 @@ def long_gaps(clients: list[ClientStats], wall0: float, stages: list[dict[str, A
               compiles: list[dict[str, Any]] | None = None, *, min_s: float = 0.25,
               limit: int = 400) -> list[dict[str, Any]]:
     """The ``limit`` longest waits of at least ``min_s`` the clients saw, in time order, each with its stage and
-    (given ``compiles``, :func:`pinsidecar.testing.jit_cache.compiles_since` on the run's clock) the kernels
+    (given ``compiles``, :func:`bench.scenario.jit_cache.compiles_since` on the run's clock) the kernels
     compiled while it lasted: where serving stood still, and whether a JIT compile was why."""
     found = sorted(((g, n) for n, c in enumerate(clients) for g in c.gaps if g.seconds >= min_s),
                    key=lambda x: -x[0].seconds)[:limit]

@@ -7,7 +7,7 @@ compile of vLLM's ``fused_moe_kernel`` or the hook's ``_partition_kernel``; with
 (``bench/results/heal_h200_c*_2026-12-04.json``, ``jit``). Triton writes each compile's files into one folder of
 its cache (``TRITON_CACHE_DIR``) as the compile goes, so the folder's file times bound the compile. Give the
 engine a cache folder of its own and this module lists what it compiled after a given moment, so a figure can say
-whether a long gap was a compile (:func:`pinsidecar.testing.scenario_figures.long_gaps`).
+whether a long gap was a compile (:func:`bench.scenario.figures.long_gaps`).
 """
 
 from __future__ import annotations

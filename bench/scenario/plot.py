@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pinsidecar.testing.scenario_figures import RECOVERED_SHARE
+from bench.scenario.figures import RECOVERED_SHARE
 
 __all__: list[str] = []  # nothing here is another package's business
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from pinsidecar_hook.contract import ArtifactError
 
-from pinsidecar.drift import Window, build_candidate, decide, pick_from_library
+from pinsidecar.drift import Window
 from pinsidecar.placement import build_usage_map
+from pinsidecar.remap.candidates import build_candidate
+from pinsidecar.remap.decision import decide, pick_from_library
 from pinsidecar.testing.artifacts import make_counts, make_map
 
 MARGIN = 0.05

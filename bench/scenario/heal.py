@@ -4,7 +4,7 @@ clients saw second by second.
 
 Shared by ``bench/heal_scenario.py`` (the figures: CPU short form, or the full form on a GPU engine) and
 ``tests/test_heal_scenario.py`` (what must hold), so both run the same thing the same way. The daemon is
-:class:`~pinsidecar.testing.remap_lane.RemapLane`'s (the demo's config, the live remap source) with automatic
+:class:`~bench.scenario.remap_lane.RemapLane`'s (the demo's config, the live remap source) with automatic
 remaps on and a cooldown longer than the run (so exactly one automatic remap happens), plus whatever engine keys a
 GPU lane gives; the clients are :func:`~pinsidecar.testing.streaming.load_during`'s, whose prompts switch from
 the demo's code prompts to its prose ones mid-run. The stages (:data:`STAGES`), back to back:
@@ -18,11 +18,11 @@ the demo's code prompts to its prose ones mid-run. The stages (:data:`STAGES`), 
 7. ``kill``: the engine's process group is SIGKILLed; the supervisor restarts it; ``settle_s`` of serving after;
 8. ``end``: the clients are served twice more and stop; the daemon stops (nothing left running).
 
-A sampler thread takes one sample a second (:mod:`~pinsidecar.testing.scenario_sampler`). The document
+A sampler thread takes one sample a second (:mod:`~bench.scenario.sampler`). The document
 (:meth:`HealScenario.document`) holds the stages, the requests per stage, the remap's states and apply, the
 drain-reboot's answer, the kill, the recovery after the shift, the cold rates before and after, every window and
-every sample (the figures: :mod:`~pinsidecar.testing.scenario_figures`);
-:func:`~pinsidecar.testing.scenario_plot.draw_timeline` draws it.
+every sample (the figures: :mod:`~bench.scenario.figures`);
+:func:`~bench.scenario.plot.draw_timeline` draws it.
 """
 
 from __future__ import annotations
@@ -37,11 +37,7 @@ from typing import Any
 
 import structlog
 
-from pinsidecar.demo.sidecar import SERVED_MODEL_NAME
-from pinsidecar.demo.timeline import Timeline
-from pinsidecar.testing.jit_cache import compiles_since, per_kernel
-from pinsidecar.testing.remap_lane import EVENT_LIMIT_S, OTHER_HOT_ROWS, LaneMap, RemapLane, domain_prompts
-from pinsidecar.testing.scenario_figures import (
+from bench.scenario.figures import (
     apply_request_gaps,
     cold_rates,
     gaps_in,
@@ -51,7 +47,11 @@ from pinsidecar.testing.scenario_figures import (
     recovery,
     states,
 )
-from pinsidecar.testing.scenario_sampler import Sampler
+from bench.scenario.jit_cache import compiles_since, per_kernel
+from bench.scenario.remap_lane import EVENT_LIMIT_S, OTHER_HOT_ROWS, LaneMap, RemapLane, domain_prompts
+from bench.scenario.sampler import Sampler
+from pinsidecar.demo.sidecar import SERVED_MODEL_NAME
+from pinsidecar.demo.timeline import Timeline
 from pinsidecar.testing.streaming import ClientStats, Request, load_during
 
 __all__: list[str] = []  # nothing here is another package's business
