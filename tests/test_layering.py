@@ -1,15 +1,17 @@
 """The rooms import downwards only: no import cycle between modules, nor between the daemon's packages.
 
 A cycle is how two rooms start to share one idea without anyone noticing (the hook's old ``patches`` <-> ``count``
-/ ``pin`` cycle was one). This reads every module's top-level imports (imports inside functions are deliberate lazy
-imports and are not counted) and fails naming the cycle. The hook's finer rules (every vLLM import in
-``vllm_seam``, modules importable without vLLM) are in ``test_hook_rooms.py``.
+/ ``pin`` cycle was one). This reads every module's top-level imports, those under a top-level ``if`` or ``try``
+included (an ``if TYPE_CHECKING:`` import is a dependency too: the demo's ``loop`` <-> ``stages`` cycle hid there),
+and fails naming the cycle. Imports inside functions are deliberate lazy imports and are not counted. The hook's
+finer rules (every vLLM import in ``vllm_seam``, modules importable without vLLM) are in ``test_hook_rooms.py``.
 """
 
 from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,18 +28,28 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _module_level_imports(tree: ast.Module) -> Iterator[str]:
+    """What a module imports when it is imported, or when a type checker reads it: the top level, and the blocks of
+    a top-level ``if`` (``TYPE_CHECKING``) or ``try``; not function bodies."""
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop(0)
+        if isinstance(node, ast.If | ast.Try):
+            nodes[:0] = [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                         *(n for h in getattr(node, "handlers", []) for n in h.body)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
 def _import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
-        for node in ast.parse(path.read_text()).body:  # top level only
-            if isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            graph[name].update(t for t in targets if t in modules and t != name)
+        targets = _module_level_imports(ast.parse(path.read_text()))
+        graph[name].update(t for t in targets if t in modules and t != name)
     return graph
 
 
@@ -86,6 +98,15 @@ def test_the_check_sees_a_cycle() -> None:
     """The detector itself: a graph with a cycle is caught, one without is not (so a pass above means something)."""
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_an_import_only_for_the_type_checker_counts() -> None:
+    """``if TYPE_CHECKING:`` imports are edges of the graph; imports inside functions are not."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.loop import Options\n"
+                     "try:\n    import p.fast\nexcept ImportError:\n    import p.slow\n"
+                     "def f():\n    from p.lazy import x\n")
+    found = set(_module_level_imports(tree))
+    assert {"p.loop", "p.loop.Options", "p.fast", "p.slow"} <= found and not any("lazy" in t for t in found)
 
 
 def test_the_daemon_side_never_imports_hook_internals() -> None:
