@@ -114,7 +114,17 @@ else
   extra="." what="pinsidecar (editable)"
   modules=(pinsidecar) markers=(.venv/.pinsidecar-demo .venv/.pinsidecar-installed)
 fi
-if installed pinsidecar "${modules[@]}" >/dev/null && fresh "${markers[@]}"; then
+# This clone's pinsidecar, not another's: a .venv copied or moved from another clone keeps that clone's editable
+# install (and its scripts' #! lines), and would run that clone's code. -P: not this folder via sys.path[0].
+this_clone() {
+  .venv/bin/python -P - "$PWD" <<'EOF' 2>/dev/null
+import importlib.util, os, sys
+spec = importlib.util.find_spec("pinsidecar")
+sys.exit(0 if spec and spec.origin and os.path.realpath(spec.origin).startswith(os.path.realpath(sys.argv[1]) + os.sep)
+         else 1)
+EOF
+}
+if installed pinsidecar "${modules[@]}" >/dev/null && fresh "${markers[@]}" && this_clone; then
   already "$what"
 else
   step pinsidecar "$what" .venv/bin/pip install --progress-bar off -e "$extra"
