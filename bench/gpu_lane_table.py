@@ -1,6 +1,6 @@
-"""The README's engine table, rendered from one ``bench/gpu_lane.py`` report: so the table is the run, not a retyping.
+"""The engine tables of docs/results.md, rendered from one ``bench/gpu_lane.py`` report: the table is the run.
 
-Each row is one engine of the report (the placements in the order the README reads them: the bound, the split
+Each row is one engine of the report (the placements in the order the tables read them: the bound, the split
 with nothing cold, then positional and usage map per host budget), each cell the decode tok/s per stream at 1, 4
 and 16 streams: the median of the interleaved rounds with their min and max when the run had ``--reps`` (one
 value otherwise), then the live cold-selection rate (pin engines) and the engine's GPU memory. Under the table, the

@@ -3,6 +3,6 @@
 # Extra arguments go to `pinsidecar demo` (see `pinsidecar demo --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh demo
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 exec .venv/bin/pinsidecar demo "$@"

@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not vllm"` or `-k maps`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"

@@ -29,6 +29,8 @@ from pinsidecar.cli import main
 from pinsidecar.cli._terminal import Terminal, format_elapsed
 from pinsidecar.cli.demo import format_summary
 from pinsidecar.demo import loop
+from pinsidecar.demo.options import DemoOptions, Display
+from pinsidecar.demo.report import Prediction, verdict, window_line
 from pinsidecar.demo.sidecar import DemoPorts, demo_config
 from pinsidecar.engine.ports import free_port
 from pinsidecar.remap.candidates import counts_path_for
@@ -52,22 +54,24 @@ SUMMARY: dict[str, Any] = {
     "remap": {"id": "r1", "outcome": "committed", "reboot": {"hash_hit": True, "cache_miss": False, "hold_s": 31.0},
               "parity": {"ok": True}},
     "requests": {"sent": 812, "completed": 812, "failed": 0},
+    "verdict": "PASS cold rate 50.8% at the trip -> 4.7% after the remap (0.09x; the demo needs <= 0.50x); 812 of "
+               "812 requests served, none failed",
 }
 
 
 # ------------------------------------------------------------------------------------------------- fast cases
 
 
-def test_the_demo_ends_with_the_timeline_and_the_figures() -> None:
+def test_the_demo_ends_with_the_timeline_the_figures_and_one_verdict_line() -> None:
     text = format_summary(SUMMARY)
     assert "     0:00  demo model" in text and "4:10  remap: count boot     1:35" in text
     assert "7:11 in all" in text
-    assert "at the trip: 50.8%; after the remap: 4.7% (predicted 3.9%): 0.09x" in text and "-> ok" in text
+    assert "at the trip: 50.8%; after the remap: 4.7% (held-out 3.9%)" in text
     assert "held-out code under the code map: 5.9%; positional offload of the same budget: 24.8%" in text
     assert "hash hit, no cache miss, gate held 31.0 s; parity ok" in text
     assert "812 sent, 812 completed, 0 failed" in text
-    missed = format_summary({**SUMMARY, "cold_rate": {**SUMMARY["cold_rate"], "ok": False, "ratio": 0.8}})
-    assert "-> MISSED" in missed
+    assert text.splitlines()[-1] == "demo: " + SUMMARY["verdict"]
+    assert sum(line.startswith("demo: ") for line in text.splitlines()) == 1
     in_place = {**SUMMARY, "remap": {"id": "r1", "outcome": "committed", "reboot": None, "parity": {"ok": True},
                                      "apply": {"outcome": "applied", "seconds": 0.0042, "rows": 40,
                                                "bytes_moved": 5 * 2**20}}}
@@ -76,6 +80,31 @@ def test_the_demo_ends_with_the_timeline_and_the_figures() -> None:
     fell = {**SUMMARY, "remap": {**SUMMARY["remap"], "apply": {"outcome": "fell_back_reboot",
                                                                "reason": "the hook refused the apply: x"}}}
     assert "gate held 31.0 s (not in place: the hook refused the apply: x); parity ok" in format_summary(fell)
+    early = format_summary({"verdict": "FAIL the loop did not complete: boom"})
+    assert early.strip() == "demo: FAIL the loop did not complete: boom"
+
+
+def test_the_verdict_says_pass_with_its_figure_or_fail_with_why() -> None:
+    passed, why = verdict(SUMMARY)
+    assert passed and why == SUMMARY["verdict"].removeprefix("PASS ")
+    missed = {**SUMMARY, "cold_rate": {**SUMMARY["cold_rate"], "after": 0.4, "ratio": 0.79, "ok": False}}
+    assert verdict(missed) == (False, "cold rate 50.8% at the trip -> 40.0% after the remap (0.79x; the demo needs "
+                                      "<= 0.50x)")
+    lost = {**SUMMARY, "requests": {"sent": 812, "completed": 811, "failed": 1, "errors": ["read timeout"]}}
+    assert verdict(lost) == (False, "1 of 812 requests through the gate failed (first: read timeout)")
+    broke = {**SUMMARY, "error": "the daemon exited (code 1)", "logs": {"daemon": "/w/d.log", "engine": "/w/e.log"}}
+    assert verdict(broke) == (False, "the loop did not complete: the daemon exited (code 1) (logs: /w/d.log, "
+                                     "/w/e.log)")
+    assert verdict({})[0] is False
+
+
+def test_a_window_shows_the_one_figure_the_demo_gave_its_map_and_says_which() -> None:
+    rec = {"index": 3, "window": {"tokens": 512}, "judged": True, "state": "steady", "active_map": "sha256:ab",
+           "active_label": "code", "signals": {"cold_rate": 0.061, "predicted_cold_rate": 0.015,
+                                               "projected_gain": 0.001}}
+    assert "under map code, live cold rate 6.1% (in-sample 1.5%)" in window_line(rec)
+    held = window_line({**rec, "active_label": "prose"}, Prediction(0.025, "held-out"))
+    assert "under map prose, live cold rate 6.1% (held-out 2.5%)" in held and "in-sample" not in held
 
 
 def test_elapsed_time_reads_as_minutes_and_seconds() -> None:
@@ -86,7 +115,7 @@ def test_demo_command_prints_steps_then_the_timeline_or_json_alone(monkeypatch: 
                                                                    tmp_path: Path) -> None:
     """The command's wiring, with the loop faked."""
 
-    def fake_run_demo(opts: loop.DemoOptions, display: loop.Display) -> dict[str, Any]:
+    def fake_run_demo(opts: DemoOptions, display: Display) -> dict[str, Any]:
         display.step("count boot: vLLM CPU in count mode")
         with display.waiting("remap") as update:
             update("remap: count_boot")
@@ -99,26 +128,31 @@ def test_demo_command_prints_steps_then_the_timeline_or_json_alone(monkeypatch: 
     assert human.exit_code == 0, human.output
     lines = human.stdout.splitlines()
     assert lines[:2] == ["==> count boot: vLLM CPU in count mode", "    window 3: 612 tokens"]
-    assert lines[-1].startswith("  metrics were live at http://127.0.0.1:9108/metrics")
+    assert lines[-3].startswith("  metrics were live at http://127.0.0.1:9108/metrics")
+    assert lines[-1] == "demo: " + SUMMARY["verdict"]
     assert "demo_step" not in human.stderr
     as_json = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path), "--json"])
     assert as_json.exit_code == 0 and _one_json_document(as_json.stdout) == SUMMARY
     assert as_json.stderr == ""
 
 
-def test_a_missed_figure_prints_the_figures_and_exits_1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_missed_figure_prints_the_figures_and_a_fail_line_and_exits_1(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    why = "cold rate 50.8% at the trip -> 40.0% after the remap (0.79x; the demo needs <= 0.50x)"
     missed = {**SUMMARY, "ok": False, "cold_rate": {**SUMMARY["cold_rate"], "after": 0.4, "ratio": 0.79,
-                                                     "ok": False}}
+                                                     "ok": False}, "verdict": f"FAIL {why}"}
 
-    def fake_run_demo(opts: loop.DemoOptions, display: loop.Display) -> dict[str, Any]:
-        raise loop.DemoFailed("the cold rate after the remap is 40.0%, not at most 50% of the 50.8% at the trip",
-                              missed)
+    def fake_run_demo(opts: DemoOptions, display: Display) -> dict[str, Any]:
+        raise loop.DemoFailed(why, missed)
 
     monkeypatch.setattr(loop, "run_demo", fake_run_demo)
     result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path), "--json"])
     assert result.exit_code == 1
-    assert _one_json_document(result.stdout)["cold_rate"]["ok"] is False
-    assert "error: the cold rate after the remap is 40.0%" in result.stderr
+    doc = _one_json_document(result.stdout)
+    assert doc["cold_rate"]["ok"] is False and doc["verdict"] == f"FAIL {why}"
+    assert result.stderr == f"demo: FAIL {why}\n"
+    human = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path)])
+    assert human.exit_code == 1 and human.stdout.splitlines()[-1] == f"demo: FAIL {why}"
 
 
 def test_the_demo_daemon_config_passes_the_daemons_own_validation(tmp_path: Path) -> None:
@@ -185,7 +219,7 @@ def test_demo_runs_the_whole_loop_on_vllm_cpu(tmp_path: Path) -> None:
     assert result.exit_code == 0, (result.stderr, figure)
     assert "HTTP Request:" not in result.stdout + result.stderr and "==>" not in result.stdout
     assert summary == json.loads((work / "demo-summary.json").read_text())
-    assert summary["ok"] is True
+    assert summary["ok"] is True and summary["verdict"].startswith("PASS cold rate "), summary["verdict"]
 
     # The figure: the cold rate after the remap is at most half the rate at the trip.
     cold = summary["cold_rate"]

@@ -35,7 +35,7 @@ from pinsidecar.remap.replay import replay
 from pinsidecar.testing.artifacts import make_counts, make_map
 
 DATA = Path(__file__).parent / "data" / "drift" / "demo_routing.json"
-HOT_ROWS = 48  # the CPU demo's geometry: 48 of 64 experts hot (pinsidecar.demo.loop.DEFAULT_HOT_ROWS)
+HOT_ROWS = 48  # the CPU demo's geometry: 48 of 64 experts hot (pinsidecar.demo.options.DEFAULT_HOT_ROWS)
 WINDOW_TOKENS = (256, 2048)  # what a demo window holds: min_tokens .. twice window_tokens
 
 

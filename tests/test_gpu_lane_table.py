@@ -1,4 +1,4 @@
-"""The README's engine table comes from a report (bench/gpu_lane_table.py): checked on the committed FP8 run."""
+"""docs/results.md's engine tables come from a report (bench/gpu_lane_table.py): checked on the committed FP8 run."""
 
 from __future__ import annotations
 
@@ -40,10 +40,16 @@ def test_a_row_that_beats_its_bound_is_flagged() -> None:
     assert "Beats its own bound" in table.render(doc)  # type: ignore[attr-defined]
 
 
-def test_the_readmes_bf16_table_is_the_committed_interleaved_run() -> None:
-    """The README's 23 % bf16 rows are the rendering of the committed 2026-12-02 run, not a retyping of it."""
+def test_the_results_engine_tables_are_the_committed_interleaved_runs() -> None:
+    """docs/results.md's bf16 (2026-12-02) and FP8 (2026-12-01) tables and their ratios are the rendering of the
+    committed runs, not a retyping of them; the README's headline figure is the bf16 run's."""
     table = _table()
+    results = (REPO / "docs" / "results.md").read_text()
+    for name, n_rows in (("gpu_lane_h200_table_2026-12-02.json", 5), ("gpu_lane_h200_fp8-block.json", 6)):
+        doc = json.loads((REPO / "bench" / "results" / name).read_text())
+        text = table.render(doc)  # type: ignore[attr-defined]
+        rows = [line for line in text.splitlines() if line.startswith(("| ", "- "))]
+        assert len([r for r in rows if r.startswith("| ")]) == n_rows and all(row in results for row in rows), name
     doc = json.loads((REPO / "bench" / "results" / "gpu_lane_h200_table_2026-12-02.json").read_text())
-    rows = [line for line in table.render(doc).splitlines() if line.startswith("| ")]  # type: ignore[attr-defined]
-    readme = (REPO / "README.md").read_text()
-    assert len(rows) == 5 and all(row in readme for row in rows)
+    ratio = doc["figures_reps"]["usage_over_positional_23pct_1stream"]["median"]
+    assert f"**{ratio:.2f}×**" in (REPO / "README.md").read_text()

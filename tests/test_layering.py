@@ -2,20 +2,23 @@
 of the arrows the rooms' order forbids.
 
 A cycle is how two rooms start to share one idea without anyone noticing (the hook's old ``patches`` <-> ``count``
-/ ``pin`` cycle was one). The cycle checks read every module's top-level imports (imports inside functions are
-deliberate lazy imports and are not counted) and fail naming the cycle. A cycle check alone lets a new arrow point
-upwards until something points back, so the order itself is written down too (:data:`FORBIDDEN`, checked against
-every import statement, lazy ones included): placement below everything that builds or judges maps, the drift
-watch below the remap that decides on it, the daemon's roles wired by ``service`` and never reaching back into it
-or sideways into each other, and nothing that ships importing the test helpers or the benchmarks. The remap ->
-daemon rule has its own test (``test_remap_layering.py``); the hook's finer rules (every vLLM import in
-``vllm_seam``, modules importable without vLLM) are in ``test_hook_rooms.py``.
+/ ``pin`` cycle was one). The cycle checks read every module's imports at import time: the top level, and those
+under a top-level ``if`` or ``try`` (an ``if TYPE_CHECKING:`` import is a dependency too: the demo's ``loop`` <->
+``stages`` cycle hid there); imports inside functions are deliberate lazy imports and are not counted. They fail
+naming the cycle. A cycle check alone lets a new arrow point upwards until something points back, so the order
+itself is written down too (:data:`FORBIDDEN`, checked against every import statement, lazy ones included):
+placement below everything that builds or judges maps, the drift watch below the remap that decides on it, the
+daemon's roles wired by ``service`` and never reaching back into it or sideways into each other, and nothing that
+ships importing the test helpers or the benchmarks. The remap -> daemon rule has its own test
+(``test_remap_layering.py``); the hook's finer rules (every vLLM import in ``vllm_seam``, modules importable without
+vLLM) are in ``test_hook_rooms.py``.
 """
 
 from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,21 +35,41 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _targets(node: ast.AST) -> list[str]:
+    """What an import statement names: the module, and for ``from m import a`` also ``m.a`` (a submodule or not)."""
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return []
+
+
+def _module_level_imports(tree: ast.Module) -> Iterator[str]:
+    """What a module imports when it is imported, or when a type checker reads it: the top level, and the blocks of
+    a top-level ``if`` (``TYPE_CHECKING``) or ``try``; not function bodies."""
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop(0)
+        if isinstance(node, ast.If | ast.Try):
+            nodes[:0] = [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                         *(n for h in getattr(node, "handlers", []) for n in h.body)]
+        else:
+            yield from _targets(node)
+
+
 def _import_graph(*, every: bool = False) -> dict[str, set[str]]:
-    """Module -> the modules it imports: top-level imports of the package's own modules, or (``every``) every
-    import statement anywhere in the file, of anything (``bench``, third-party names included)."""
+    """Module -> the modules it imports: the package's own modules imported at import time
+    (:func:`_module_level_imports`), or (``every``) every import statement anywhere in the file, of anything
+    (``bench``, third-party names included)."""
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        for node in ast.walk(tree) if every else tree.body:
-            if isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            graph[name].update(t for t in targets if (every or t in modules) and t != name)
+        if every:
+            targets = [t for node in ast.walk(tree) for t in _targets(node)]
+        else:
+            targets = [t for t in _module_level_imports(tree) if t in modules]
+        graph[name].update(t for t in targets if t != name)
     return graph
 
 
@@ -142,6 +165,15 @@ def test_the_check_sees_a_cycle() -> None:
     """The detector itself: a graph with a cycle is caught, one without is not (so a pass above means something)."""
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_an_import_only_for_the_type_checker_counts() -> None:
+    """``if TYPE_CHECKING:`` imports are edges of the graph; imports inside functions are not."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.loop import Options\n"
+                     "try:\n    import p.fast\nexcept ImportError:\n    import p.slow\n"
+                     "def f():\n    from p.lazy import x\n")
+    found = set(_module_level_imports(tree))
+    assert {"p.loop", "p.loop.Options", "p.fast", "p.slow"} <= found and not any("lazy" in t for t in found)
 
 
 def test_the_daemon_side_never_imports_hook_internals() -> None:

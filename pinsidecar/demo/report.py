@@ -3,12 +3,17 @@
 The loop's stages (:mod:`pinsidecar.demo.stages`) read the daemon's status and remap records; these functions turn
 those documents into one line for a person (a closed drift window, a finished remap state) or into the summary's
 parts (``demo-summary.json``: the remap's essentials, the cold-rate figures and whether they meet
-:data:`REQUIRED_RATIO`). They are pure functions of the documents, so the wording and the figures can be read (and
-tested) apart from the engine.
+:data:`REQUIRED_RATIO`, and the one-line verdict). They are pure functions of the documents, so the wording and the
+figures can be read (and tested) apart from the engine.
+
+A map's cold rate is shown with what it is: ``in-sample`` (the map scored on the counts it was built from, which
+flatters it) or ``held-out`` (scored on a drift window it was not built from, which is what the remap judges and
+verifies against). Each map is shown with one of them only, the best it has (:class:`Prediction`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +39,25 @@ def short_hash(h: str | None) -> str:
     return (h or "").split(":", 1)[-1][:12] or "-"
 
 
-def window_line(rec: dict[str, Any]) -> str:
-    """One closed drift window for a person."""
+@dataclass(frozen=True)
+class Prediction:
+    """The one figure a map is shown with: its expected cold rate, and what kind of figure it is."""
+
+    cold_rate: float | None
+    kind: str  # "in-sample" or "held-out"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {pct(self.cold_rate)}"
+
+
+def window_line(rec: dict[str, Any], prediction: Prediction | None = None) -> str:
+    """One closed drift window for a person. ``prediction`` is the figure the demo showed for the map serving it;
+    without one, the map's own figure is shown, which is in-sample."""
     w, s = rec.get("window") or {}, rec.get("signals") or {}
-    head = f"window {rec['index']}: {w.get('tokens', 0):>5} tokens"
-    cold = f"live cold rate {pct(s.get('cold_rate'))} (map predicts {pct(s.get('predicted_cold_rate'))})"
+    label = rec.get("active_label") or short_hash(rec.get("active_map"))
+    head = f"window {rec['index']}: {w.get('tokens', 0):>5} tokens under map {label}"
+    shown = prediction or Prediction(s.get("predicted_cold_rate"), "in-sample")
+    cold = f"live cold rate {pct(s.get('cold_rate'))} ({shown})"
     if not rec.get("judged"):
         why = rec.get("why_not") or ""
         if why.startswith("too few tokens"):
@@ -46,7 +65,7 @@ def window_line(rec: dict[str, Any]) -> str:
         if "no earlier window" in why:
             why = "the first window (a rebuilt map is built on the window before)"
         return f"{head}, {cold}; not judged: {why[:80]}"
-    line = f"{head}, {cold}, gain of a rebuilt map {pts(s.get('projected_gain'))}"
+    line = f"{head}, {cold}, a map rebuilt from the window before would gain {pts(s.get('projected_gain'))}"
     if rec.get("trip"):
         return f"{line}: DRIFT, remap started"
     state = rec.get("state", "")
@@ -94,8 +113,8 @@ def step_line(step: dict[str, Any]) -> str:
         return head + (f"a second engine on :{d.get('port')} beside the serving one: {d.get('requests')} requests, "
                        f"{d.get('tokens')} routed tokens (engine up in {secs(d.get('boot_s'))})")
     if state == "building":
-        return head + (f"new map {d.get('label')} ({short_hash(d.get('hash'))}), same geometry; "
-                       f"in-sample cold rate {pct(d.get('in_sample_cold_rate'))}")
+        return head + (f"new map {d.get('label')} ({short_hash(d.get('hash'))}), same geometry, from "
+                       f"{d.get('tokens', 0)} counted tokens")
     if state == "evaluating":
         return head + str(d.get("decision", "")) + (f"; {d['in_place']}" if d.get("in_place") else "")
     if state == "applying":
@@ -112,7 +131,7 @@ def step_line(step: dict[str, Any]) -> str:
         c = d.get("cold_rate") or {}
         if c:
             return head + (f"live cold rate {pct(c.get('live_cold_rate'))} over {c.get('tokens')} tokens under "
-                           f"the new map (predicted {pct(c.get('predicted_cold_rate'))}): {c.get('status')}")
+                           f"the new map (held-out {pct(c.get('predicted_cold_rate'))}): {c.get('status')}")
     return head + ", ".join(f"{k}={v}" for k, v in d.items() if not isinstance(v, dict | list))
 
 
@@ -174,3 +193,25 @@ def cold_rate_figures(summary: dict[str, Any], after_windows: list[dict[str, Any
         "ratio": ratio, "required_ratio": REQUIRED_RATIO,
         "ok": ratio is not None and ratio <= REQUIRED_RATIO,
     }
+
+
+def verdict(summary: dict[str, Any]) -> tuple[bool, str]:
+    """(passed, the figure that decided it or why it failed): the loop completed, the cold rate after the remap is
+    at most :data:`REQUIRED_RATIO` of the rate at the trip, and no request through the gate failed."""
+    if summary.get("error"):
+        logs = summary.get("logs") or {}
+        where = f" (logs: {logs.get('daemon')}, {logs.get('engine')})" if logs else ""
+        return False, f"the loop did not complete: {summary['error']}{where}"
+    c, q = summary.get("cold_rate") or {}, summary.get("requests") or {}
+    if c.get("ratio") is None:
+        return False, "no cold rate after the remap to judge"
+    figure = (f"cold rate {pct(c.get('at_trip'))} at the trip -> {pct(c.get('after'))} after the remap "
+              f"({c['ratio']:.2f}x; the demo needs <= {REQUIRED_RATIO:.2f}x)")
+    if not c.get("ok"):
+        return False, figure
+    if not q.get("sent"):
+        return False, "no request went through the gate"
+    if q.get("failed") or q.get("completed") != q.get("sent"):
+        first = (q.get("errors") or ["?"])[0]
+        return False, f"{q.get('failed')} of {q.get('sent')} requests through the gate failed (first: {first})"
+    return True, f"{figure}; {q['completed']} of {q['sent']} requests served, none failed"

@@ -15,18 +15,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from pinsidecar_hook.contract import CountsArtifact, load_counts
 
 from pinsidecar import placement
-from pinsidecar.demo.report import pct, pts, short_hash, step_line, window_brief, window_line
+from pinsidecar.demo.options import DemoOptions, Display
+from pinsidecar.demo.report import Prediction, pct, pts, short_hash, step_line, window_brief, window_line
 from pinsidecar.demo.sidecar import BOOT_TIMEOUT_S, MAX_HOLD_S, SERVED_MODEL_NAME, DemoPorts, Sidecar, demo_config
 from pinsidecar.demo.timeline import Timeline, epoch
-
-if TYPE_CHECKING:
-    from pinsidecar.demo.loop import DemoOptions, Display
 
 __all__: list[str] = []  # nothing here is another package's business
 
@@ -80,6 +78,10 @@ class DemoRun:
         self.seen_window = -1
         self.phase = ""
         self.print_windows = True
+        self.unprinted: list[int] = []  # windows that closed while a remap was followed (recorded, not printed)
+        # The one figure each map is shown with, by content hash (report.Prediction): the first map's in-sample
+        # rate, the remap's candidate's held-out rate once the pipeline has judged it.
+        self.predictions: dict[str, Prediction] = {}
 
     # ------------------------------------------------------------------------------------------ stages 1-3
     def build_model(self) -> None:
@@ -131,8 +133,10 @@ class DemoRun:
         self.summary["map"] = {"path": str(map_path), "hash": usage.content_hash, "label": usage.label,
                                "hot_rows": usage.hot_rows, "cold_rows": usage.cold_rows,
                                "predicted_cold_rate": usage.predicted_cold_rate}
+        self.predictions[usage.content_hash] = Prediction(usage.predicted_cold_rate, "in-sample")
         show.note(f"map {a} ({usage.short_hash}): {usage.hot_rows} hot / {usage.cold_rows} cold experts per layer, "
-                  f"in-sample cold rate {pct(usage.predicted_cold_rate)} -> {map_path}")
+                  f"in-sample cold rate {pct(usage.predicted_cold_rate)} (on the counts it was built from) "
+                  f"-> {map_path}")
         return map_path, usage, positional
 
     # ------------------------------------------------------------------------------------------ the daemon
@@ -174,7 +178,9 @@ class DemoRun:
         self.seen_window = rec["index"]
         self.windows.append(window_brief(rec, self.phase))
         if self.print_windows:
-            self.show.note(window_line(rec))
+            self.show.note(window_line(rec, self.predictions.get(rec.get("active_map") or "")))
+        else:
+            self.unprinted.append(rec["index"])
 
     def start_daemon(self, map_path: Path, ports: DemoPorts) -> dict[str, Any]:
         from pinsidecar.daemon.config import load_config
@@ -315,6 +321,9 @@ class DemoRun:
             self.print_windows = True
         rec, _ = steps_of(st)
         assert rec is not None
+        cand, decision = rec.get("candidate") or {}, rec.get("decision") or {}
+        if cand.get("hash"):
+            self.predictions[cand["hash"]] = Prediction(decision.get("candidate_cold_rate"), "held-out")
         # The first step's wall-clock start places the remap on the timeline; each later step starts where the one
         # before ended, by its (monotonic) seconds: a wall clock stepped mid-remap (NTP, a VM resumed) must not
         # reorder the stages. Seen: the wall clock ran 12 s ahead of the monotonic one during a 4-minute count boot.
@@ -329,6 +338,11 @@ class DemoRun:
         self.summary["remap_committed_at_s"] = round(self.timeline.now(), 1)
         outcome = rec.get("outcome")
         show.note(f"{outcome}: {rec.get('outcome_reason') or rec.get('error') or ''}")
+        if self.unprinted:
+            lo, hi = self.unprinted[0], self.unprinted[-1]
+            which = f"window {lo}" if lo == hi else f"windows {lo}-{hi}"
+            show.note(f"({which} closed while the remap ran: not shown here, listed in demo-summary.json)")
+            self.unprinted.clear()
         return rec
 
     def after(self) -> list[dict[str, Any]]:
