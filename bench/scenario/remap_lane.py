@@ -36,7 +36,7 @@ from pinsidecar.testing.streaming import LoadResult, load_during
 
 __all__: list[str] = []  # nothing here is another package's business
 
-HOT_ROWS = 48  # the demo's geometry (pinsidecar.demo.loop.DEFAULT_HOT_ROWS)
+HOT_ROWS = 48  # the demo's geometry (pinsidecar.demo.options.DEFAULT_HOT_ROWS)
 OTHER_HOT_ROWS = 56  # another geometry: the hot tensor changes shape, so only a reboot deploys it
 EVENT_LIMIT_S = 900.0  # a boot on a loaded 2-core box can take minutes
 # The lane's changes to the demo's config (remaps on demand, see the module docstring); ``overrides`` go over them.

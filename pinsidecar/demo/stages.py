@@ -124,8 +124,9 @@ class DemoRun:
         show, a = self.show, self.opts.domain_a
         show.step(f"map: the usage map of {a}, and the positional baseline for the same budget")
         with self.timeline.stage("map", "usage map"):
-            usage = placement.build_usage_map([counts], self.opts.hot_rows, label=a,
-                                              expert_bytes=int(counts.meta.get("expert_bytes", 0) or 0))
+            names = [a]  # the one builder `map build` and remap use, so the demo's map carries their meta
+            xbytes = placement.resolve_expert_bytes([counts], names, counts)
+            usage = placement.build_map([counts], self.opts.hot_rows, xbytes, names=names, label=a).map
             map_path = self.run_dir / "maps" / f"{a}.json"
             counts.save(counts_path_for(map_path))  # beside the map: the drift watch's divergence reference
             placement.save_map(usage, map_path)

@@ -1,7 +1,7 @@
 """Where each stage of a run fell in time: its start (seconds from the run's start) and its duration.
 
 The demo loop's summary holds it (``pinsidecar demo`` prints it at the end), and the heal scenario
-(:mod:`pinsidecar.testing.scenario`) records its stages in it too, so it lives in neither. Stages are placed by the
+(``bench/scenario/heal.py``) records its stages in it too, so it lives in neither. Stages are placed by the
 monotonic clock; what the daemon reports with a wall-clock stamp (a remap record's ``at``) is placed through
 :meth:`Timeline.from_wall` and :func:`epoch`.
 """
