@@ -3,8 +3,12 @@
 # device_smoke.sh does (device_install_lane.sh), for every quant of ${GPU_LANE_QUANTS:-fp8-block fp8-online
 # gptq-int4}: its model, the count boot (CUDA graphs on; exact counts), the maps, then the hook-off engine and pin
 # u23 booted together (u23 with PINSIDECAR_PIN_SELFCHECK=1: the split against vLLM's unsplit kernel on every layer,
-# bit for bit; both through the greedy parity fixture). Then, for the first quant only, off, p23, u23 and u0 booted
-# together and swept (decode at 1/4/16 streams) in ${GPU_LANE_REPS:-3} interleaved rounds, alone on the GPU.
+# bit for bit; both through the greedy parity fixture). Then, for the first quant only (or each of
+# ${GPU_LANE_SWEEP_QUANTS}, one after the other), off, p23, u23 and u0 booted together and swept (decode at 1/4/16
+# streams) in ${GPU_LANE_REPS:-3} interleaved rounds, alone on the GPU.
+# With GPU_LANE_SPLIT_CHECK=1, right after the install: scripts/gpu_lane/split_check.py (the split against vLLM's
+# unsplit TritonExperts call, bf16 and FP8 block, decode to prefill-sized batches) and the GPU tests beside it.
+# The same script runs any vLLM the chunks carry (pack.py --vllm): 0.26 on the device's torch, 0.34 on a carried one.
 #
 # Order: the selfcheck, parity and exact counts of every lane come first, the sweep last. The lanes run side by
 # side (GPU_LANE_PARALLEL=1, the default: their boots and compiles overlap, and what they check does not depend on
@@ -33,7 +37,7 @@ set -uo pipefail
 T0=$(date +%s)
 BUDGET=${1:-585}
 QUANTS=${GPU_LANE_QUANTS:-fp8-block fp8-online gptq-int4}
-SWEEP_QUANT=${GPU_LANE_SWEEP_QUANT:-${QUANTS%% *}}
+SWEEP_QUANTS=${GPU_LANE_SWEEP_QUANTS:-${GPU_LANE_SWEEP_QUANT:-${QUANTS%% *}}}
 SWEEP_PLAN=${GPU_LANE_SWEEP_PLAN:-off,p23,u23,u0}
 REPS=${GPU_LANE_REPS:-3}
 PARALLEL=${GPU_LANE_PARALLEL:-1}
@@ -113,10 +117,22 @@ else
   if [ -n "$BUILDS" ]; then wait "$BUILDS"; cat "$W0/early_builds.log"; echo "== early builds done at $(at)"; fi
 fi
 df -h /tmp | tail -1
-echo "== quants: $QUANTS (parallel $PARALLEL); sweep: $SWEEP_QUANT ($SWEEP_PLAN, $REPS rounds);" \
+echo "== quants: $QUANTS (parallel $PARALLEL); sweep: $SWEEP_QUANTS ($SWEEP_PLAN, $REPS rounds);" \
   "${GPU_LANE_VLLM_ARGS:+vLLM args: $GPU_LANE_VLLM_ARGS; }$(left) s left"
 
 STATUS=0
+# (0) The split against vLLM's own kernel, layer by layer (no engine), and the GPU tests beside it: once per machine.
+if [ "${GPU_LANE_SPLIT_CHECK:-0}" = 1 ] && [ ! -f "$W0/split_check.done" ]; then
+  ( timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_lane_padding.py \
+      tests/test_kernels.py tests/test_backends_ref.py tests/test_backends_gpu_adapters.py \
+      tests/test_cache_plan_kernel.py tests/test_swap_gpu.py -ra > "$OUT/pytest_gpu.log" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  PYTEST=$!
+  echo "== split_check at $(at)"
+  timeout 240 python3 scripts/gpu_lane/split_check.py --out "$W0/split_check.json"
+  echo "== split_check rc=$? at $(at)"; cp "$W0/split_check.json" "$OUT/" 2>/dev/null && touch "$W0/split_check.done"
+  wait $PYTEST; tail -n 3 "$OUT/pytest_gpu.log"
+fi
 if [ "$PARALLEL" = 1 ]; then  # (1)-(3): every lane's model, count boot and maps, then its selfcheck and parity
   each build - --phases model || STATUS=3
   each count build --phases count,maps,report --sweep none || STATUS=3
@@ -129,10 +145,11 @@ else
     [ "$(cat "$W0/$q/lane.rc")" = 0 ] || { STATUS=3; break; }
   done
 fi
-if [ $STATUS -eq 0 ]; then  # (4): the first lane's decode sweep, its placements interleaved, alone on the GPU
-  step "$SWEEP_QUANT" sweep lane --phases engines,report --plan "$SWEEP_PLAN" --sweep all --reps "$REPS"
-  [ "$(cat "$W0/$SWEEP_QUANT/sweep.rc")" = 0 ] || STATUS=3
-fi
+for q in $SWEEP_QUANTS; do  # (4): each sweep lane's decode sweep, its placements interleaved, alone on the GPU
+  [ $STATUS -eq 0 ] || break
+  step "$q" sweep lane --phases engines,report --plan "$SWEEP_PLAN" --sweep all --reps "$REPS"
+  [ "$(cat "$W0/$q/sweep.rc")" = 0 ] || STATUS=3
+done
 
 echo "== every engine so far (at $(at)):"
 REPORTS=()

@@ -182,7 +182,8 @@ _LEFT_OUT_034 = {
     "opentelemetry-sdk": "tracing (--otlp-traces-endpoint); vllm/tracing/otel.py guards the import (try/except)",
     "python-json-logger": "only with a JSON logging config (VLLM_LOGGING_CONFIG_PATH)",
 }
-_ROOTS_034 = tuple(r for r in _ROOTS_026 if r != "openai-harmony") + (
+_ROOTS_034 = (
+    *(r for r in _ROOTS_026 if r != "openai-harmony"),
     "oss-harmony",  # provides the openai_harmony module (vllm/renderers/chat_utils/types.py imports it at boot)
     "orjson",  # fastapi's responses import it at boot (FastAPI 0.13x)
 )

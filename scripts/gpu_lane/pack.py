@@ -44,8 +44,8 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fatbin  # noqa: E402  (scripts/gpu_lane is a folder of scripts, not a package)
-from lane_profiles import LaneProfile, profile  # noqa: E402
+import fatbin  # scripts/gpu_lane is a folder of scripts, not a package: found through sys.path
+from lane_profiles import LaneProfile, profile
 
 __all__ = ["main"]
 
