@@ -111,7 +111,7 @@ def test_a_moved_key_at_both_places_is_an_error_naming_both(item: tuple[str, Any
     doc.setdefault(section, {})[f.name] = _other_value(f)
     doc[section].setdefault(table, {})[key] = _other_value(f)
     old, new = f"{section}.{f.name}", f"{section}.{table}.{key}"
-    with pytest.raises(ConfigError, match=re.escape(f"{old} and {new}: the same key set in two places; keep {new}")):
+    with pytest.raises(ConfigError, match=re.escape(f"{old} and {new}: the same key set in two places (keep {new}")):
         _parse(doc, tmp_path)
 
 
@@ -146,12 +146,13 @@ def test_the_drift_table_alone_warns_too(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("doc", "message"), [
-    ({"drift": {"advanced": {"trip_gain": 0.1}}}, "drift.advanced.trip_gain: not a key of [drift.advanced]: it "
-                                                  "belongs in [drift]"),
+    ({"drift": {"advanced": {"trip_gain": 0.1}}}, "drift.advanced.trip_gain: not a key of [drift.advanced] (move it "
+                                                  "to [drift])"),
     ({"remap": {"advanced": {"in_place": False}}}, "remap.advanced.in_place: not a key of [remap.advanced]"),
-    ({"engine": {"advanced": {"dtype": "auto"}}}, "engine.advanced.dtype: not a key of [engine.advanced]: it "
-                                                  "belongs in [engine.vllm]"),
-    ({"gate": {"advanced": {"max_qeue": 1}}}, "gate.advanced.max_qeue: unknown key (allowed in [gate.advanced]: "),
+    ({"engine": {"advanced": {"dtype": "auto"}}}, "engine.advanced.dtype: not a key of [engine.advanced] (move it "
+                                                  "to [engine.vllm])"),
+    ({"gate": {"advanced": {"max_qeue": 1}}}, "gate.advanced.max_qeue: unknown key (did you mean max_queue? allowed "
+                                              "in [gate.advanced]: "),
     ({"maps": {"advanced": {"watch": True}}}, "maps.advanced: unknown key"),  # nothing of [maps] is tuning
     ({"supervisor": {"advanced": {"backoff_initial_s": 10, "backoff_max_s": 1}}},
      "supervisor.advanced.backoff_max_s: must be >= supervisor.advanced.backoff_initial_s (10.0)"),
@@ -230,26 +231,27 @@ def test_old_engine_keys_and_extra_args_still_load_with_the_new_place(tmp_path: 
 
 @pytest.mark.parametrize(("body", "message"), [
     ("max_model_len = 512\n[engine.vllm]\nmax-model-len = 1024",
-     "engine.max_model_len and engine.vllm.max-model-len: the same key set in two places; keep "
-     "engine.vllm.max-model-len and remove engine.max_model_len"),
+     "engine.max_model_len and engine.vllm.max-model-len: the same key set in two places (keep "
+     "engine.vllm.max-model-len and remove engine.max_model_len)"),
     ("[engine.vllm]\nmax_model_len = 1\nmax-model-len = 2",
      "engine.vllm.max_model_len and engine.vllm.max-model-len: the same vLLM flag --max-model-len twice"),
     ("[engine.vllm]\nmax-num-seqs = 1\nmax_num_seqs = 2", "engine.vllm.max-num-seqs and engine.vllm.max_num_seqs"),
-    ("[engine.vllm]\nport = 9000", "engine.vllm.port: pinsidecar passes --port from engine.port; set it there"),
+    ("[engine.vllm]\nport = 9000", "engine.vllm.port: pinsidecar passes --port from engine.port (set it there)"),
     ("[engine.vllm]\nmodel = \"/m\"", "engine.vllm.model: pinsidecar passes --model from engine.model"),
     ("[engine.vllm]\nhost = \"0.0.0.0\"", "engine.vllm.host: pinsidecar passes --host from engine.host"),
     ("[engine.vllm]\nserved_model_name = \"x\"", "engine.vllm.served-model-name: pinsidecar passes "
                                                  "--served-model-name from engine.served_model_name"),
-    ("[engine.vllm]\nno-enforce-eager = true", "engine.vllm.no-enforce-eager: write enforce-eager = false instead"),
+    ("[engine.vllm]\nno-enforce-eager = true", "engine.vllm.no-enforce-eager: the negation of a flag pinsidecar "
+                                                "reads itself (write enforce-eager = false instead)"),
     ('extra_args = ["--port", "9000"]', "engine.extra_args: --port is pinsidecar's to set, from engine.port"),
     ('extra_args = ["--max-model-len=4"]', "engine.extra_args: --max-model-len=4 is given twice: pinsidecar passes "
-                                           "--max-model-len from engine.vllm.max-model-len; set it there only"),
+                                           "--max-model-len from engine.vllm.max-model-len (set it there only)"),
     ('extra_args = ["--no-enable-prefix-caching"]', "engine.extra_args: --no-enable-prefix-caching is given twice"),
     ('extra_args = ["--max-num-seqs", "4"]\n[engine.vllm]\nmax-num-seqs = 8',
-     "engine.extra_args: --max-num-seqs is given twice, here and as engine.vllm.max-num-seqs; keep the one in "
-     "[engine.vllm]"),
+     "engine.extra_args: --max-num-seqs is given twice, here and as engine.vllm.max-num-seqs (keep the one in "
+     "[engine.vllm])"),
     ('env = { PINSIDECAR_HOOK_MODE = "pin" }', "engine.env.PINSIDECAR_HOOK_MODE: the hook's variable is set from "
-                                               "engine.hook_mode; remove it here"),
+                                               "engine.hook_mode (remove it here)"),
     ('env = { PINSIDECAR_MAP_PATH = "/m.json" }', "engine.env.PINSIDECAR_MAP_PATH: the hook's variable is set from "
                                                   "engine.map"),
     ("[engine.vllm]\nseed = nan", "engine.vllm.seed: expected a finite number, got nan"),

@@ -36,7 +36,10 @@ def emit(payload: Any, as_json: bool, human: Callable[[Any], str] | str | None =
 
 
 def fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
+    """Print ``message`` as ``error:`` lines on stderr (one a line: a config with three problems is three errors)
+    and exit with ``code``."""
+    for line in message.splitlines() or [message]:
+        click.echo(f"error: {line}", err=True)
     sys.exit(code)
 
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pinsidecar.engine.vllm_flags import arg_flag, flag_args, spelt_flags, suggest
 from pinsidecar.schema import (
@@ -34,6 +34,7 @@ from pinsidecar.schema import (
     TOML_KEY,
     ConfigError,
     Deprecation,
+    Problems,
     build_section,
     drop_field,
     has_field,
@@ -41,6 +42,7 @@ from pinsidecar.schema import (
     read_toml,
     replace_section,
     set_field,
+    usable,
     warn_deprecations,
     written_key,
 )
@@ -97,6 +99,9 @@ class EngineConfig:
     """The ``[engine]`` table: what engine to run and how. Turned into an :class:`EngineSpec` by
     :func:`hooked_spec`; the hook keys (``hook_mode`` .. ``pin_backend``) describe the serving engine's hook and
     become a :class:`~pinsidecar_hook.contract.env.HookConfig` through :meth:`hook_config`."""
+
+    # [engine.vllm] takes any vLLM flag besides the typed ones below (checked by parse_engine_table).
+    OPEN_TABLES: ClassVar[Mapping[str, str]] = {VLLM_TABLE: "any other vLLM flag"}
 
     model: Path | None = field(default=None, metadata={EXISTS: "any"})  # a model folder (required)
     launcher: str = field(default="process", metadata={CHOICES: ("process", "container")})
@@ -240,7 +245,8 @@ def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: i
     table's own hook keys are not read here: pass ``engine.hook_config(...)`` to serve them.
     """
     if engine.model is None:
-        raise ConfigError(f"{ENGINE_SECTION}.model: required (the model folder the engine serves)")
+        raise ConfigError(f"{ENGINE_SECTION}.model: required, the model folder the engine serves (set it in "
+                          "[engine])")
     kwargs: dict[str, Any] = {"python": engine.python} if engine.python else {}
     return EngineSpec(
         model=engine.model, host=engine.host, port=port if port is not None else engine.port,
@@ -252,22 +258,27 @@ def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: i
     )
 
 
-def check_engine_config(engine: EngineConfig, *, need_model: str = "") -> None:
-    """The checks across keys of one ``[engine]`` table. Raises :class:`ConfigError` naming the key.
+def check_engine_config(engine: EngineConfig, *, need_model: str = "", problems: Problems | None = None) -> None:
+    """The checks across keys of one ``[engine]`` table, each naming the key. Every problem goes to ``problems``;
+    without it, a :class:`ConfigError` holding them all is raised.
 
-    ``need_model``: what to tell the user when ``model`` is missing (how the command takes one).
+    ``need_model``: how the command takes a model, for the message when ``model`` is missing.
     """
     from pinsidecar_hook.contract.env import HookConfigError, pin_backend_name
 
-    if engine.model is None:
-        raise ConfigError(f"{ENGINE_SECTION}.model: required (the model folder the engine serves{need_model})")
-    if engine.hook_mode == "pin" and engine.map is None:
-        raise ConfigError(f"{ENGINE_SECTION}.map: required when {ENGINE_SECTION}.hook_mode = \"pin\" "
-                          "(the row map to boot with)")
+    own = Problems() if problems is None else problems
+    if engine.model is None and usable(engine, "model"):
+        own.add(f"{ENGINE_SECTION}.model: required, the model folder the engine serves "
+                f"({need_model or 'set it in [engine]'})")
+    if engine.hook_mode == "pin" and engine.map is None and usable(engine, "map"):
+        own.add(f'{ENGINE_SECTION}.map: required when {ENGINE_SECTION}.hook_mode = "pin" (set it to the row map to '
+                "boot with, e.g. one `pinsidecar map build` wrote)")
     try:
         pin_backend_name(engine.pin_backend)
     except HookConfigError as exc:
-        raise ConfigError(f"{written_key(engine, 'pin_backend', ENGINE_SECTION)}: {exc}") from None
+        own.add(f"{written_key(engine, 'pin_backend', ENGINE_SECTION)}: {exc}")
+    if problems is None:
+        own.raise_any()
 
 
 # ------------------------------------------------------------------------------------ [engine] from a file
@@ -278,19 +289,20 @@ def _typed_flags() -> dict[str, str]:
             if f.metadata.get(TABLE) == VLLM_TABLE}
 
 
-def _normalised(raw: Any) -> Any:
+def _normalised(raw: Any, problems: Problems) -> Any:
     """A copy of the ``[engine]`` table, its sub-tables copied too (the caller's document is never changed), with
-    each ``[engine.vllm]`` key in vLLM's own spelling (:func:`~pinsidecar.engine.vllm_flags.spelt_flags`)."""
+    each ``[engine.vllm]`` key in vLLM's own spelling (:func:`~pinsidecar.engine.vllm_flags.spelt_flags`; a key
+    that is no flag name is a problem, and left out)."""
     if not isinstance(raw, dict):
         return raw
     table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     vllm = table.get(VLLM_TABLE)
     if isinstance(vllm, dict):
-        table[VLLM_TABLE] = spelt_flags(vllm, f"{ENGINE_SECTION}.{VLLM_TABLE}")
+        table[VLLM_TABLE] = spelt_flags(vllm, f"{ENGINE_SECTION}.{VLLM_TABLE}", problems)
     return table
 
 
-def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any]) -> None:
+def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any], problems: Problems) -> None:
     """The deprecated ``extra_args`` may not say what another key says: a flag pinsidecar renders from a key of
     its own, or one ``[engine.vllm]`` also gives, would reach vLLM twice (and the last one silently wins)."""
     where = written_key(cfg, "extra_args", ENGINE_SECTION)
@@ -301,16 +313,16 @@ def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any]) -> None:
             continue
         bare = flag.removeprefix("no-")
         if bare in OWNED_FLAGS:
-            raise ConfigError(f"{where}: {arg} is pinsidecar's to set, from {OWNED_FLAGS[bare]}; remove it here")
-        if bare in typed:
-            raise ConfigError(f"{where}: {arg} is given twice: pinsidecar passes --{bare} from "
-                              f"{written_key(cfg, typed[bare], ENGINE_SECTION)}; set it there only")
-        if flag in flags or bare in flags:
-            raise ConfigError(f"{where}: {arg} is given twice, here and as {ENGINE_SECTION}.{VLLM_TABLE}."
-                              f"{flag if flag in flags else bare}; keep the one in [{ENGINE_SECTION}.{VLLM_TABLE}]")
+            problems.add(f"{where}: {arg} is pinsidecar's to set, from {OWNED_FLAGS[bare]} (remove it here)")
+        elif bare in typed:
+            problems.add(f"{where}: {arg} is given twice: pinsidecar passes --{bare} from "
+                         f"{written_key(cfg, typed[bare], ENGINE_SECTION)} (set it there only)")
+        elif flag in flags or bare in flags:
+            problems.add(f"{where}: {arg} is given twice, here and as {ENGINE_SECTION}.{VLLM_TABLE}."
+                         f"{flag if flag in flags else bare} (keep the one in [{ENGINE_SECTION}.{VLLM_TABLE}])")
 
 
-def _check_env(cfg: EngineConfig) -> None:
+def _check_env(cfg: EngineConfig, problems: Problems) -> None:
     """``engine.env`` may not set the hook's own variables: the hook's mode, map and files come from [engine]
     keys, and a ``PINSIDECAR_HOOK_MODE`` in the table would turn the hook on in an engine that asked for none."""
     from pinsidecar_hook.contract.env import ENV
@@ -321,12 +333,32 @@ def _check_env(cfg: EngineConfig) -> None:
              "flush_interval_s": "pinsidecar itself", "histogram": "pinsidecar itself"}
     for name, var in ENV.items():
         if var in cfg.env and name in owner:
-            raise ConfigError(f"{ENGINE_SECTION}.env.{var}: the hook's variable is set from {owner[name]}; "
-                              "remove it here")
+            problems.add(f"{ENGINE_SECTION}.env.{var}: the hook's variable is set from {owner[name]} "
+                         "(remove it here)")
+
+
+def _vllm_keys(table: dict[str, Any], problems: Problems) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``[engine.vllm]`` split into the typed flags (EngineConfig fields, for the table reader) and the other
+    flags (rendered into ``extra_args``). A flag pinsidecar sets from another key, or ``no-`` of a typed flag, is
+    a problem and left out."""
+    typed_flags = _typed_flags()
+    typed: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    for flag, value in table.items():
+        bare = flag.removeprefix("no-")
+        where = f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}"
+        if bare in OWNED_FLAGS:
+            problems.add(f"{where}: pinsidecar passes --{bare} from {OWNED_FLAGS[bare]} (set it there)")
+        elif flag != bare and bare in typed_flags:
+            problems.add(f"{where}: the negation of a flag pinsidecar reads itself (write {bare} = false instead)")
+        else:
+            (typed if flag in typed_flags else other)[flag] = value
+    return typed, other
 
 
 def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
-                       deprecations: list[Deprecation] | None = None) -> EngineConfig:
+                       deprecations: list[Deprecation] | None = None, *,
+                       problems: Problems | None = None) -> EngineConfig:
     """The ``[engine]`` table of a parsed file (``raw``) as an :class:`EngineConfig`: the one reader of it, for
     the daemon and for :func:`load_engine_config`.
 
@@ -335,35 +367,34 @@ def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
     ``shutdown-timeout``) become their typed fields; every other flag is rendered into ``extra_args`` in the
     file's order. A flag pinsidecar sets from another key (``--port``, ``--model``, ...) is refused, as is a flag
     given twice. The old ways still load, reported to ``deprecations`` (``None``: logged): those flags as
-    ``[engine]`` keys, and ``extra_args``, whose arguments are appended after the table's."""
-    table = _normalised(raw)
+    ``[engine]`` keys, and ``extra_args``, whose arguments are appended after the table's. Every problem goes to
+    ``problems`` (the table is returned anyway, refused values at their default); without it, a
+    :class:`ConfigError` holding them all is raised."""
+    own = Problems() if problems is None else problems
+    table = _normalised(raw, own)
     flags: dict[str, Any] = {}
     if isinstance(table, dict) and isinstance(table.get(VLLM_TABLE), dict):
-        typed = _typed_flags()
-        vllm: dict[str, Any] = {}
-        for flag, value in table[VLLM_TABLE].items():
-            bare = flag.removeprefix("no-")
-            if bare in OWNED_FLAGS:
-                raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}: pinsidecar passes --{bare} from "
-                                  f"{OWNED_FLAGS[bare]}; set it there")
-            if flag != bare and bare in typed:
-                raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}: write {bare} = false instead")
-            (vllm if flag in typed else flags)[flag] = value
-        table = {**table, VLLM_TABLE: vllm}
+        typed, flags = _vllm_keys(table[VLLM_TABLE], own)
+        table = {**table, VLLM_TABLE: typed}
     found: list[Deprecation] = []
-    cfg = build_section(ENGINE_SECTION, EngineConfig, table, base, check_paths, deprecations=found,
-                        notes={VLLM_TABLE: ", and any other vLLM flag"})
-    args = [a for flag, value in flags.items()
-            for a in flag_args(flag, value, f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}")]
+    cfg = build_section(ENGINE_SECTION, EngineConfig, table, base, check_paths, deprecations=found, problems=own)
+    args: list[str] = []
+    for flag, value in flags.items():
+        try:
+            args += flag_args(flag, value, f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}")
+        except ConfigError as exc:
+            own.take(exc)
     if isinstance(raw, dict) and "extra_args" in raw:
-        _check_extra_args(cfg, flags)
+        _check_extra_args(cfg, flags, own)
         found.append(Deprecation(f"{ENGINE_SECTION}.extra_args", f"{ENGINE_SECTION}.{VLLM_TABLE}",
                                  f"{ENGINE_SECTION}.extra_args is deprecated: write its flags in "
                                  f"[{ENGINE_SECTION}.{VLLM_TABLE}], one key per flag "
                                  f"({suggest(cfg.extra_args)})"))
-    _check_env(cfg)
+    _check_env(cfg, own)
     if args:
         cfg = replace_section(cfg, extra_args=[*args, *cfg.extra_args])
+    if problems is None:
+        own.raise_any()
     if deprecations is None:
         warn_deprecations(found)
     else:
@@ -409,8 +440,9 @@ def load_engine_config(path: str | os.PathLike[str] | None = None, overrides: Ma
     doc = read_toml(path) if path is not None else {}
     base = Path(path).resolve().parent if path is not None else Path.cwd()
     found: list[Deprecation] = []
+    problems = Problems()
     try:
-        table = _normalised(doc.get(ENGINE_SECTION, {}))
+        table = _normalised(doc.get(ENGINE_SECTION, {}), problems)
         if isinstance(table, dict):
             names = {f.name for f in dataclasses.fields(EngineConfig)}
             for key in unused:
@@ -423,9 +455,11 @@ def load_engine_config(path: str | os.PathLike[str] | None = None, overrides: Ma
                     _set(table, key, value)
             for key, value in (overrides or {}).items():
                 _set(table, key.removeprefix(f"{ENGINE_SECTION}."), value)
-        cfg = parse_engine_table(table, base, check_paths, found)
-        check_engine_config(cfg, need_model=": set engine.model in the config file, or pass --model")
+        cfg = parse_engine_table(table, base, check_paths, found, problems=problems)
+        check_engine_config(cfg, need_model="set engine.model in the config file, or pass --model",
+                            problems=problems)
+        problems.raise_any()
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+        raise (exc.within(path) if path is not None else exc) from None
     warn_deprecations(found, path)
     return cfg

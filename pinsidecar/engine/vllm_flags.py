@@ -15,29 +15,35 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from pinsidecar.schema import ConfigError
+from pinsidecar.schema import ConfigError, Problems
 
 __all__: list[str] = []  # the engine package's own business
 
 _FLAG_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
-def spelt_flags(vllm: dict[str, Any], table: str) -> dict[str, Any]:
+def spelling(key: str) -> str:
+    """A key of ``[engine.vllm]`` as vLLM's ``--help`` spells the flag, without the dashes."""
+    return key.lstrip("-").replace("_", "-").lower()
+
+
+def spelt_flags(vllm: dict[str, Any], table: str, problems: Problems) -> dict[str, Any]:
     """The ``[engine.vllm]`` table (written at ``table``) with each key in vLLM's own spelling: ``max_model_len``
-    and ``--max-model-len`` are both ``max-model-len``, as vLLM's parser takes either. Two keys for one flag are
-    an error naming both."""
+    and ``--max-model-len`` are both ``max-model-len``, as vLLM's parser takes either. A key that is no flag name,
+    and two keys for one flag (naming both), are problems; the first spelling is kept."""
     out: dict[str, Any] = {}
     spelt: dict[str, str] = {}
     for key, value in vllm.items():
-        flag = key.lstrip("-").replace("_", "-").lower()
+        flag = spelling(key)
         where = f"{table}.{key}"
         if not _FLAG_NAME.fullmatch(flag):
-            raise ConfigError(f"{where}: not a vLLM flag name (write it as vLLM's --help spells it, without the "
-                              "dashes: max-num-seqs = 16)")
-        if flag in out:
-            raise ConfigError(f"{table}.{spelt[flag]} and {where}: the same vLLM flag --{flag} twice; keep one")
-        out[flag] = value
-        spelt[flag] = key
+            problems.add(f"{where}: not a vLLM flag name (write it as vLLM's --help spells it, without the dashes: "
+                         "max-num-seqs = 16)")
+        elif flag in out:
+            problems.add(f"{table}.{spelt[flag]} and {where}: the same vLLM flag --{flag} twice (keep one)")
+        else:
+            out[flag] = value
+            spelt[flag] = key
     return out
 
 
@@ -51,7 +57,7 @@ def flag_args(flag: str, value: Any, where: str) -> list[str]:
         return [f"--{flag}", json.dumps(_json_value(where, value), separators=(",", ":"))]
     if isinstance(value, list):
         if not value:
-            raise ConfigError(f"{where}: an empty list gives the flag no value; remove the key")
+            raise ConfigError(f"{where}: an empty list gives the flag no value (remove the key)")
         return [f"--{flag}", *(_scalar(f"{where}[{i}]", v) for i, v in enumerate(value))]
     return [f"--{flag}", _scalar(where, value)]
 
@@ -59,11 +65,12 @@ def flag_args(flag: str, value: Any, where: str) -> list[str]:
 def _scalar(where: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         got = "a table" if isinstance(value, dict) else repr(value)
-        raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {got}")
+        raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {got} "
+                          "(write the value as vLLM's command line takes it)")
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        raise ConfigError(f"{where}: expected a finite number, got {value!r} (nan and inf are no flag values)")
     if isinstance(value, str) and "\x00" in value:
-        raise ConfigError(f"{where}: a command-line argument cannot hold NUL")
+        raise ConfigError(f"{where}: a command-line argument cannot hold NUL (remove it from the value)")
     return str(value)
 
 
@@ -76,10 +83,11 @@ def _json_value(where: str, value: Any) -> Any:
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        raise ConfigError(f"{where}: expected a finite number, got {value!r} (JSON has no nan or inf)")
     if isinstance(value, str | int | float):
         return value
-    raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {value!r}")
+    raise ConfigError(f"{where}: expected a string, a number, true or false, a list or a table, got {value!r} "
+                      "(JSON has no dates: write it as a string)")
 
 
 def arg_flag(arg: str) -> str | None:
@@ -111,3 +119,4 @@ def suggest(args: Sequence[str]) -> str:
         else:
             lines.append(f"{flag} = {json.dumps(values)}")
     return "; ".join(lines) if lines else "nothing to move: remove it"
+
