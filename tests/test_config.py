@@ -266,3 +266,34 @@ def test_engine_table_alone_gives_the_daemons_messages(tmp_path: Path, model_dir
     with pytest.raises(ConfigError) as alone:
         load_engine_config(p)
     assert str(alone.value) == str(daemon.value)
+
+
+def test_every_problem_of_a_file_comes_in_one_pass(tmp_path: Path, model_dir: Path) -> None:
+    p = _write(tmp_path, f'[engine]\nmodel = "{model_dir}"\nport = "8251"\ncolour = 1\n'
+                         "[gate]\nport = 8000\n"  # engine.port's default: no clash reported for a refused port
+                         "[supervisor.advanced]\nbackoff_initial_s = 10\nbackoff_max_s = 1\n"
+                         "[drift]\ntrip_gain = 2\nclear_gain = 3\n"
+                         "[bogus]\nx = 1\n"
+                         '[daemon]\nlog_level = "loud"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert [line.removeprefix(f"{p}: ") for line in err.value.problems] == [
+        "engine.port: expected an integer 1-65535, got '8251' (write it without quotes: port = 8251)",
+        "engine.colour: unknown key (allowed in [engine]: counts_path, env, extra_args, "
+        "hook_mode, host, launcher, log_path, map, model, port, python, served_model_name, workload; in "
+        "[engine.advanced]: pin_backend, ready_timeout_s, stats_path, stop_timeout_s; in [engine.vllm]: dtype, "
+        "enable-prefix-caching, enforce-eager, kv-cache-memory-bytes, max-model-len, shutdown-timeout, and any "
+        "other vLLM flag)",
+        "bogus: unknown section (allowed: engine, container, supervisor, gate, control, metrics, maps, daemon, "
+        "drift, remap)",
+        'daemon.log_level: expected one of debug, info, warning, error, got \'loud\' (write one of them, e.g. '
+        'log_level = "info")',
+        "drift.trip_gain: a fraction of selections between 0 and 1, got 2.0 (write 8 points as 0.08)",
+        "drift.clear_gain: a fraction of selections between 0 and 1, got 3.0 (write 8 points as 0.08)",
+        "drift.clear_gain: must be <= drift.trip_gain (2.0) for hysteresis, got 3.0 (lower it, or raise "
+        "drift.trip_gain)",
+        "control.token_file: required, mutating control calls need a bearer token (set token_file to a mode 0600 "
+        "file holding one, and create_token = true to have it made)",
+        "supervisor.advanced.backoff_max_s: must be >= supervisor.advanced.backoff_initial_s (10.0), got 1.0 (raise "
+        "it, or lower supervisor.advanced.backoff_initial_s)"]
+    assert all(line.startswith(f"{p}: ") for line in err.value.problems)
