@@ -6,6 +6,8 @@ an error at both; overrides land at the place; the JSON schema says the same, an
 
 from __future__ import annotations
 
+import json
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -314,3 +316,28 @@ def test_the_json_schema_says_what_the_reader_takes() -> None:
     engine = document_schema({"e": Engine}, "t", "d")["$defs"]["Engine"]["properties"]
     assert (engine["port"]["minimum"], engine["port"]["maximum"]) == (1, 65535)
     assert engine["mode"]["enum"] == ["off", "count", "pin"]
+
+
+def test_the_committed_json_schema_is_current_and_checks_what_the_reader_checks() -> None:
+    """`pinsidecar check-config --schema > pinsidecar/examples/pinsidecar.schema.json` writes it; the examples
+    point editors at it (taplo's `#:schema` line)."""
+    import jsonschema
+
+    from pinsidecar.daemon.config import SCHEMA_PATH, json_schema
+    from pinsidecar.testing.cli import run
+
+    assert json.loads(SCHEMA_PATH.read_text()) == json.loads(json.dumps(json_schema())), (
+        "the schema is out of date: pinsidecar check-config --schema > pinsidecar/examples/pinsidecar.schema.json")
+    printed = run("check-config", "--schema")
+    assert printed.exit_code == 0 and printed.stdout == SCHEMA_PATH.read_text()
+    assert run("check-config", "--schema", "--json").stdout == printed.stdout
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text()))
+    for example in sorted(SCHEMA_PATH.parent.glob("*.toml")):
+        text = example.read_text()
+        assert text.startswith("#:schema ./pinsidecar.schema.json\n"), example
+        assert list(validator.iter_errors(tomllib.loads(text))) == [], example
+    old_layout = {"drift": {"window_tokens": 512}, "engine": {"max_model_len": 512, "vllm": {"max-num-seqs": 4}}}
+    assert list(validator.iter_errors(old_layout)) == []  # deprecated, not wrong
+    for bad in ({"engine": {"prot": 8000}}, {"engine": {"port": "8000"}}, {"gate": {"port": 70000}},
+                {"drift": {"advanced": {"window_tokens": 0}}}, {"engine": {"launcher": "k8s"}}, {"bogus": {}}):
+        assert list(validator.iter_errors(bad)), bad
