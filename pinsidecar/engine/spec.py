@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pinsidecar.engine.vllm_flags import arg_flag, flag_args, spelt_flags, suggest
+from pinsidecar.engine.vllm_flags import arg_flag, flag_args, spelt_flags, suggest, written_flags
 from pinsidecar.schema import (
     ADVANCED,
     CHOICES,
@@ -300,6 +300,12 @@ def _normalised(raw: Any, problems: Problems) -> Any:
     if isinstance(vllm, dict):
         table[VLLM_TABLE] = spelt_flags(vllm, f"{ENGINE_SECTION}.{VLLM_TABLE}", problems)
     return table
+
+
+def written_vllm_flags(engine: Any) -> dict[str, str]:
+    """The vLLM flags an ``[engine]`` table (as parsed) writes beyond the ones pinsidecar reads or sets itself,
+    each with the key that writes it: what ``pinsidecar check-config`` asks the engine's vLLM about."""
+    return written_flags(engine, skip={*_typed_flags(), *OWNED_FLAGS})
 
 
 def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any], problems: Problems) -> None:

@@ -3,8 +3,9 @@
 ``[engine.vllm]`` holds one key per vLLM flag, spelt as vLLM's ``--help`` spells it without the dashes
 (``max-num-seqs = 16``). Here, apart from the ``[engine]`` table's own reader (:mod:`pinsidecar.engine.spec`),
 is what a key's value means on the command line: true is ``--flag``, false ``--no-flag``, a list ``--flag a b``, a
-table JSON; and, for the deprecated ``extra_args``, which flag an argument names and the table lines that say the
-same.
+table JSON; for the deprecated ``extra_args``, which flag an argument names and the table lines that say the
+same; and which of the flags a file writes the engine's vLLM does not take (``pinsidecar check-config``, against
+the parser of the vLLM that will run: :func:`~pinsidecar.engine.installed_vllm.cli_flags`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from pinsidecar.schema import ConfigError, Problems
+from pinsidecar.schema import ConfigError, Problems, closest
 
 __all__: list[str] = []  # the engine package's own business
 
@@ -120,3 +122,63 @@ def suggest(args: Sequence[str]) -> str:
             lines.append(f"{flag} = {json.dumps(values)}")
     return "; ".join(lines) if lines else "nothing to move: remove it"
 
+
+# ----------------------------------------------------------------------------- flags the installed vLLM takes
+
+
+@dataclass(frozen=True)
+class UnknownFlag:
+    """A flag the config gives vLLM that the engine's vLLM does not take: the engine would refuse to boot."""
+
+    key: str  # where the file writes it: "engine.vllm.max-modle-len", "engine.extra_args"
+    option: str  # what vLLM would get, without the dashes: "max-modle-len", "no-trust-remote-code"
+    suggestion: str | None  # the closest flag vLLM does take
+    negation: bool  # `flag = false` for a flag that has no --no- form
+
+    def message(self, vllm: str) -> str:
+        if self.negation:
+            bare = self.option.removeprefix("no-")
+            return (f"{self.key} = false: {vllm} has no flag --{self.option} (remove the key: --{bare} is off "
+                    "unless given)")
+        fix = (f"did you mean {self.suggestion}?" if self.suggestion else
+               "see python -m vllm.entrypoints.openai.api_server --help for its flags")
+        return f"{self.key}: {vllm} has no flag --{self.option} ({fix})"
+
+    def as_dict(self, vllm: str) -> dict[str, Any]:
+        return {"key": self.key, "flag": f"--{self.option}", "suggestion": self.suggestion,
+                "message": self.message(vllm)}
+
+
+def written_flags(engine: Any, skip: Collection[str]) -> dict[str, str]:
+    """The flags an ``[engine]`` table (as parsed) gives vLLM, as vLLM gets them (``flag = false`` is
+    ``no-flag``), each with the key that writes it: the keys of ``[engine.vllm]`` and the deprecated
+    ``extra_args``, without the flags in ``skip`` (pinsidecar's own) and without what the reader refuses anyway."""
+    out: dict[str, str] = {}
+    if not isinstance(engine, dict):
+        return out
+    table = engine.get("vllm")
+    for key, value in (table.items() if isinstance(table, dict) else ()):
+        flag = spelling(str(key))
+        if _FLAG_NAME.fullmatch(flag) and flag.removeprefix("no-") not in skip:
+            out.setdefault(f"no-{flag}" if value is False else flag, f"engine.vllm.{key}")
+    extra = engine.get("extra_args")
+    for arg in (extra if isinstance(extra, list) else ()):
+        flag = arg_flag(arg) if isinstance(arg, str) else None
+        if flag is not None and flag.removeprefix("no-") not in skip:
+            out.setdefault(flag, "engine.extra_args")
+    return out
+
+
+def unknown_flags(written: Mapping[str, str], known: Collection[str]) -> list[UnknownFlag]:
+    """The flags of ``written`` (option -> key, :func:`written_flags`) that are not in ``known`` (what the
+    engine's vLLM takes), each with the closest flag it does take."""
+    out: list[UnknownFlag] = []
+    for option, key in written.items():
+        if option in known:
+            continue
+        bare = option.removeprefix("no-")
+        if option != bare and bare in known:
+            out.append(UnknownFlag(key, option, None, negation=True))
+        else:
+            out.append(UnknownFlag(key, option, closest(option, known), negation=False))
+    return out
