@@ -232,9 +232,9 @@ def test_clients_skip_file_checks_but_not_the_rest(tmp_path: Path) -> None:
 def test_engine_table_alone_from_both_examples(model_dir: Path, tmp_path: Path) -> None:
     cpu = load_engine_config(EXAMPLES / "cpu-demo.toml", {"model": model_dir})
     assert cpu == load_config(EXAMPLES / "cpu-demo.toml", {"engine.model": str(model_dir)}).engine  # one schema
-    assert cpu.served_model_name == "demo" and cpu.enforce_eager and cpu.dtype == "float32"
+    assert cpu.served_model_name == "demo" and cpu.enforce_eager and cpu.dtype == ""  # the engine's default
     gpu = load_engine_config(EXAMPLES / "gpu-container.toml", check_paths=False)  # paths of the GPU host
-    assert gpu.launcher == "container" and gpu.hook_mode == "pin" and gpu.dtype == "auto" and gpu.kv_cache_bytes == 0
+    assert gpu.launcher == "container" and gpu.hook_mode == "pin" and gpu.dtype == "" and gpu.kv_cache_bytes == 0
     assert gpu.extra_args == ["--gpu-memory-utilization", "0.92", "--trust-remote-code"]
     mp = write_map(tmp_path / "agent.json", label="agent")
     gpu = load_engine_config(EXAMPLES / "gpu-container.toml", {"engine.model": str(model_dir), "engine.map": str(mp)})

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pinsidecar.engine.installed_vllm import runs_vllm_cpu
 from pinsidecar.engine.vllm_flags import arg_flag, flag_args, spelt_flags, suggest, written_flags
 from pinsidecar.schema import (
     ADVANCED,
@@ -56,11 +57,14 @@ ENGINE_SECTION = "engine"
 # vllm-cpu refuses to boot on its memory checks without an explicit KV budget; 256 MiB is plenty for the demo
 # model and small enough for a shared 2-core CI box. GPU lanes set 0 (vLLM sizes the KV cache from free HBM).
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-# The default --dtype is float32 because the engine CI and the demo run is vllm-cpu, and vllm-cpu 0.32's bf16
-# attention kernel on AMX machines dies with SIGILL ("Illegal instruction" in cpu_attention_with_kv_cache) on any
-# prefill of 1 or 2 tokens, which kills the worker and the engine. vLLM's "auto" downcasts a float32 checkpoint to
-# bf16 on CPU, so the dtype must be explicit. GPU lanes set dtype = "auto" (or their checkpoint's dtype).
-DEFAULT_DTYPE = "float32"
+# vllm-cpu's default --dtype (engine_dtype): vllm-cpu 0.32's bf16 attention kernel on AMX machines dies with SIGILL
+# ("Illegal instruction" in cpu_attention_with_kv_cache) on any prefill of 1 or 2 tokens, which kills the worker and
+# the engine, and its "auto" downcasts a float32 checkpoint to bf16 on CPU, so the CPU lane's dtype is explicit.
+CPU_DTYPE = "float32"
+# Every other engine's default: vLLM's own (the checkpoint's dtype). A float32 default there upcast a GPU bf16
+# model to twice its memory, and vLLM refuses float32 for an FP8 checkpoint ("torch.float32 is not supported for
+# quantization method fp8").
+VLLM_DTYPE = "auto"
 # A CPU demo boot takes ~15-25 s; a large GPU model several minutes (weights + compile on a cold cache).
 DEFAULT_READY_TIMEOUT_S = 600.0
 # [engine.vllm]: the engine's vLLM command line, one key per flag (`max-num-seqs = 16` is `--max-num-seqs 16`).
@@ -117,8 +121,8 @@ class EngineConfig:
     # container's stop timeout follows shutdown_timeout_s); in a file they are keys of [engine.vllm].
     kv_cache_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES,  # --kv-cache-memory-bytes; 0: vLLM sizes it
                                 metadata={MIN: 0, **_vllm_flag("kv-cache-memory-bytes")})
-    # vLLM --dtype; "auto" leaves it to vLLM (see DEFAULT_DTYPE for why not by default)
-    dtype: str = field(default=DEFAULT_DTYPE, metadata=_vllm_flag("dtype"))
+    # vLLM --dtype; "" follows the engine: float32 on vllm-cpu, else "auto" (vLLM's own: the checkpoint's dtype)
+    dtype: str = field(default="", metadata=_vllm_flag("dtype"))
     # CUDA graphs / torch.compile on unless asked; the count boot defaults to eager
     enforce_eager: bool = field(default=False, metadata=_vllm_flag("enforce-eager"))
     max_model_len: int = field(default=2048, metadata={POSITIVE: True, **_vllm_flag("max-model-len")})
@@ -174,7 +178,7 @@ class EngineSpec:
     enforce_eager: bool = True
     max_model_len: int = 2048
     enable_prefix_caching: bool = False
-    dtype: str = DEFAULT_DTYPE  # vLLM --dtype; "auto" leaves it to vLLM (see DEFAULT_DTYPE for why not by default)
+    dtype: str = VLLM_DTYPE  # vLLM --dtype; "auto" passes none (vLLM's own); hooked_spec picks it (engine_dtype)
     shutdown_timeout_s: int = 0  # vLLM --shutdown-timeout: on SIGTERM, drain in-flight requests up to this long
     log_path: Path | None = None
 
@@ -235,6 +239,23 @@ class EngineSpec:
         return env
 
 
+def engine_dtype(engine: EngineConfig) -> str:
+    """The ``--dtype`` the engine of ``engine`` runs with: the table's, else the default of the vLLM that will run.
+
+    That default is vLLM's own (``"auto"``: the checkpoint's dtype) everywhere but on vllm-cpu, where it is
+    :data:`CPU_DTYPE` (float32: vllm-cpu's bf16 attention dies with SIGILL on AMX CPUs). Which vLLM will run is
+    decided from the engine, not from this host: a container runs its image's vLLM (the container lane serves GPU
+    images: ``"auto"``; a CPU image must set ``dtype``); a local process runs the vLLM of ``engine.python`` (or
+    this interpreter), asked by its package metadata, without importing vLLM (:func:`runs_vllm_cpu`). Why not one
+    default for all: float32 on a GPU doubles a bf16 model's memory and is refused for an FP8 checkpoint; "auto"
+    on vllm-cpu kills the engine on its first short prompt."""
+    if engine.dtype:
+        return engine.dtype
+    if engine.launcher == "container":
+        return VLLM_DTYPE
+    return CPU_DTYPE if runs_vllm_cpu(engine.python or sys.executable) else VLLM_DTYPE
+
+
 def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: int | None = None,
                 log_path: Path | None = None) -> EngineSpec:
     """The engine ``engine`` describes, with ``hook`` in it: the one builder of an engine with the hook on.
@@ -252,7 +273,7 @@ def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: i
         model=engine.model, host=engine.host, port=port if port is not None else engine.port,
         served_model_name=engine.served_model_name or None, extra_args=list(engine.extra_args),
         env={**engine.env, **(hook.to_env() if hook is not None else {})}, kv_cache_bytes=engine.kv_cache_bytes,
-        dtype=engine.dtype or DEFAULT_DTYPE, enforce_eager=engine.enforce_eager, max_model_len=engine.max_model_len,
+        dtype=engine_dtype(engine), enforce_eager=engine.enforce_eager, max_model_len=engine.max_model_len,
         enable_prefix_caching=engine.enable_prefix_caching, shutdown_timeout_s=engine.shutdown_timeout_s,
         log_path=log_path if log_path is not None else engine.log_path, **kwargs,
     )
