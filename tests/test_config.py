@@ -13,7 +13,8 @@ from pinsidecar.daemon.config import ConfigError, load_config
 from pinsidecar.engine import load_engine_config
 from pinsidecar.testing.artifacts import write_map
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "pinsidecar" / "examples"
 
 
 @pytest.fixture
@@ -70,11 +71,41 @@ def test_the_examples_are_in_the_current_layout(model_dir: Path, token_file: Pat
     assert gpu.gate.capture_sample_rate == 0.05 and gpu.gate.max_hold_s == 900
 
 
-def test_cpu_example_without_model_names_the_key() -> None:
-    if Path("/tmp/pinsidecar-demo/model").exists():
-        pytest.skip("the demo model exists at the example's path")
-    with pytest.raises(ConfigError, match=r"engine\.model: /tmp/pinsidecar-demo/model does not exist"):
-        load_config(EXAMPLES / "cpu-demo.toml")
+def test_the_cpu_example_serves_the_model_the_demo_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `pinsidecar demo` run in the repository root builds its model in <workdir>/model, workdir "demo" by default;
+    # the example's relative path is taken from its own folder, so it names that model from wherever it is used
+    from pinsidecar.cli.demo import demo_cmd
+    from pinsidecar.demo.loop import DemoOptions
+    from pinsidecar.demo.stages import DemoRun
+
+    monkeypatch.chdir(REPO)
+    workdir = next(p.default for p in demo_cmd.params if p.name == "workdir")
+    demo_model = DemoRun(DemoOptions(workdir=workdir), None).model_dir  # type: ignore[arg-type]
+    cfg = load_config(EXAMPLES / "cpu-demo.toml", check_paths=False)
+    assert cfg.engine.model is not None and cfg.engine.model.resolve() == demo_model == REPO / "demo" / "model"
+    assert cfg.daemon.state_dir.resolve() == REPO / "demo" / "daemon" / "state"  # the daemon's files beside it
+
+
+def test_check_config_passes_on_the_cpu_example_once_the_demo_model_exists(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from pinsidecar.cli import main
+
+    checkout = tmp_path / "checkout"  # the example where it lives in a checkout, and the demo's folder beside it
+    (checkout / "pinsidecar" / "examples").mkdir(parents=True)
+    example = checkout / "pinsidecar" / "examples" / "cpu-demo.toml"
+    example.write_text((EXAMPLES / "cpu-demo.toml").read_text())
+    monkeypatch.chdir(tmp_path)  # not the checkout: the paths are the file's, not the working directory's
+    before = CliRunner().invoke(main, ["check-config", "--config", str(example)])
+    assert before.exit_code == 2
+    assert before.stderr == (f"error: {example}: engine.model: {example.parent}/../../demo/model does not exist "
+                             "(fix the path or create it)\n")
+    (checkout / "demo" / "model").mkdir(parents=True)  # what `pinsidecar demo` builds
+    (checkout / "demo" / "model" / "config.json").write_text("{}")
+    after = CliRunner().invoke(main, ["check-config", "--config", str(example), "--strict"])
+    assert after.exit_code == 0, after.output
+    assert after.stdout == f"ok: {example} loads\n"
 
 
 def test_gpu_example_loads_with_local_paths(model_dir: Path, token_file: Path, tmp_path: Path) -> None:
