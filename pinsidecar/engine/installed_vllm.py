@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pinsidecar.engine import _vllm_probe
+import pinsidecar.engine._vllm_probe as _vllm_probe
 
 __all__: list[str] = []  # the engine package's own business
 
