@@ -259,7 +259,7 @@ def test_every_problem_of_a_table_comes_in_one_pass_in_the_files_order_each_with
         "e.advanced.window: must be > 0, got 0 (a number above 0, e.g. window = 100)",
         "e.advanced.windw: unknown key (did you mean window? allowed in [e.advanced]: window)",
         "e.names: expected a list of strings, got ['a', 1] (write it like names = [\"...\"])",
-        'e.env: expected a table of string values, got a table (write it like env = { NAME = "value" })',
+        'e.env: expected a table of string values, got a table (write it like env = { "NAME" = "value" })',
         "e.cli: unknown key (allowed in [e]: eager, env, mode, model, names, port, ratio; in [e.advanced]: window)")
     assert str(err.value) == "\n".join(err.value.problems)
 

@@ -38,6 +38,7 @@ from pinsidecar.schema import (
     Problems,
     build_section,
     drop_field,
+    end_table,
     has_field,
     port_field,
     read_toml,
@@ -420,12 +421,7 @@ def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
     _check_env(cfg, own)
     if args:
         cfg = replace_section(cfg, extra_args=[*args, *cfg.extra_args])
-    if problems is None:
-        own.raise_any()
-    if deprecations is None:
-        warn_deprecations(found)
-    else:
-        deprecations.extend(found)
+    end_table(own, problems is not None, found, deprecations)
     return cfg
 
 

@@ -27,7 +27,7 @@ same file. With one reader, a key means the same thing and is refused with the s
 reads it.
 """
 
-from pinsidecar.schema._build import build_section, read_toml, warn_deprecations
+from pinsidecar.schema._build import build_section, end_table, read_toml, warn_deprecations
 from pinsidecar.schema._layout import (
     ADVANCED,
     ADVANCED_TABLE,
@@ -49,7 +49,7 @@ from pinsidecar.schema._layout import (
     usable,
     written_key,
 )
-from pinsidecar.schema._messages import closest
+from pinsidecar.schema._messages import closest, toml_value
 from pinsidecar.schema._models import document_schema
 from pinsidecar.schema._problems import ConfigError, Problems
 
@@ -70,12 +70,14 @@ __all__ = [
     "closest",
     "document_schema",
     "drop_field",
+    "end_table",
     "has_field",
     "key_name",
     "port_field",
     "read_toml",
     "replace_section",
     "set_field",
+    "toml_value",
     "usable",
     "warn_deprecations",
     "written_key",

@@ -225,13 +225,20 @@ def build_section(name: str, cls: type[T], raw: Any, base: Path, check_paths: bo
         out = reader.read(check_paths, found)
         for _, message in sorted(reader.problems, key=lambda p: p[0]):
             own.add(message)
-    if problems is None:
-        own.raise_any()
+    end_table(own, problems is not None, found, deprecations)
+    return out
+
+
+def end_table(problems: Problems, collecting: bool, found: list[Deprecation],
+              deprecations: list[Deprecation] | None) -> None:
+    """The end of reading one table: its problems raised, unless the caller ``collecting`` them goes on to the
+    next table; then its deprecations handed to the caller's ``deprecations`` (``None``: logged here)."""
+    if not collecting:
+        problems.raise_any()
     if deprecations is None:
         warn_deprecations(found)
     else:
         deprecations.extend(found)
-    return out
 
 
 def warn_deprecations(found: Iterable[Deprecation], source: str | os.PathLike[str] | None = None) -> None:

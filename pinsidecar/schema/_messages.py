@@ -31,7 +31,9 @@ _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than_equal", "less_
 
 
 def toml_value(value: Any) -> str:
-    """``value`` as it is written in a TOML file (for an example in a message)."""
+    """``value`` (a string, number, boolean, list or flat table) as a TOML value, without a TOML writer dependency:
+    strings with JSON's escapes (a subset of TOML's basic strings). For an example in a message, and for the
+    config files pinsidecar writes."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -39,7 +41,7 @@ def toml_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
     return json.dumps(str(value))
 
 
