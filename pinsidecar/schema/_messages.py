@@ -213,8 +213,16 @@ def unknown_key(section: str, table: str | None, key: str, top: Mapping[str, str
     belongs = _belongs(section, key, {}, subs, {})
     if belongs is not None:
         return f"{at}: unknown key here (move it to {belongs})"
-    near = closest(key, [*top, *(k for keys in subs.values() for k in keys)])
-    hint = f"did you mean {near}? " if near else ""
+    # the closest key of the section, by its name or by its old one (kv_cache_byte: kv-cache-memory-bytes), named
+    # with its table when it is not this one
+    places = {k: None for k in top} | {k: t for t, keys in subs.items() for k in keys}
+    places |= {name: place(f) for name, f in fields.items() if place(f)[0] is not None}
+    near = closest(key, places)
+    hint = ""
+    if near is not None:
+        spot = places[near]
+        table, name = spot if isinstance(spot, tuple) else (spot, near)
+        hint = f"did you mean {name}{f' in {where(section, table)}' if table else ''}? "
     parts = [f"allowed in [{section}]: {', '.join(sorted(top))}"]
     for sub, keys in sorted(subs.items()):
         parts.append(f"in [{section}.{sub}]: {', '.join(sorted(keys))}{notes.get(sub, '')}")
