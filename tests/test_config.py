@@ -323,7 +323,7 @@ def test_every_problem_of_a_file_comes_in_one_pass(tmp_path: Path, model_dir: Pa
         "drift.clear_gain: a fraction of selections between 0 and 1, got 3.0 (write 8 points as 0.08)",
         "drift.clear_gain: must be <= drift.trip_gain (2.0) for hysteresis, got 3.0 (lower it, or raise "
         "drift.trip_gain)",
-        "control.token_file: required, mutating control calls need a bearer token (set token_file to a mode 0600 "
+        "control.token_file: required (mutating control calls need a bearer token: set token_file to a mode 0600 "
         "file holding one, and create_token = true to have it made)",
         "supervisor.advanced.backoff_max_s: must be >= supervisor.advanced.backoff_initial_s (10.0), got 1.0 (raise "
         "it, or lower supervisor.advanced.backoff_initial_s)"]

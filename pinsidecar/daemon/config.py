@@ -266,7 +266,7 @@ def _cross_check(cfg: Config, problems: Problems, check_paths: bool = True) -> N
     c = cfg.control
     if c.token_file is None:
         if usable(c, "token_file"):
-            problems.add("control.token_file: required, mutating control calls need a bearer token (set "
+            problems.add("control.token_file: required (mutating control calls need a bearer token: set "
                          "token_file to a mode 0600 file holding one, and create_token = true to have it made)")
     elif check_paths and not c.create_token and not c.token_file.exists():
         problems.add(f"control.token_file: {c.token_file} does not exist (create it with mode 0600, "

@@ -270,7 +270,7 @@ def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: i
     the ``[container]`` table's ``gpus``, for a container engine's default dtype (:func:`engine_dtype`).
     """
     if engine.model is None:
-        raise ConfigError(f"{ENGINE_SECTION}.model: required, the model folder the engine serves (set it in "
+        raise ConfigError(f"{ENGINE_SECTION}.model: required (the model folder the engine serves: set it in "
                           "[engine])")
     kwargs: dict[str, Any] = {"python": engine.python} if engine.python else {}
     return EngineSpec(
@@ -294,8 +294,8 @@ def check_engine_config(engine: EngineConfig, *, need_model: str = "", problems:
 
     own = Problems() if problems is None else problems
     if engine.model is None and usable(engine, "model"):
-        own.add(f"{ENGINE_SECTION}.model: required, the model folder the engine serves "
-                f"({need_model or 'set it in [engine]'})")
+        own.add(f"{ENGINE_SECTION}.model: required (the model folder the engine serves: "
+                f"{need_model or 'set it in [engine]'})")
     if engine.hook_mode == "pin" and engine.map is None and usable(engine, "map"):
         own.add(f'{ENGINE_SECTION}.map: required when {ENGINE_SECTION}.hook_mode = "pin" (set it to the row map to '
                 "boot with, e.g. one `pinsidecar map build` wrote)")
