@@ -227,8 +227,8 @@ def test_show_names_the_model_once(tmp_path: Path) -> None:
 
 
 def test_a_file_of_another_kind_is_named_for_what_it_is(tmp_path: Path, counts3: list[str]) -> None:
-    assert_user_error(run("map", "show", counts3[0]), f"error: {counts3[0]}: a pinsidecar counts file "
-                      "('pinsidecar.counts'), expected 'pinsidecar.map' (pass a map file, as `pinsidecar map build` "
+    assert_user_error(run("map", "show", counts3[0]), f"error: {counts3[0]}: a pinsidecar counts file: format is "
+                      "'pinsidecar.counts', expected 'pinsidecar.map' (pass a map file, as `pinsidecar map build` "
                       "writes)")
     for name, doc in (("plain.json", {"layers": []}), ("null.json", {"format": None})):
         (tmp_path / name).write_text(json.dumps(doc))

@@ -164,7 +164,7 @@ def _wrong_format(found: Any, fmt: str, has_format: bool) -> tuple[str, str]:
         what = "has no" if not has_format else 'has a null'
         return f'not a pinsidecar {kind} file: it {what} "format" field (expected {fmt!r})', fix
     if isinstance(found, str) and found in _WRITTEN_BY:
-        return f"a pinsidecar {found.split('.')[-1]} file ({found!r}), expected {fmt!r}", fix
+        return f"a pinsidecar {found.split('.')[-1]} file: format is {found!r}, expected {fmt!r}", fix
     return f"format is {found!r}, expected {fmt!r}", fix
 
 
