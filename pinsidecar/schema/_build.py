@@ -55,14 +55,14 @@ def _positions(raw: Mapping[str, Any]) -> dict[tuple[str | None, str], int]:
 
 
 def _present(raw: Mapping[str, Any], slot: Slot) -> bool:
-    if slot.table is None or slot.old:
+    if slot.table is None:
         return slot.key in raw
     sub = raw.get(slot.table)
     return isinstance(sub, dict) and slot.key in sub
 
 
 def _raw_value(raw: Mapping[str, Any], slot: Slot) -> Any:
-    return raw[slot.key] if slot.table is None or slot.old else raw[slot.table][slot.key]
+    return raw[slot.key] if slot.table is None else raw[slot.table][slot.key]
 
 
 def _without(raw: Mapping[str, Any], drop: Iterable[tuple[str | None, str]]) -> dict[str, Any]:
@@ -105,7 +105,7 @@ class _TableReader:
     def _slot_at(self, table: str | None, key: str) -> Slot | None:
         """The slot a key of the table fills (a moved key at its old place is in the section itself)."""
         for slot in self.shape.slots:
-            if (None if slot.old else slot.table) == table and slot.key == key:
+            if slot.table == table and slot.key == key:
                 return slot
         return None
 
@@ -115,7 +115,7 @@ class _TableReader:
         for slot in self.shape.slots:
             if not slot.old or not _present(self.raw, slot):
                 continue
-            new = next(s for s in self.shape.slots if s.field == slot.field and not s.old)
+            new = self.shape.new_place(slot.field)
             if _present(self.raw, new):
                 old_key, new_key = dotted(self.name, None, slot.key), dotted(self.name, new.table, new.key)
                 self._problem((None, slot.key), f"{old_key} and {new_key}: the same key set in two places (keep "
@@ -145,12 +145,12 @@ class _TableReader:
                     continue
                 by_slot.setdefault(slot, []).append(err)
         for slot, errs in by_slot.items():
-            key = dotted(self.name, None if slot.old else slot.table, slot.key)
-            self._problem((slot.table if not slot.old else None, slot.key),
+            key = dotted(self.name, slot.table, slot.key)
+            self._problem((slot.table, slot.key),
                           field_problem(key, self.fields[slot.field], self.hints[slot.field],
                                         _raw_value(self.raw, slot), errs))
             self.failed.add(slot.field)
-            self.dropped.add((None if slot.old else slot.table, slot.key))
+            self.dropped.add((slot.table, slot.key))
 
     def _validate(self) -> tuple[Any, dict[str, Any]]:
         """The validated model of the table, after taking every refusal out of it (and the table it read)."""
@@ -174,7 +174,7 @@ class _TableReader:
         kwargs: dict[str, Any] = {}
         written: dict[str, str] = {}
         for slot in self.shape.slots:
-            key = dotted(self.name, None if slot.old else slot.table, slot.key)
+            key = dotted(self.name, slot.table, slot.key)
             if _present(self.raw, slot) and slot.field not in written:
                 written[slot.field] = key
             if model is None or not _present(table, slot):
@@ -183,12 +183,12 @@ class _TableReader:
             kind = self.fields[slot.field].metadata.get(EXISTS)
             problem = _exists_problem(key, kind, value) if kind and check_paths and isinstance(value, Path) else None
             if problem is not None:
-                self._problem((None if slot.old else slot.table, slot.key), problem)
+                self._problem((slot.table, slot.key), problem)
                 self.failed.add(slot.field)
                 continue
             kwargs[slot.field] = value
             if slot.old:
-                new = next(s for s in self.shape.slots if s.field == slot.field and not s.old)
+                new = self.shape.new_place(slot.field)
                 as_key = f" as {new.key}" if new.key != slot.field else ""
                 found.append(Deprecation(key, dotted(self.name, new.table, new.key),
                                          f"{key} is deprecated here: move it to {where(self.name, new.table)}"

@@ -173,9 +173,9 @@ class Slot:
     (``k0``, ``k1``...: the TOML key is the alias, since ``max-model-len`` is no Python name)."""
 
     field: str
-    table: str | None
+    table: str | None  # None: the section itself (where a moved key's old place is too)
     key: str
-    old: bool  # a moved key at its old place (in the section itself, under its field's name)
+    old: bool  # a moved key at its old place, under its field's name
     attr: str
 
 
@@ -190,8 +190,12 @@ class SectionShape:
     tables: Mapping[str, str]  # sub-table -> its attribute in the model
 
     def value(self, validated: BaseModel, slot: Slot) -> Any:
-        holder = validated if slot.table is None or slot.old else getattr(validated, self.tables[slot.table])
+        holder = validated if slot.table is None else getattr(validated, self.tables[slot.table])
         return getattr(holder, slot.attr)
+
+    def new_place(self, field: str) -> Slot:
+        """Where field ``field`` is written now (for a moved key: its sub-table)."""
+        return next(s for s in self.slots if s.field == field and not s.old)
 
 
 def _schema_extra(default: Any, extra: Mapping[str, Any]) -> Callable[[dict[str, Any]], None]:
