@@ -40,8 +40,8 @@ def _flag_check(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         image = (doc.get("container") or {}).get("image") if isinstance(doc.get("container"), dict) else None
         return {**report, "skipped": f"the engine runs its container image's vLLM ({image or 'container.image'}), "
                                      "not one this host can ask"}, []
-    python = engine.get("python") if isinstance(engine.get("python"), str) and engine.get("python") else sys.executable
-    known = cli_flags(python)
+    python = engine.get("python")  # the interpreter that will run the engine: engine.python, else this one
+    known = cli_flags(python if isinstance(python, str) and python else sys.executable)
     report.update(known.as_dict())
     if known.skipped:
         return report, []
