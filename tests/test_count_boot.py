@@ -175,7 +175,8 @@ def test_engine_table_is_the_daemons_schema_with_count_boot_defaults(tmp_path: P
     assert count_boot_config(cfg, port=9).port == 9
     # The daemon's own messages, naming the file and the key.
     cfg.write_text("[engine]\nkv_cache_byte = 1\n")
-    with pytest.raises(ConfigError, match=r"p\.toml: engine\.kv_cache_byte: unknown key \(allowed in \[engine\]"):
+    with pytest.raises(ConfigError, match=r"p\.toml: engine\.kv_cache_byte: unknown key \(did you mean "
+                                          r"kv-cache-memory-bytes in \[engine\.vllm\]\? allowed in \[engine\]"):
         count_boot_config(cfg, model=tmp_path)
     cfg.write_text("[engine]\nenforce_eager = 'yes'\n")
     with pytest.raises(ConfigError, match=r"engine\.enforce_eager: expected true or false, got 'yes'"):

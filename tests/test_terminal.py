@@ -106,6 +106,34 @@ def test_a_user_error_under_json_leaves_stdout_empty(tmp_path: Path) -> None:
     assert proc.stderr.startswith("error: no pinsidecar daemon answers")
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["nosuch"], "error: no such command 'nosuch' (see 'pinsidecar --help')"),
+    (["map", "shw"], "error: no such command 'shw' (did you mean show? see 'pinsidecar map --help')"),
+    (["map", "show", "--bogus", "m.json"],
+     "error: no such option '--bogus' (did you mean --counts? see 'pinsidecar map show --help')"),
+    (["map", "show"], "error: missing argument 'MAP' (see 'pinsidecar map show --help')"),
+    (["map", "show", "{tmp}"], "error: MAP: file '{tmp}' is a directory (pass a file, see 'pinsidecar map show "
+                               "--help')"),
+    (["check-config", "--config", "{tmp}", "--json"],
+     "error: --config: file '{tmp}' is a directory (pass a file, see 'pinsidecar check-config --help')"),
+    (["map", "build", "c.json", "--hot-rows", "many", "--out", "m.json"],
+     "error: --hot-rows: 'many' is not a valid integer (see 'pinsidecar map build --help')"),
+    (["--log-level", "loud", "status"],
+     "error: --log-level: 'loud' is not one of 'debug', 'info', 'warning', 'error' (see 'pinsidecar --help')"),
+], ids=["command", "subcommand", "option", "missing", "directory", "directory-json", "integer", "choice"])
+def test_clicks_own_refusals_come_out_in_the_project_style(tmp_path: Path, args: list[str], line: str) -> None:
+    """A usage error is a user error like any other: one `error: <what> (<how to fix>)` line on stderr, exit 2,
+    nothing on stdout (--json included), never click's `Usage: ... Error: Invalid value` block."""
+    proc = _run(*(a.format(tmp=tmp_path) for a in args))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", line.format(tmp=tmp_path) + "\n")
+
+
+def test_help_and_version_are_not_refusals() -> None:
+    assert _run("--version").stdout.startswith("pinsidecar, version ")
+    helped = _run("map", "show", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("Usage: pinsidecar map show")
+
+
 # ---------------------------------------------------------------------------------------------------- log.py
 
 

@@ -4,8 +4,9 @@ Each command group lives in its own module in this package and exposes ``registe
 name, so adding a command never touches this file. Conventions every command follows:
 
 - ``--json`` prints one JSON document on stdout and nothing else there; the default output is for a person;
-- a user error (bad file, bad value) prints ``error: <what> (<how to fix>)`` on stderr and exits 2; an
-  operation that ran and failed exits 1;
+- a user error (bad file, bad value) prints ``error: <what> (<how to fix>)`` on stderr and exits 2, one line a
+  problem; click's own refusals (an unknown option, a bad value, a missing argument) come out the same way
+  (:class:`~pinsidecar.cli._common.ProjectGroup`); an operation that ran and failed exits 1;
 - progress and logs go to stderr.
 """
 
@@ -17,11 +18,12 @@ import pkgutil
 import click
 
 from pinsidecar import __version__
+from pinsidecar.cli._common import ProjectGroup
 
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=ProjectGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="pinsidecar")
 @click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]),
               help="Log verbosity on stderr [default: warning; `run`: daemon.log_level from its config].")

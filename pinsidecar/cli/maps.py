@@ -266,7 +266,9 @@ def _show_human(r: dict[str, Any]) -> str:
     g = r["geometry"]
     lines = [
         f"map [{r['short_hash']}] {r['label'] or '-'}  policy {r['policy']}  created {r['created_at'] or '-'}",
-        f"model: {r['model']['name'] or '-'} {r['model']['path'] or ''} {r['model']['revision'] or ''}".rstrip(),
+        # name, path and revision once each: a model served without a name is named by its path
+        "model: " + (" ".join(dict.fromkeys(filter(None, (r["model"][k] for k in ("name", "path", "revision")))))
+                     or "-"),
         f"geometry: {g['num_layers']} layers x {g['num_experts']} experts (top-{g['top_k']}), "
         f"{g['hot_rows']} hot / {g['cold_rows']} cold rows per layer"
         + (f" + {g['cache_slots']} cache slots ({r['cache_policy']})" if g.get("cache_slots") else "")

@@ -51,14 +51,18 @@ from pinsidecar.schema import (
     POSITIVE,
     ConfigError,
     Deprecation,
+    Problems,
     apply_override,
     build_section,
+    closest,
+    document_schema,
     has_field,
     key_name,
     port_field,
     read_toml,
     replace_section,
     set_field,
+    usable,
     warn_deprecations,
     written_key,
 )
@@ -66,6 +70,9 @@ from pinsidecar.schema import (
 __all__ = ["ConfigError", "laid_out", "load_config"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/pinsidecar/pinsidecar.toml")
+# The committed JSON schema of the file (tests/test_schema.py keeps it current); the examples point editors at it
+# with taplo's `#:schema ./pinsidecar.schema.json` line.
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "examples" / "pinsidecar.schema.json"
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,8 @@ class MapsConfig:
 
 @dataclass(frozen=True)
 class DaemonConfig:
+    """The daemon itself: where it keeps its state (hook files, remap records, the engine log), and how it logs."""
+
     state_dir: Path = Path("/var/lib/pinsidecar")
     log_level: str = field(default="info", metadata={CHOICES: ("debug", "info", "warning", "error")})
     json_logs: str = field(default="auto", metadata={CHOICES: ("auto", "yes", "no")})
@@ -210,8 +219,8 @@ def laid_out(doc: dict[str, Any]) -> dict[str, Any]:
         for key in [k for k in table if k in fields]:
             value = placed.pop(key)
             if has_field(placed, cls, key):  # tables merged from two layouts: which one meant it is not ours to say
-                raise ConfigError(f"{name}.{key} and {key_name(name, cls, key)}: the same key set in two places; "
-                                  "keep one")
+                raise ConfigError(f"{name}.{key} and {key_name(name, cls, key)}: the same key set in two places "
+                                  "(keep one)")
             set_field(placed, cls, key, value)
         out[name] = placed
     return out
@@ -220,58 +229,81 @@ def laid_out(doc: dict[str, Any]) -> dict[str, Any]:
 def parse_config(doc: dict[str, Any], base: Path, path: Path | None = None, check_paths: bool = True) -> Config:
     """Validate an already-parsed TOML document (``base``: the folder relative paths are taken from).
     ``check_paths=False`` skips "does this file exist" checks (for clients of a daemon that runs elsewhere).
-    Keys at their old place load and are listed in :attr:`Config.deprecations` (not logged here)."""
-    unknown = sorted(set(doc) - set(_SECTION_TYPES))
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown section (allowed: {', '.join(_SECTION_TYPES)})")
+    Keys at their old place load and are listed in :attr:`Config.deprecations` (not logged here). Raises one
+    :class:`ConfigError` holding every problem of the document, in the order of the file."""
+    problems = Problems()
     found: list[Deprecation] = []
     sections: dict[str, Any] = {}
-    for name, cls in _SECTION_TYPES.items():
+    for name in [*doc, *(n for n in _SECTION_TYPES if n not in doc)]:  # the file's order, for the messages
+        cls = _SECTION_TYPES.get(name)
         raw = doc.get(name, {})
-        if name == ENGINE_SECTION:  # [engine.vllm] is the engine's command line: its own reader
-            sections[name] = parse_engine_table(raw, base, check_paths, found)
+        if cls is None:
+            near = closest(str(name), _SECTION_TYPES)
+            hint = f"did you mean [{near}]? " if near else ""
+            problems.add(f"{name}: unknown section ({hint}allowed: {', '.join(_SECTION_TYPES)})")
+        elif name == ENGINE_SECTION:  # [engine.vllm] is the engine's command line: its own reader
+            sections[name] = parse_engine_table(raw, base, check_paths, found, problems=problems)
         else:
-            sections[name] = build_section(name, cls, raw, base, check_paths, deprecations=found)
+            sections[name] = build_section(name, cls, raw, base, check_paths, deprecations=found, problems=problems)
     remap = sections[REMAP_SECTION]  # its workload list is relative to the file's folder, like the paths
     sections[REMAP_SECTION] = replace_section(remap, workloads=[str(w) for w in resolve_workloads(remap, base)])
     cfg = Config(**sections, path=path, deprecations=tuple(found))
-    _cross_check(cfg, check_paths)
+    _cross_check(cfg, problems, check_paths)
+    problems.raise_any()
     return cfg
 
 
-def _cross_check(cfg: Config, check_paths: bool = True) -> None:
+def _cross_check(cfg: Config, problems: Problems, check_paths: bool = True) -> None:
+    """The checks across tables (and the engine's, drift's and remap's own), each skipped where a value it
+    involves was already refused."""
     e = cfg.engine
-    check_engine_config(e)
-    check_drift_config(cfg.drift)
-    check_remap_config(cfg.remap, base=None, engine_port=e.port, check_paths=check_paths)
-    if e.launcher == "container" and not cfg.container.image:
-        raise ConfigError("container.image: required when engine.launcher = \"container\"")
+    check_engine_config(e, problems=problems)
+    check_drift_config(cfg.drift, problems=problems)
+    check_remap_config(cfg.remap, base=None, engine_port=e.port, check_paths=check_paths, problems=problems)
+    if e.launcher == "container" and not cfg.container.image and usable(e, "launcher"):
+        problems.add('container.image: required when engine.launcher = "container" (name the vLLM image, e.g. '
+                     'image = "vllm/vllm-openai:v0.33.0")')
     c = cfg.control
-    if check_paths and c.token_file is not None and not c.create_token and not c.token_file.exists():
-        raise ConfigError(f"control.token_file: {c.token_file} does not exist (create it with mode 0600, "
-                          f"e.g. `umask 077; openssl rand -hex 32 > {c.token_file}`, or set control.create_token)")
     if c.token_file is None:
-        raise ConfigError("control.token_file: required (mutating control calls need a bearer token)")
+        if usable(c, "token_file"):
+            problems.add("control.token_file: required (mutating control calls need a bearer token: set "
+                         "token_file to a mode 0600 file holding one, and create_token = true to have it made)")
+    elif check_paths and not c.create_token and not c.token_file.exists():
+        problems.add(f"control.token_file: {c.token_file} does not exist (create it with mode 0600, "
+                     f"e.g. `umask 077; openssl rand -hex 32 > {c.token_file}`, or set control.create_token)")
     s = cfg.supervisor
-    if s.backoff_max_s < s.backoff_initial_s:
-        raise ConfigError(f"{written_key(s, 'backoff_max_s', 'supervisor')}: must be >= "
-                          f"{written_key(s, 'backoff_initial_s', 'supervisor')} ({s.backoff_initial_s}), "
-                          f"got {s.backoff_max_s}")
+    if s.backoff_max_s < s.backoff_initial_s and usable(s, "backoff_max_s", "backoff_initial_s"):
+        initial = written_key(s, "backoff_initial_s", "supervisor")
+        problems.add(f"{written_key(s, 'backoff_max_s', 'supervisor')}: must be >= {initial} "
+                     f"({s.backoff_initial_s}), got {s.backoff_max_s} (raise it, or lower {initial})")
     g = cfg.gate
     if g.capture_sample_rate > 1:
-        raise ConfigError(f"gate.capture_sample_rate: must be between 0 and 1, got {g.capture_sample_rate}")
+        problems.add(f"gate.capture_sample_rate: must be between 0 and 1, got {g.capture_sample_rate} (the fraction "
+                     "of requests kept: 0.05 keeps 5 %)")
     ports: dict[int, str] = {}
-    listeners = [("engine.port", e.port, e.host, True), ("gate.port", g.port, g.host, g.enabled),
-                 ("control.port", c.port, c.host, c.unix_socket is None),
-                 ("metrics.port", cfg.metrics.port, cfg.metrics.host, cfg.metrics.enabled),
-                 (written_key(cfg.remap, "count_boot_port", REMAP_SECTION), cfg.remap.count_port(e.port), e.host,
-                  e.hook_mode == "pin" and cfg.remap.source == "capture")]
-    for key, port, _host, used in listeners:
-        if not used:
+    listeners = [("engine.port", e.port, True, usable(e, "port")),
+                 ("gate.port", g.port, g.enabled, usable(g, "port", "enabled")),
+                 ("control.port", c.port, c.unix_socket is None, usable(c, "port", "unix_socket")),
+                 ("metrics.port", cfg.metrics.port, cfg.metrics.enabled, usable(cfg.metrics, "port", "enabled")),
+                 (written_key(cfg.remap, "count_boot_port", REMAP_SECTION), cfg.remap.count_port(e.port),
+                  e.hook_mode == "pin" and cfg.remap.source == "capture",
+                  usable(e, "port", "hook_mode") and usable(cfg.remap, "count_boot_port", "source"))]
+    for key, port, used, known in listeners:
+        if not used or not known:
             continue
         if port in ports:
-            raise ConfigError(f"{key}: port {port} is also used by {ports[port]}; give each listener its own port")
+            problems.add(f"{key}: port {port} is also used by {ports[port]} (give each listener its own port)")
+            continue
         ports[port] = key
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of the config file (``pinsidecar check-config --schema``; committed as
+    :data:`SCHEMA_PATH`), for editors: every table and key, its type, range and default; keys at their old place
+    are marked deprecated."""
+    return document_schema(_SECTION_TYPES, "pinsidecar configuration",
+                           "The pinsidecar daemon's TOML config file (docs/configuration.md). Generated by "
+                           "`pinsidecar check-config --schema`.")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
@@ -290,7 +322,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
             apply_override(doc, dotted, value, _SECTION_TYPES)
         cfg = parse_config(doc, p.resolve().parent, p, check_paths)
     except ConfigError as exc:
-        raise ConfigError(f"{p}: {exc}") from None
+        raise exc.within(p) from None
     if warn:
         warn_deprecations(cfg.deprecations, p)
     return cfg

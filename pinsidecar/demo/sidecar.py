@@ -20,7 +20,6 @@ that process from start to stop:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -35,7 +34,7 @@ import httpx
 from pinsidecar.daemon.config import laid_out
 from pinsidecar.engine import free_port, port_in_use
 from pinsidecar.engine.spec import VLLM_TABLE
-from pinsidecar.schema import ADVANCED_TABLE
+from pinsidecar.schema import ADVANCED_TABLE, toml_value
 
 __all__ = ["DemoPorts", "Sidecar", "daemon_tables", "demo_tables", "dump_toml", "merge_tables",
            "pinsidecar_argv"]
@@ -126,24 +125,13 @@ def dump_toml(doc: dict[str, Any]) -> str:
     """``doc`` (tables of plain keys: strings, numbers, booleans, lists, flat dicts) as TOML, laid out as the
     loader reads it today (:func:`~pinsidecar.daemon.config.laid_out`: tuning keys under ``[section.advanced]``,
     vLLM flags under ``[engine.vllm]``), without a TOML writer dependency. Strings are written with JSON's
-    escapes (a subset of TOML's basic strings)."""
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, int | float):
-            return repr(v)
-        if isinstance(v, list | tuple):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
-        return json.dumps(str(v))
-
+    escapes (a subset of TOML's basic strings: :func:`~pinsidecar.schema.toml_value`)."""
     lines: list[str] = []
     for table, keys in laid_out(doc).items():
         subs = {k: v for k, v in keys.items() if k in SUB_TABLES and isinstance(v, dict)}
-        lines += [f"[{table}]", *(f"{k} = {value(v)}" for k, v in keys.items() if k not in subs), ""]
+        lines += [f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in keys.items() if k not in subs), ""]
         for sub, sub_keys in subs.items():
-            lines += [f"[{table}.{sub}]", *(f"{k} = {value(v)}" for k, v in sub_keys.items()), ""]
+            lines += [f"[{table}.{sub}]", *(f"{k} = {toml_value(v)}" for k, v in sub_keys.items()), ""]
     return "\n".join(lines)
 
 

@@ -34,8 +34,10 @@ from pinsidecar.schema import (
     POSITIVE,
     ConfigError,
     Deprecation,
+    Problems,
     build_section,
     read_toml,
+    usable,
     warn_deprecations,
     written_key,
 )
@@ -98,31 +100,38 @@ class DriftConfig:
         return max(self.trip_gain, self.margin)
 
 
-def check_drift_config(cfg: DriftConfig, section: str = DRIFT_SECTION) -> None:
-    """Cross-field checks the per-field metadata cannot express. Raises :class:`ConfigError` naming each key where
-    the file has it (``[drift]`` or ``[drift.advanced]``)."""
+def check_drift_config(cfg: DriftConfig, section: str = DRIFT_SECTION, *, problems: Problems | None = None) -> None:
+    """Cross-field checks the per-field metadata cannot express, each naming the keys where the file has them
+    (``[drift]`` or ``[drift.advanced]``). Every problem goes to ``problems``; without it, a :class:`ConfigError`
+    holding them all is raised."""
+    own = Problems() if problems is None else problems
+
     def key(name: str) -> str:
         return written_key(cfg, name, section)
 
     for name in ("trip_gain", "clear_gain", "margin", "skew_margin", "cold_rate_alert"):
         value = getattr(cfg, name)
-        if value > 1:
-            raise ConfigError(f"{key(name)}: a fraction of selections between 0 and 1, got {value!r} "
-                              f"(write 8 points as 0.08)")
-    if cfg.clear_gain > cfg.trip_gain:
-        raise ConfigError(f"{key('clear_gain')}: must be <= {key('trip_gain')} ({cfg.trip_gain}) for hysteresis, "
-                          f"got {cfg.clear_gain}")
-    if cfg.min_tokens > cfg.window_tokens:
-        raise ConfigError(f"{key('min_tokens')}: must be <= {key('window_tokens')} ({cfg.window_tokens}), "
-                          f"got {cfg.min_tokens}")
+        if value > 1 and usable(cfg, name):
+            own.add(f"{key(name)}: a fraction of selections between 0 and 1, got {value!r} (write 8 points as 0.08)")
+    if cfg.clear_gain > cfg.trip_gain and usable(cfg, "clear_gain", "trip_gain"):
+        own.add(f"{key('clear_gain')}: must be <= {key('trip_gain')} ({cfg.trip_gain}) for hysteresis, got "
+                f"{cfg.clear_gain} (lower it, or raise {key('trip_gain')})")
+    if cfg.min_tokens > cfg.window_tokens and usable(cfg, "min_tokens", "window_tokens"):
+        own.add(f"{key('min_tokens')}: must be <= {key('window_tokens')} ({cfg.window_tokens}), got "
+                f"{cfg.min_tokens} (lower it, or raise {key('window_tokens')})")
+    if problems is None:
+        own.raise_any()
 
 
 def parse_drift_table(raw: Any, base: Path = Path("."), deprecations: list[Deprecation] | None = None,
                       ) -> DriftConfig:
     """Validate an already-parsed ``[drift]`` table (a dict; absent keys take the defaults). Keys at their old
-    place go to ``deprecations`` (``None``: logged as warnings)."""
-    cfg = build_section(DRIFT_SECTION, DriftConfig, raw, base, deprecations=deprecations)
-    check_drift_config(cfg)
+    place go to ``deprecations`` (``None``: logged as warnings). Raises one :class:`ConfigError` holding every
+    problem of the table."""
+    problems = Problems()
+    cfg = build_section(DRIFT_SECTION, DriftConfig, raw, base, deprecations=deprecations, problems=problems)
+    check_drift_config(cfg, problems=problems)
+    problems.raise_any()
     return cfg
 
 
@@ -141,6 +150,6 @@ def load_drift_config(path: str | os.PathLike[str] | None) -> DriftConfig:
     try:
         cfg = parse_drift_table(doc.get(DRIFT_SECTION, {}), p.resolve().parent, found)
     except ConfigError as exc:
-        raise ConfigError(f"{p}: {exc}") from None
+        raise exc.within(p) from None
     warn_deprecations(found, p)
     return cfg

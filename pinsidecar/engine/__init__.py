@@ -25,7 +25,6 @@ from pinsidecar.engine.ports import free_port, port_in_use
 from pinsidecar.engine.process import EngineProcess
 from pinsidecar.engine.readiness import probe_health, probe_ready, wait_until_ready
 from pinsidecar.engine.spec import (
-    DEFAULT_DTYPE,
     DEFAULT_KV_CACHE_BYTES,
     EngineConfig,
     EngineSpec,

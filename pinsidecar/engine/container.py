@@ -43,7 +43,7 @@ import structlog
 from pinsidecar.engine.launcher import BOOT_LOG_LINES, EngineError, EngineSetupError, PortInUseError
 from pinsidecar.engine.ports import port_in_use
 from pinsidecar.engine.readiness import log_tail, probe_health, wait_until_ready
-from pinsidecar.engine.spec import TRITON_CACHE_VAR, EngineSpec, triton_cache_dir
+from pinsidecar.engine.spec import TRITON_CACHE_VAR, EngineSpec, default_dtype, triton_cache_dir
 from pinsidecar.schema import ADVANCED, CHOICES
 
 __all__ = ["ENGINE_LABEL", "ContainerConfig", "ContainerEngine", "container_path", "remove_leftover_containers"]
@@ -153,8 +153,10 @@ def build_run_argv(spec: EngineSpec, cfg: ContainerConfig, state_dir: Path, hook
     host = "0.0.0.0" if cfg.network == "bridge" else spec.host  # inside a bridge, loopback is unreachable
     # The same engine, as seen from inside: the model at its mount, the image's interpreter, and the host model
     # path as the served name (so clients use the same name under either launcher).
+    # A dtype the config left to the engine is the image's vLLM's, which only the container's GPUs tell about.
     inner = dataclasses.replace(spec, model=Path(cfg.model_mount), host=host, python=cfg.python,
-                                served_model_name=spec.served_model_name or str(spec.model)).argv()
+                                served_model_name=spec.served_model_name or str(spec.model),
+                                dtype=spec.dtype or default_dtype(container_gpus=cfg.gpus)).argv()
     argv = [cfg.runtime, "run", "--detach", "--name", cfg.name, "--init",
             "--label", f"{ENGINE_LABEL}=1", "--label", f"{STATE_LABEL}={state_dir}",
             "--stop-timeout", str(max(1, int(spec.shutdown_timeout_s) + 10))]

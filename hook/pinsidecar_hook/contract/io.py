@@ -139,7 +139,7 @@ def _read_json(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
         raise ArtifactError(p, "top level is not a JSON object", "this is not a pinsidecar artifact")
     found = doc.get("format")
     if found != fmt:
-        raise ArtifactError(p, f"format is {found!r}, expected {fmt!r}", "pass the right kind of file")
+        raise ArtifactError(p, *_wrong_format(found, fmt, "format" in doc))
     version = doc.get("version")
     if type(version) is not int or version != VERSION:  # `true` and `1.0` compare equal to 1 but are not versions
         raise ArtifactError(
@@ -147,6 +147,25 @@ def _read_json(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
             "rebuild the file with this pinsidecar version, or upgrade pinsidecar",
         )
     return doc
+
+
+# Which command writes each kind of file: what to pass instead of a file of another kind.
+_WRITTEN_BY = {COUNTS_FORMAT: "a counts file, as `pinsidecar count-boot` writes",
+               MAP_FORMAT: "a map file, as `pinsidecar map build` writes",
+               STATS_FORMAT: "a stats file, as the hook writes in pin mode"}
+
+
+def _wrong_format(found: Any, fmt: str, has_format: bool) -> tuple[str, str]:
+    """(problem, fix) for a JSON document whose ``format`` is not ``fmt``: another pinsidecar file is named as
+    what it is; a document without the field is no pinsidecar file at all."""
+    kind = fmt.split(".")[-1]
+    fix = f"pass {_WRITTEN_BY.get(fmt, f'a {kind} file')}"
+    if found is None:  # absent, or JSON null
+        what = "has no" if not has_format else 'has a null'
+        return f'not a pinsidecar {kind} file: it {what} "format" field (expected {fmt!r})', fix
+    if isinstance(found, str) and found in _WRITTEN_BY:
+        return f"a pinsidecar {found.split('.')[-1]} file: format is {found!r}, expected {fmt!r}", fix
+    return f"format is {found!r}, expected {fmt!r}", fix
 
 
 def _field(doc: dict[str, Any], key: str, typ: type | tuple[type, ...], path: Any) -> Any:
