@@ -46,7 +46,7 @@ import torch
 
 from pinsidecar_hook import swap, swap_tp, vllm_seam
 from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, describe_experts, select_backend
-from pinsidecar_hook.cache import ExpertCache, register
+from pinsidecar_hook.cache import ExpertCache
 from pinsidecar_hook.contract import ApplyResult, ExpertMap, StatsSnapshot, fallback_stats_path, load_map
 from pinsidecar_hook.contract.env import HookConfig
 from pinsidecar_hook.flusher import Flusher, WriteInfo
@@ -101,7 +101,6 @@ class LayerPin:
     # ``cache.step`` before its tiers. None without one.
     cache: ExpertCache | None = None
     cache_slots: int = 0
-    cache_key: int = -1  # the cache's registry key, for the compiled split's custom op
 
     def reset(self) -> None:
         self.expert_counts.zero_()
@@ -414,6 +413,11 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
                 raise BackendUnavailable(f"layer {ref.layer_id} ({describe_experts(geo.experts)}): {reason}")
     except BackendUnavailable as exc:
         raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
+    # Before anything is measured (the self-check's reference call included): the unsplit call takes only paths
+    # the split reproduces.
+    notes = {note for _ref, geo in layers if (note := backend.configure_unsplit(geo.experts)) is not None}
+    for note in sorted(notes):
+        log.info("pinsidecar pin: %s", note)
     slots = emap.cache_slots
     if slots and not backend.CACHE:
         raise PinMapMismatch(f"map {cfg.map_path} has a cache tier ({slots} slots per layer), which the "
@@ -464,7 +468,6 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
                 pin.cache = ExpertCache(row_map_ext, len(hot_local), slots, emap.cache_policy, pin.cold_counts)
             except ValueError as exc:
                 raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
-            pin.cache_key = register(pin.cache)
         split = backend(geo.experts, pin)
         pin.row_map_listeners.append(split.refresh)  # an in-place apply flips the row map: the split follows
         vllm_seam.install_split(geo, split)

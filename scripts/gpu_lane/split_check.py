@@ -191,7 +191,7 @@ def padding_mask() -> dict[str, Any]:
     try:
         return _padding_mask(real, vllm_seam, CountState, partition)
     finally:
-        real.fill_(vllm_seam._UNMASKED)
+        real.fill_(vllm_seam._common._UNMASKED)
 
 
 def _padding_mask(real: torch.Tensor, vllm_seam: Any, CountState: Any, partition: Any) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def counting_cost(layers: int = LAYERS) -> dict[str, Any]:
     try:
         return _counting_cost(real, partition, layers)
     finally:
-        real.fill_(vllm_seam._UNMASKED)
+        real.fill_(vllm_seam._common._UNMASKED)
 
 
 def _counting_cost(real: torch.Tensor, partition: Any, layers: int) -> dict[str, Any]:
