@@ -22,7 +22,7 @@ from pinsidecar_hook.backends import triton_experts as te
 from pinsidecar_hook.backends.reduce import finalize_matches_reduction, moe_sum_reference
 from pinsidecar_hook.backends.tiers import mark_host_resident, tier_expert_maps
 from pinsidecar_hook.kernels import finalize_torch, fma_fp32_exact, partition_torch
-from pinsidecar_hook.selfcheck import KINDS, TOKENS, SelfCheck, cases
+from pinsidecar_hook.selfcheck import DECODE_TOKENS, KINDS, PREFILL_TOKENS, TOKENS, SelfCheck, cases, token_sizes
 from pinsidecar_hook.vllm_seam.triton import NaiveRule
 
 from pinsidecar.testing import moe
@@ -770,6 +770,7 @@ def test_flashinfer_split_chunks_and_equals_unsplit() -> None:
 # install; here with the fake TritonExperts (its contract is vLLM's), on the GPU lane inside real engines.
 
 SC_TOP_K = 4
+SC_TOKENS = (*DECODE_TOKENS, PREFILL_TOKENS[0])  # the fake's per-slot Python loop: one prefill size is enough here
 
 
 class _QuantMethod:
@@ -797,7 +798,8 @@ def _sc_geometry(scale_offset: float = 0.0):
 
 def _sc_run(scale_offset: float) -> dict:
     geo, layer, row_map, hot_rows = _sc_geometry(scale_offset)
-    layer_cases = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, hot_rows, seed=1)
+    layer_cases = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, hot_rows, seed=1,
+                        tokens=SC_TOKENS)
     check = SelfCheck()
     before = check.before(geo, 0, layer_cases)
     split = te.TritonExpertsSplit(geo.experts, layer, fused_finalize=False, naive_rule=None,
@@ -820,11 +822,21 @@ def test_cases_cover_every_kind_and_size_and_straddle_the_tiers() -> None:
             assert bool((rows[:, 0::2] < 8).all()) and bool((rows[:, 1::2] >= 8).all())
     all_hot = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, E)
     assert "straddle" not in {c.kind for c in all_hot}  # nothing cold to straddle
+    assert {512, 2048, 4096} <= set(TOKENS)  # prefill sizes: where vLLM's kernels switch paths
+    assert all(c.x.device.type == "cpu" for c in got)  # in host memory until its call (bounded device memory)
+
+
+def test_the_selfcheck_sizes_stop_at_what_the_engine_runs() -> None:
+    assert token_sizes(None) == TOKENS
+    assert token_sizes(2048) == (1, 7, 64, 512, 2048)
+    assert token_sizes(8192) == TOKENS
+    assert SelfCheck(vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(
+        max_num_batched_tokens=1024))).tokens == (1, 7, 64, 512)
 
 
 def test_selfcheck_finds_the_split_equal_to_the_unsplit_call() -> None:
     summary = _sc_run(0.0)
-    assert summary["layers"] == 1 and summary["cases"] == len(TOKENS) * len(KINDS)
+    assert summary["layers"] == 1 and summary["cases"] == len(SC_TOKENS) * len(KINDS)
     assert summary["equal"] == summary["cases"] and summary["mismatch_count"] == 0 and not summary["errors"]
 
 

