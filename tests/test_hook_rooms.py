@@ -29,11 +29,8 @@ ALLOWED = {
     "backends": {"vllm_seam", "contract", "kernels", "cache"},
     "trace_record": {"contract"},  # count mode's routing trace: a device buffer, written as a contract trace
     "count": {"vllm_seam", "contract", "flusher", "kernels", "trace_record"},  # kernels: the GPU count's launch
-    "swap_rows": {"contract"},  # the in-place apply works on pin mode's layers through a protocol, not pin itself
-    "swap_batches": {"contract", "swap_rows"},
-    "swap": {"contract", "swap_rows", "swap_batches"},
-    "swap_tp": {"contract", "swap"},  # the apply on every tensor-parallel rank: swap's steps, per rank, in step
-    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "cache", "swap", "swap_tp", "selfcheck"},
+    "swap": {"contract"},  # the in-place apply works on pin mode's layers through a protocol, not pin itself
+    "pin": {"vllm_seam", "contract", "flusher", "rehome", "backends", "cache", "swap", "selfcheck"},
     "modes": {"vllm_seam", "contract", "count", "pin"},
     "plugin": {"contract", "modes"},
 }

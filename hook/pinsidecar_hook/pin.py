@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from pinsidecar_hook import swap, swap_tp, vllm_seam
+from pinsidecar_hook import swap, vllm_seam
 from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, describe_experts, select_backend
 from pinsidecar_hook.cache import ExpertCache
 from pinsidecar_hook.contract import ApplyResult, ExpertMap, StatsSnapshot, fallback_stats_path, load_map
@@ -143,7 +143,7 @@ class PinState:
     step_clock: swap.StepClock = field(default_factory=swap.StepClock)
     # Tensor parallel: the apply on every rank, through vLLM's group (None: one worker, or no group to reach the
     # others through, and an apply is refused).
-    tp: swap_tp.TPApply | None = None
+    tp: swap.TPApply | None = None
 
     def __post_init__(self) -> None:
         self.map_path: Path | None = self.cfg.map_path  # the map file served: the boot map, or the last applied
@@ -174,7 +174,7 @@ class PinState:
         (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch, ``switch_interval_s`` is the
         GIL's switch interval meanwhile, ``ordering`` how batches are ordered against the steps; None: the
         request's, else the hook's default). Never raises; the answer says applied, refused or failed. Under tensor
-        parallel, rank 0 hands it to every rank's next step boundary (:mod:`pinsidecar_hook.swap_tp`: one hold,
+        parallel, rank 0 hands it to every rank's next step boundary (:mod:`pinsidecar_hook.swap.tp`: one hold,
         every rank or none; the hold budget and ordering do not apply)."""
         if self.tp is not None:
             return self.tp.submit(args, token)
@@ -184,7 +184,7 @@ class PinState:
     def step_guard(self) -> contextlib.AbstractContextManager[None]:
         """Held around one step (``execute_model``): the step lock, after any apply batch already asking for it;
         the step is counted when it ends, so the apply knows one ran between two of its batches. Under tensor
-        parallel every rank first passes its step boundary (:meth:`~pinsidecar_hook.swap_tp.TPApply.at_step_boundary`),
+        parallel every rank first passes its step boundary (:meth:`~pinsidecar_hook.swap.tp.TPApply.at_step_boundary`),
         where a pending apply runs on all of them."""
         if self.tp is not None:
             self.tp.at_step_boundary(self)
@@ -513,7 +513,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     if tp_size > 1:
         group = vllm_seam.tp_cpu_group()
         if group is not None:
-            tp = swap_tp.TPApply(swap_tp.TorchRankGroup(*group))
+            tp = swap.TPApply(swap.TorchRankGroup(*group))
         else:
             log.warning("pinsidecar pin: tensor parallel %d without vLLM's group to reach the other ranks: an "
                         "in-place apply will be refused (a reboot deploys a new map)", tp_size)

@@ -253,7 +253,7 @@ def max_batched_tokens(vllm_config: Any) -> int | None:
 
 def tp_cpu_group() -> tuple[Any, int, int] | None:
     """vLLM's tensor-parallel group as ``(its CPU process group, this rank in it, its size)``, for the hook's own
-    collectives between ranks (:mod:`pinsidecar_hook.swap_tp`); None when vLLM has none initialized. The CPU
+    collectives between ranks (:mod:`pinsidecar_hook.swap.tp`); None when vLLM has none initialized. The CPU
     group (gloo) rather than the device one: the apply exchanges a few small Python objects between steps, and a
     CPU collective neither touches the device stream nor needs a graph-safe op."""
     try:
