@@ -117,7 +117,7 @@ def tier_quant_config(quant_config: Any, tier: dict[str, torch.Tensor | None]) -
 def a2_scale_is_global(experts: Any) -> bool:
     """Whether GEMM2's input is quantized with one dynamic scale over every row of the call (FP8 per-tensor
     activations with no static scale): the case only the phased path splits exactly. The same condition as 0.34's
-    ``a2_scale_is_global`` in ``TritonExperts.apply`` (``triton_moe.py:405``)."""
+    ``a2_scale_is_global`` in ``TritonExperts.apply`` (``triton_moe.py:406``)."""
     return (getattr(experts, "quant_dtype", None) is not None
             and getattr(experts, "a2_scale", None) is None
             and getattr(experts, "block_shape", None) is None

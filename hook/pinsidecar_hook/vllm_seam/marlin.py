@@ -7,9 +7,10 @@ signature changed between the two GPU versions read, so :func:`rows` calls it th
 
 - vLLM 0.26 (``experts/marlin_moe.py``): act-order indices (``g_idx1``, ``sort_indices1``), ``input_dtype``,
   ``is_k_full``, the clamp and gated-activation scalars as arguments;
-- vLLM 0.34 (``experts/marlin_moe.py:58``): no act order, no activation quantization, an ``activation_config``
-  and ``mul_topk_weights_in_gemm2``; ``MarlinExperts.apply`` (``:660-702``) passes ``activation_func=self.activation``,
-  ``activation_config=self.activation_config`` and ``mul_topk_weights_in_gemm2=not hooked``.
+- vLLM 0.34 (``experts/marlin_moe.py:59``): no act order, no activation quantization, an ``activation_config``
+  and ``mul_topk_weights_in_gemm2``; ``MarlinExperts.apply`` (``:670``, its call at ``:711-739``) passes
+  ``activation_func=self.activation``, ``activation_config=self.activation_config`` and
+  ``mul_topk_weights_in_gemm2=not hooked``.
 
 Any other form is refused at attach with the version's name. On SM90, 0.34 serves GPTQ/AWQ int4 with
 ``HummingIndexedExperts`` (``prioritize_humming``), not ``MarlinExperts``, so this path is what a FP8 W8A16 or a
