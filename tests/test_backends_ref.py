@@ -147,6 +147,7 @@ class _Layer:
         self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
         self.cold_counts = torch.zeros(1, dtype=torch.int64)
         self.token_counts = torch.zeros(1, dtype=torch.int64)
+        self.cache, self.cache_slots = None, 0  # no cache tier
 
 
 def _vllm_apply_args(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str = "silu",

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from pinsidecar_hook.backends.triton_experts import tier_expert_maps
+from pinsidecar_hook.backends.tiers import tier_expert_maps
 from pinsidecar_hook.cache import ExpertCache
 from pinsidecar_hook.kernels.fill import fill_pairs
 

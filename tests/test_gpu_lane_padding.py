@@ -80,7 +80,7 @@ def test_partition_torch_masks_padding(real_rows: int) -> None:
 
 def test_execute_model_wrapper_sets_the_real_token_scalar(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker wrapper writes ``total_num_scheduled_tokens`` before the step runs (and inside the guard)."""
-    monkeypatch.setattr(vllm_seam, "_real_tokens", {})
+    monkeypatch.setattr(vllm_seam._common, "_real_tokens", {})
     real = vllm_seam.real_token_count(torch.device("cpu"))
     assert int(real) > 1 << 30  # nothing masked before the first step
     order: list[str] = []
@@ -97,8 +97,8 @@ def test_execute_model_wrapper_sets_the_real_token_scalar(monkeypatch: pytest.Mo
         def __exit__(self, *exc: object) -> None:
             order.append("unguard")
 
-    vllm_seam._wrap_execute(Worker, Guard)
-    vllm_seam._wrap_execute(Worker, Guard)  # idempotent
+    vllm_seam._common._wrap_execute(Worker, Guard)
+    vllm_seam._common._wrap_execute(Worker, Guard)  # idempotent
     assert Worker().execute_model(SimpleNamespace(total_num_scheduled_tokens=5)) == "out"
     assert order == ["guard", "step real=5", "unguard"]
     Worker().execute_model(SimpleNamespace())  # a scheduler output without the field leaves the scalar alone
@@ -125,7 +125,7 @@ def test_triton_experts_split_counts_only_real_rows() -> None:
     x = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16)
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
     layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2}, row_map, 16)
-    split = te.TritonExpertsSplit(experts, layer, num_real=torch.tensor([4]), fused_finalize=False, naive_ids=False,
+    split = te.TritonExpertsSplit(experts, layer, num_real=torch.tensor([4]), fused_finalize=False, naive_rule=None,
                                   config_fn=lambda *a: {"BLOCK_SIZE_K": 16},
                                   override_fn=lambda c: contextlib.nullcontext())
     split.apply(torch.empty(6, HIDDEN, dtype=torch.bfloat16), x, None, None, weights, ids, "silu", 16, None, None,

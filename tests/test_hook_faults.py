@@ -1,6 +1,6 @@
 """Faults reach the hook's in-place apply from outside it: the hook reads no test variables.
 
-``pinsidecar.testing.hook_faults`` wraps ``pinsidecar_hook.swap.swap_layers`` with ``stall_s`` /
+``pinsidecar.testing.hook_faults`` wraps ``pinsidecar_hook.swap.apply.swap_layers`` with ``stall_s`` /
 ``fail_after_layers``, in the test's process or, through a ``sitecustomize.py`` on the engine's ``PYTHONPATH``, in
 a real engine's (that path is also exercised by ``test_remap_in_place.py``, which kills an engine mid-apply).
 """
@@ -18,7 +18,7 @@ from pinsidecar.testing import hook_faults
 
 HOOK = Path(__file__).resolve().parents[1] / "hook"
 
-PROBE = ("import functools, pinsidecar_hook.swap as s; f = s.swap_layers; "
+PROBE = ("import functools, pinsidecar_hook.swap.apply as s; f = s.swap_layers; "
          "print(f.keywords if isinstance(f, functools.partial) else None)")
 
 
@@ -52,7 +52,7 @@ def test_a_fault_must_be_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         hook_faults.inject(monkeypatch)
 
 
-LIVE_PROBE = ("import pinsidecar_hook.swap as s\n"
+LIVE_PROBE = ("import pinsidecar_hook.swap.apply as s\n"
               "try:\n    s._prepare(None, {})\nexcept s.ApplyRefused as e:\n    print('refused:', e)\n")
 REAL = "refused: malformed apply request"  # the real checks refuse these empty arguments
 

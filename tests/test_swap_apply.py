@@ -534,6 +534,7 @@ def test_triton_tier_maps_follow_an_apply_and_its_roll_back(maps: dict[str, Any]
     """The ``triton_experts`` split derives its tier maps from the row map at attach; an apply refreshes them in
     place (same tensors: a captured graph reads them by address), and a roll-back refreshes them back."""
     from pinsidecar_hook.backends import triton_experts as te
+    from pinsidecar_hook.backends.tiers import tier_expert_maps
 
     @dataclasses.dataclass
     class Desc:
@@ -551,15 +552,16 @@ def test_triton_tier_maps_follow_an_apply_and_its_roll_back(maps: dict[str, Any]
     state = _state(maps["a"], maps["a_path"])
     splits = []
     for p in state.layers:
-        split = te.TritonExpertsSplit(experts, p, fused_finalize=False, naive_ids=False, config_fn=lambda *a: None,
+        split = te.TritonExpertsSplit(experts, p, fused_finalize=False, naive_rule=None, config_fn=lambda *a: None,
                                       override_fn=lambda c: contextlib.nullcontext())
         p.row_map_listeners.append(split.refresh)  # what pin.attach registers
         splits.append(split)
     addresses = [(s.hot_map.data_ptr(), s.cold_map.data_ptr()) for s in splits]
 
     def follows() -> bool:
-        return all(torch.equal(s.hot_map, te.tier_expert_maps(s.row_map, s.hot_rows)[0])
-                   and torch.equal(s.cold_map, te.tier_expert_maps(s.row_map, s.hot_rows)[1]) for s in splits)
+        return all(torch.equal(s.hot_map, tier_expert_maps(s.layer.row_map, s.layer.hot_rows)[0])
+                   and torch.equal(s.cold_map, tier_expert_maps(s.layer.row_map, s.layer.hot_rows)[1])
+                   for s in splits)
 
     assert _apply(state, maps["b_path"], maps["b"]).outcome == "applied" and follows()
     b_maps = [(s.hot_map.clone(), s.cold_map.clone()) for s in splits]

@@ -1,6 +1,6 @@
 """Remap in place under tensor parallel, the hook side, without an engine: two real ranks (two processes in a gloo
 group, the kind of CPU group vLLM's tensor-parallel group carries) each holding pin mode's real state over real
-tensors (tests/test_swap_apply.py's builder), and :mod:`pinsidecar_hook.swap_tp` between them.
+tensors (tests/test_swap_apply.py's builder), and :mod:`pinsidecar_hook.swap.tp` between them.
 
 What must hold: rank 0 alone receives the request, and both ranks apply it at the same step boundary, each rank's
 rows then holding the candidate's experts; a refusal on rank 1 touches nothing on either rank; a failure on rank 1
@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pinsidecar_hook.swap.apply as swap_apply
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pinsidecar_hook import swap
 from pinsidecar_hook.contract import apply_args
-from pinsidecar_hook.swap_rows import ApplyRefused
-from pinsidecar_hook.swap_tp import TorchRankGroup, TPApply
+from pinsidecar_hook.swap import ApplyRefused, TorchRankGroup, TPApply
 
 from pinsidecar.engine.ports import free_port
 
@@ -42,9 +41,10 @@ def _rank(rank: int, port: int, tmp: str, scenario: str) -> None:
     if scenario == "refuse" and rank == 1:
         def refuse(*args: Any, **kw: Any) -> Any:
             raise ApplyRefused("cannot read the candidate map: no such file on this node")
-        swap._prepare = refuse  # type: ignore[assignment]
+        swap_apply._prepare = refuse  # type: ignore[assignment]
     if scenario == "fail" and rank == 1:
-        swap.swap_layers = functools.partial(swap.swap_layers, fail_after_layers=2)  # type: ignore[assignment]
+        swap_apply.swap_layers = functools.partial(swap_apply.swap_layers,  # type: ignore[assignment]
+                                                   fail_after_layers=2)
     before = _clone(state)
     answer: dict[str, Any] = {}
     thread = None

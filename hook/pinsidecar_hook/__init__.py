@@ -11,14 +11,17 @@ vllm_seam -> contract``):
 
 - :mod:`~pinsidecar_hook.plugin`: vLLM's entry point; reads the configuration, hands over to ``modes``;
 - :mod:`~pinsidecar_hook.modes`: wires the configured mode into vLLM's worker;
-- :mod:`~pinsidecar_hook.vllm_seam`: every touch of vLLM internals, and nothing else;
+- :mod:`~pinsidecar_hook.vllm_seam`: every touch of vLLM internals, and nothing else (a common module and one per
+  kernel family);
 - :mod:`~pinsidecar_hook.contract`: the files, requests and environment shared with the daemon;
 - :mod:`~pinsidecar_hook.flusher`: the one side thread that writes counters out, periodically and on request;
 - :mod:`~pinsidecar_hook.count`: count mode (router selection counters);
 - :mod:`~pinsidecar_hook.pin`: pin mode (map validation, re-homing, split invokes, live stats);
 - :mod:`~pinsidecar_hook.rehome`: splitting a layer's per-expert tensors into hot and cold, and the device view
   of pinned host memory;
-- :mod:`~pinsidecar_hook.backends`: the split backends, their contract and registry;
+- :mod:`~pinsidecar_hook.backends`: the split backends as stages (a shared partition, a kernel family's tier
+  calls, a reducer chosen at attach), their contract and registry;
+- :mod:`~pinsidecar_hook.swap`: the in-place apply of a new map between two steps;
 - :mod:`~pinsidecar_hook.kernels`: the partition and finalize kernels the backends share.
 """
 

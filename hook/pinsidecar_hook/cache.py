@@ -49,7 +49,7 @@ from pinsidecar_hook.kernels.cache_plan import (
 from pinsidecar_hook.kernels.fill import CachePlan, fill_pairs, fill_rows_cuda, fill_rows_reference
 from pinsidecar_hook.kernels.partition import partition, triton_available
 
-__all__ = ["ExpertCache", "fill_rows", "register", "registered"]
+__all__ = ["ExpertCache", "fill_rows"]
 
 _BIG = 2**62  # a sort key after every real one
 
@@ -218,21 +218,6 @@ class ExpertCache:
         """Hits, fills and evictions since the last reset (a small device-to-host copy)."""
         return {"hits": int(self.hits.item()), "fills": int(self.fills.item()),
                 "evictions": int(self.evictions.item())}
-
-
-# A captured or compiled step calls the cache through an opaque custom op that cannot take a Python object: each
-# layer's cache is registered once at attach and the op gets its key.
-_registry: list[ExpertCache] = []
-
-
-def register(cache: ExpertCache) -> int:
-    """Make ``cache`` reachable from a custom op by the returned key."""
-    _registry.append(cache)
-    return len(_registry) - 1
-
-
-def registered(key: int) -> ExpertCache:
-    return _registry[key]
 
 
 def fill_rows(plan: CachePlan, hot: Mapping[str, torch.Tensor | None], cold: Mapping[str, torch.Tensor | None]) -> None:

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from pinsidecar_hook import swap, swap_tp, vllm_seam
+from pinsidecar_hook import swap, vllm_seam
 from pinsidecar_hook.backends import BackendUnavailable, SplitBackend, describe_experts, select_backend
-from pinsidecar_hook.cache import ExpertCache, register
+from pinsidecar_hook.cache import ExpertCache
 from pinsidecar_hook.contract import ApplyResult, ExpertMap, StatsSnapshot, fallback_stats_path, load_map
 from pinsidecar_hook.contract.env import HookConfig
 from pinsidecar_hook.flusher import Flusher, WriteInfo
@@ -101,7 +101,6 @@ class LayerPin:
     # ``cache.step`` before its tiers. None without one.
     cache: ExpertCache | None = None
     cache_slots: int = 0
-    cache_key: int = -1  # the cache's registry key, for the compiled split's custom op
 
     def reset(self) -> None:
         self.expert_counts.zero_()
@@ -144,7 +143,7 @@ class PinState:
     step_clock: swap.StepClock = field(default_factory=swap.StepClock)
     # Tensor parallel: the apply on every rank, through vLLM's group (None: one worker, or no group to reach the
     # others through, and an apply is refused).
-    tp: swap_tp.TPApply | None = None
+    tp: swap.TPApply | None = None
 
     def __post_init__(self) -> None:
         self.map_path: Path | None = self.cfg.map_path  # the map file served: the boot map, or the last applied
@@ -175,7 +174,7 @@ class PinState:
         (:func:`pinsidecar_hook.swap.apply_map`; ``hold_budget_s`` bounds one batch, ``switch_interval_s`` is the
         GIL's switch interval meanwhile, ``ordering`` how batches are ordered against the steps; None: the
         request's, else the hook's default). Never raises; the answer says applied, refused or failed. Under tensor
-        parallel, rank 0 hands it to every rank's next step boundary (:mod:`pinsidecar_hook.swap_tp`: one hold,
+        parallel, rank 0 hands it to every rank's next step boundary (:mod:`pinsidecar_hook.swap.tp`: one hold,
         every rank or none; the hold budget and ordering do not apply)."""
         if self.tp is not None:
             return self.tp.submit(args, token)
@@ -185,7 +184,7 @@ class PinState:
     def step_guard(self) -> contextlib.AbstractContextManager[None]:
         """Held around one step (``execute_model``): the step lock, after any apply batch already asking for it;
         the step is counted when it ends, so the apply knows one ran between two of its batches. Under tensor
-        parallel every rank first passes its step boundary (:meth:`~pinsidecar_hook.swap_tp.TPApply.at_step_boundary`),
+        parallel every rank first passes its step boundary (:meth:`~pinsidecar_hook.swap.tp.TPApply.at_step_boundary`),
         where a pending apply runs on all of them."""
         if self.tp is not None:
             self.tp.at_step_boundary(self)
@@ -414,6 +413,11 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
                 raise BackendUnavailable(f"layer {ref.layer_id} ({describe_experts(geo.experts)}): {reason}")
     except BackendUnavailable as exc:
         raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
+    # Before anything is measured (the self-check's reference call included): the unsplit call takes only paths
+    # the split reproduces.
+    notes = {note for _ref, geo in layers if (note := backend.configure_unsplit(geo.experts)) is not None}
+    for note in sorted(notes):
+        log.info("pinsidecar pin: %s", note)
     slots = emap.cache_slots
     if slots and not backend.CACHE:
         raise PinMapMismatch(f"map {cfg.map_path} has a cache tier ({slots} slots per layer), which the "
@@ -447,7 +451,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
             hidden = geo.hidden_size or int(geo.param_owner.w2_weight.shape[1])
             check = checker.before(geo, ref.layer_id, selfcheck_cases(
                 emap.num_experts, geo.top_k, hidden, geo.act_dtype or torch.bfloat16, device, row_map,
-                hbm_rows, seed=ref.layer_id))
+                hbm_rows, seed=ref.layer_id, tokens=checker.tokens))
         rehomed = rehome_layer(geo.param_owner, names_by_layer[ref.name], hot_local, cold_local, ledger,
                                aliases=facts.aliases_by_layer.get(ref.name), slot_rows=slots)
         pin = LayerPin(
@@ -464,7 +468,6 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
                 pin.cache = ExpertCache(row_map_ext, len(hot_local), slots, emap.cache_policy, pin.cold_counts)
             except ValueError as exc:
                 raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
-            pin.cache_key = register(pin.cache)
         split = backend(geo.experts, pin)
         pin.row_map_listeners.append(split.refresh)  # an in-place apply flips the row map: the split follows
         vllm_seam.install_split(geo, split)
@@ -510,7 +513,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
     if tp_size > 1:
         group = vllm_seam.tp_cpu_group()
         if group is not None:
-            tp = swap_tp.TPApply(swap_tp.TorchRankGroup(*group))
+            tp = swap.TPApply(swap.TorchRankGroup(*group))
         else:
             log.warning("pinsidecar pin: tensor parallel %d without vLLM's group to reach the other ranks: an "
                         "in-place apply will be refused (a reboot deploys a new map)", tp_size)

@@ -1,9 +1,9 @@
 """Faults injected into the hook's in-place apply from outside the hook, so that the hook reads no test variables.
 
-``pinsidecar_hook.swap_batches.swap_layers`` takes ``stall_s`` (hold the step lock that long after the first
+``pinsidecar_hook.swap.batches.swap_layers`` takes ``stall_s`` (hold the step lock that long after the first
 layer's swaps: a test can SIGKILL the engine mid-apply) and ``fail_after_layers`` (raise after that many layers,
 ``0`` before the first: the swap-back is proven) as arguments, and the live path (``swap.apply_map``) never passes
-them. A test that wants either wraps ``pinsidecar_hook.swap.swap_layers`` with them:
+them. A test that wants either wraps ``pinsidecar_hook.swap.apply.swap_layers`` (where the apply reads it) with them:
 
 - in its own process, :func:`inject` (through pytest's ``monkeypatch``, undone after the test);
 - in a real engine, :func:`engine_env`: the environment for ``[engine] env``, a folder put first on
@@ -40,7 +40,7 @@ import json
 import os
 import sys
 
-_MODULE = "pinsidecar_hook.swap"
+_MODULE = "pinsidecar_hook.swap.apply"
 _PATH = os.path.join(os.path.dirname(__file__), {faults_file!r})
 _FAULTS = json.loads(open(_PATH).read())
 
@@ -114,10 +114,10 @@ def _faults(stall_s: float | None, fail_after_layers: int | None) -> dict[str, A
 
 def inject(monkeypatch: Any, *, stall_s: float | None = None, fail_after_layers: int | None = None) -> None:
     """Make this process's in-place applies stall or fail (``monkeypatch``: pytest's, which undoes it)."""
-    from pinsidecar_hook import swap
+    import pinsidecar_hook.swap.apply as swap_apply
 
-    monkeypatch.setattr(swap, "swap_layers", functools.partial(swap.swap_layers,
-                                                                **_faults(stall_s, fail_after_layers)))
+    monkeypatch.setattr(swap_apply, "swap_layers", functools.partial(swap_apply.swap_layers,
+                                                                      **_faults(stall_s, fail_after_layers)))
 
 
 def engine_env(folder: Path, *, stall_s: float | None = None, fail_after_layers: int | None = None

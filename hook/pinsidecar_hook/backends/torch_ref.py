@@ -55,8 +55,17 @@ from typing import Any, overload
 
 import torch
 
-from pinsidecar_hook import vllm_seam
-from pinsidecar_hook.backends.base import SplitBackend
+from pinsidecar_hook.backends.base import (
+    REAL_TOKENS,
+    ExpertsCall,
+    Partition,
+    Reducer,
+    Rows,
+    SplitBackend,
+    Tier,
+    TierRows,
+)
+from pinsidecar_hook.backends.reduce import SlotOrderFinalize
 from pinsidecar_hook.kernels.dequant import (
     FP8_DTYPES,
     PER_EXPERT_TENSORS,
@@ -381,13 +390,19 @@ def _split(
     else:
         hot_ids, cold_ids = partition(topk_ids, row_map, hot_rows, expert_counts, cold_counts, num_real=num_real,
                                       token_counts=token_counts)
+    rows, rows_cold = _compute_tiers(x, hot_tier, cold_tier, hot_ids, cold_ids, impl=impl, overlap=overlap)
+    return finalize(rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold)
+
+
+def _compute_tiers(x: torch.Tensor, hot: _Tier, cold: _Tier, hot_ids: torch.Tensor, cold_ids: torch.Tensor, *,
+                   impl: str, overlap: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both calls' rows as ``(rows, rows_cold or None)``: with ``impl="loop"`` and no overlap, one buffer that the
+    hot call and then the cold call write (the original path); otherwise :func:`split_tiers`'s two buffers."""
     if overlap is None:
         overlap = OVERLAP_DEFAULT
-    if impl == "loop" and not (overlap and x.is_cuda):  # the original path: one rows buffer, the calls in turn
-        rows = _split_rows(x, hot_tier, cold_tier, hot_ids, cold_ids)
-        return finalize(rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids)
-    rows, rows_cold = _split_tiers(x, hot_tier, cold_tier, hot_ids, cold_ids, impl=impl, overlap=overlap)
-    return finalize(rows, topk_weights, hot_ids=hot_ids, cold_ids=cold_ids, rows_cold=rows_cold)
+    if impl == "loop" and not (overlap and x.is_cuda):
+        return _split_rows(x, hot, cold, hot_ids, cold_ids), None
+    return _split_tiers(x, hot, cold, hot_ids, cold_ids, impl=impl, overlap=overlap)
 
 
 @overload
@@ -427,14 +442,16 @@ def split(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 class TorchRefSplit(SplitBackend):
-    """The reference split as a backend: :func:`split` over the layer's hot and cold tensors (``layer`` is a
-    :class:`pinsidecar_hook.backends.base.SplitLayer`): every per-expert tensor of its ``hot`` / ``cold`` dicts, in
-    any format :func:`scheme_of` knows (fp8 scales with 128 x 128 blocks). A layer whose tensors it does not know,
-    or whose two tiers differ in format, is refused at attach (the constructor). ``auto`` never picks it.
+    """The reference split as a backend, through the stages: the torch experts over the layer's hot and cold
+    tensors as the tier stage (:func:`_compute_tiers`, the side stream included on CUDA), the hook's FMA finalize in
+    slot order as the reducer. ``layer`` is a :class:`pinsidecar_hook.backends.base.SplitLayer`: every per-expert
+    tensor of its ``hot`` / ``cold`` dicts, in any format :func:`scheme_of` knows (fp8 scales with 128 x 128
+    blocks). A layer whose tensors it does not know, or whose two tiers differ in format, is refused at attach (the
+    constructor). ``auto`` never picks it.
 
     The weights vLLM passes (the layer's parameters, which now hold only the hot rows) and its ``expert_map`` are
     ignored: the row map already sends other ranks' experts to -1. Only SiLU-and-mul with the router weight
-    applied after the experts, on unquantized activations, is supported; anything else raises at the first call.
+    applied after the experts, on unquantized activations, is supported; anything else is refused at the call.
     It is bit-identical to *its own* unsplit call, not to vLLM's kernel (``BIT_IDENTICAL = False``)."""
 
     NAME = "torch_ref"
@@ -448,31 +465,34 @@ class TorchRefSplit(SplitBackend):
     def supports(cls, experts: Any, device: torch.device) -> str | None:
         return None  # any layer whose tensors scheme_of knows: checked on the tensors, at construction
 
-    def __init__(self, experts: Any, layer: Any) -> None:
-        super().__init__(experts, layer)
-        self.hot, self.cold = dict(layer.hot), dict(layer.cold)
-        self.scheme = scheme_of(self.hot)
-        if scheme_of(self.cold) != self.scheme:
-            raise ValueError(f"torch_ref: the hot and cold tensors of a layer differ in format: {self.scheme} vs "
-                             f"{scheme_of(self.cold)}")
-        self.num_real = vllm_seam.real_token_count(layer.row_map.device)
+    def __init__(self, experts: Any, layer: Any, *, num_real: Any = REAL_TOKENS) -> None:
+        scheme = scheme_of(dict(layer.hot))
+        if scheme_of(dict(layer.cold)) != scheme:
+            raise ValueError(f"torch_ref: the hot and cold tensors of a layer differ in format: {scheme} vs "
+                             f"{scheme_of(dict(layer.cold))}")
+        self.tier_tensors = _Tier(dict(layer.hot), scheme), _Tier(dict(layer.cold), scheme)
+        super().__init__(experts, layer, num_real=num_real)
 
-    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
-              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-              workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
-              apply_router_weight_on_input: bool) -> None:
-        act = str(getattr(activation, "value", activation)).lower()
-        if act != "silu" or apply_router_weight_on_input:
+    def choose_reducer(self) -> Reducer:
+        return SlotOrderFinalize(weighted_rows=False)
+
+    def check_call(self, call: ExpertsCall) -> None:
+        act = str(getattr(call.activation, "value", call.activation)).lower()
+        if act != "silu" or call.apply_router_weight_on_input:
             raise RuntimeError(f"the torch_ref split supports SiLU-and-mul with the router weight applied after the "
                                f"experts only (activation {act!r}, apply_router_weight_on_input "
-                               f"{apply_router_weight_on_input})")
-        if a1q_scale is not None or a2_scale is not None or hidden_states.dtype in FP8_DTYPES:
+                               f"{call.apply_router_weight_on_input})")
+        if call.a1q_scale is not None or call.a2_scale is not None or call.hidden_states.dtype in FP8_DTYPES:
             raise RuntimeError("the torch_ref split dequantizes weights only; it does not model activation "
-                               f"quantization (hidden states {hidden_states.dtype}, a1q_scale "
-                               f"{'set' if a1q_scale is not None else None}, a2_scale "
-                               f"{'set' if a2_scale is not None else None})")
-        layer = self.layer
-        output.copy_(_split(hidden_states, self.hot, self.cold, topk_weights, topk_ids, layer.row_map,
-                            layer.hot_rows, layer.expert_counts, layer.cold_counts, num_real=self.num_real,
-                            token_counts=layer.token_counts, scheme=self.scheme))
+                               f"quantization (hidden states {call.hidden_states.dtype}, a1q_scale "
+                               f"{'set' if call.a1q_scale is not None else None}, a2_scale "
+                               f"{'set' if call.a2_scale is not None else None})")
+
+    def run_tiers(self, call: ExpertsCall, part: Partition) -> TierRows:
+        rows, rows_cold = _compute_tiers(call.hidden_states, *self.tier_tensors, part.hot_ids, part.cold_ids,
+                                         impl="loop", overlap=None)
+        return TierRows(Rows(rows), None if rows_cold is None else Rows(rows_cold))
+
+    def run_tier(self, tier: Tier, call: ExpertsCall, part: Partition) -> Rows:
+        hot, cold = self.tier_tensors
+        return Rows(_rows(call.hidden_states, hot if tier.name == "hot" else cold, part.ids(tier), "loop"))

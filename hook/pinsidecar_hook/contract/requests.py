@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 HOOK_OPS = ("flush", "reset", "apply")
-# How an apply's batches are ordered against the engine's steps (pinsidecar_hook.swap_batches, "Ordering"):
+# How an apply's batches are ordered against the engine's steps (pinsidecar_hook.swap.batches, "Ordering"):
 # "host" syncs the device under the step lock before and after each batch; "stream" queues the batch on the
 # engine's own CUDA stream and lets the next step wait for it on the device.
 APPLY_ORDERINGS = ("host", "stream")

@@ -376,7 +376,7 @@ def step_triton(cache: ExpertCache, topk_ids: torch.Tensor, num_real: torch.Tens
                 token_counts: torch.Tensor | None = None) -> tuple[CachePlan, Partitioned | None]:
     """:meth:`ExpertCache.plan` in one launch (module docstring): same arguments, same state transitions, same
     plan. ``tier_maps=(hot_map, cold_map)`` (int32 ``[E]``, as
-    :func:`pinsidecar_hook.backends.triton_experts.tier_expert_maps` makes them for ``hbm_rows = H + K``) are
+    :func:`pinsidecar_hook.backends.tiers.tier_expert_maps` makes them for ``hbm_rows = H + K``) are
     updated in place for the experts whose row the step changes, so they stay equal to the maps of the new row
     map. ``fills``: the ``(slot rows, cold rows)`` tensors to copy the fills into (at most
     :data:`MAX_FILL_TENSORS`, see :func:`pinsidecar_hook.kernels.fill.fill_pairs`), in the same launch.

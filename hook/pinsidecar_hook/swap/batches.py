@@ -1,7 +1,7 @@
 """The in-place apply in bounded batches: swap pairs of rows under the step lock, a step between two batches.
 
-Part of the in-place apply: :mod:`pinsidecar_hook.swap` serves the request and checks everything that can refuse,
-:mod:`pinsidecar_hook.swap_rows` holds what one pair swap is made of (the plan resolved to rows, the copies, the
+Part of the in-place apply: :mod:`pinsidecar_hook.swap.apply` serves the request and checks everything that can refuse,
+:mod:`pinsidecar_hook.swap.rows` holds what one pair swap is made of (the plan resolved to rows, the copies, the
 swap-back). This module carries the plan out on the live tensors without stalling serving: the staging and the
 prefetch on a side stream, the batches that each hold the step lock for a bounded time, the :class:`StepClock`
 that makes steps and batches alternate, the row-map flips, and the roll-back over every batch on a failure
@@ -56,7 +56,7 @@ too. The prefetch stream is made to wait for the engine's stream before it reuse
 batches) swaps every pair already swapped back, over all batches, newest first (a swap is its own inverse),
 restores every written row map, synchronizes, and answers ``failed`` with the exception: the old map serves
 whole, never a mix. Under a batch's lock the roll-back runs before the lock goes; outside one it takes the lock
-first. (Everything that can be refused is checked before, touching nothing: :mod:`pinsidecar_hook.swap`.)
+first. (Everything that can be refused is checked before, touching nothing: :mod:`pinsidecar_hook.swap.apply`.)
 
 **The GIL.** Every torch call releases the GIL and takes it back, and a batch makes a dozen per pair (the copies,
 a sync). Taking it back can wait until the thread holding it is made to let go, which CPython does after
@@ -86,7 +86,7 @@ from typing import Any
 import torch
 
 from pinsidecar_hook.contract import APPLY_ORDERINGS, SwapPlan
-from pinsidecar_hook.swap_rows import SwapLayer, _LayerWork, _resolve, _roll_back, _row_bytes, _swap_row
+from pinsidecar_hook.swap.rows import SwapLayer, _LayerWork, _resolve, _roll_back, _row_bytes, _swap_row
 
 __all__ = ["HOLD_BUDGET_S", "IDLE_S", "ORDERING", "ORDERINGS", "STAGING_BYTES", "SWITCH_INTERVAL_S", "StepClock",
            "SwapFailed", "SwapStats", "swap_layers"]

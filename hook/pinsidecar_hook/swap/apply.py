@@ -1,11 +1,11 @@
-"""Remap in place: swap expert rows between the hot and cold tier of the running engine, between two steps.
+"""Serve an in-place apply: remap the running engine by swapping expert rows between its tiers, between two steps.
 
 A remap used to be drain + reboot. Between two maps of the same geometry (same hot-row count, layers, experts,
 top-k, bytes per expert) the engine does not need a reboot: every layer keeps its tensors and their shapes, and
 only *which* expert sits in which row changes. The contract's swap plan
 (:func:`~pinsidecar_hook.contract.plan_swap`) pairs, per layer, the experts entering the hot tier with those
-leaving it; :mod:`pinsidecar_hook.swap_batches` carries the plan out on the live tensors, in bounded batches
-between two steps, and flips the row maps (:mod:`pinsidecar_hook.swap_rows`: what one pair swap is made of, and
+leaving it; :mod:`pinsidecar_hook.swap.batches` carries the plan out on the live tensors, in bounded batches
+between two steps, and flips the row maps (:mod:`pinsidecar_hook.swap.rows`: what one pair swap is made of, and
 the swap-back). Nothing is re-allocated, nothing is lost, and the engine keeps its CUDA graphs, compile caches and
 KV cache. This module serves the request: every check that can refuse, the swap, the answer and its one log line
 (:func:`apply_map`).
@@ -22,7 +22,7 @@ each ``execute_model`` (:func:`pinsidecar_hook.pin.step_guard`). So:
 - the step lock *is* the step boundary: each batch of the apply starts after one ``execute_model`` returns and
   before the next begins, and no forward ever reads a half-swapped row;
 - the engine keeps serving: the apply moves its rows in *batches* that each hold the lock for a bounded time
-  (:data:`~pinsidecar_hook.swap_batches.HOLD_BUDGET_S`, 20 ms by default; a request may ask for another,
+  (:data:`~pinsidecar_hook.swap.batches.HOLD_BUDGET_S`, 20 ms by default; a request may ask for another,
   ``hold_ms``), with a step between two batches, so a step waits for at most one batch, never for the whole
   apply (seconds on the H200: 2.7 ms per row, a remap of 1,000 rows). Requests are neither held nor drained, so
   the daemon's gate never needs to hold for an in-place remap.
@@ -30,16 +30,16 @@ each ``execute_model`` (:func:`pinsidecar_hook.pin.step_guard`). So:
 **Refusals.** Everything that can be refused is checked first, outside the lock, touching nothing
 (:func:`_prepare`): arguments, tensor parallel without vLLM's group to reach the other ranks through (only rank 0
 runs the side thread, and the other ranks would keep their old rows: refused, "reboot instead"; with the group,
-:mod:`pinsidecar_hook.swap_tp` applies on every rank), expert parallel, the candidate file and its hash, the
+:mod:`pinsidecar_hook.swap.tp` applies on every rank), expert parallel, the candidate file and its hash, the
 model (the same checks as at boot), the geometry (the plan), and that the row maps agree with the active map
-(:func:`~pinsidecar_hook.swap_rows._resolve`). A failure during the swap is rolled back, and the old map serves
-whole ("Failure" in :mod:`pinsidecar_hook.swap_batches`).
+(:func:`~pinsidecar_hook.swap.rows._resolve`). A failure during the swap is rolled back, and the old map serves
+whole ("Failure" in :mod:`pinsidecar_hook.swap.batches`).
 
 **Counters are not reset.** Readers treat counters going back as a restart; an apply changes which rows are cold,
 not what was counted. The stats change ``map_hash``, ``map_label`` and ``predicted_cold_rate``, and carry the
 answer in ``meta["apply"]`` (:class:`~pinsidecar_hook.contract.ApplyResult`).
 
-**Fault injection** reads nothing from the environment: :func:`~pinsidecar_hook.swap_batches.swap_layers` takes
+**Fault injection** reads nothing from the environment: :func:`~pinsidecar_hook.swap.batches.swap_layers` takes
 ``stall_s`` (hold the lock that long after the first layer's swaps, so a test can SIGKILL the engine mid-apply) and
 ``fail_after_layers`` (raise after that many layers, ``0`` before the first, to prove the swap-back) as arguments,
 which :func:`apply_map` never passes. A test wraps this module's ``swap_layers`` with them, in its own process or,
@@ -67,24 +67,18 @@ from pinsidecar_hook.contract import (
     parse_apply_args,
     plan_swap,
 )
-from pinsidecar_hook.swap_batches import (
+from pinsidecar_hook.swap.batches import (
     HOLD_BUDGET_S,
-    IDLE_S,
     ORDERING,
-    STAGING_BYTES,
     SWITCH_INTERVAL_S,
     StepClock,
     SwapFailed,
     SwapStats,
     swap_layers,
 )
-from pinsidecar_hook.swap_batches import _Apply as _Apply  # re-exported: tests and bench/ drive the internals
-from pinsidecar_hook.swap_rows import ApplyRefused, SwapLayer
-from pinsidecar_hook.swap_rows import _resolve as _resolve  # re-exported, the same
-from pinsidecar_hook.swap_rows import _swap_row as _swap_row  # re-exported, the same
+from pinsidecar_hook.swap.rows import ApplyRefused, SwapLayer
 
-__all__ = ["HOLD_BUDGET_S", "IDLE_S", "STAGING_BYTES", "SWITCH_INTERVAL_S", "ApplyRefused", "ApplyTarget",
-           "StepClock", "SwapLayer", "apply_map", "swap_layers"]
+__all__ = ["ApplyTarget", "apply_map"]
 
 log = logging.getLogger("pinsidecar_hook")
 
@@ -111,7 +105,7 @@ def _prepare(target: ApplyTarget, args: Mapping[str, Any], *, tensor_parallel: b
              ) -> tuple[ExpertMap, Path, SwapPlan, float | None, str | None]:
     """Every check that can refuse, touching nothing: raises :class:`ApplyRefused` with the reason. The last two
     items are the request's hold budget and ordering (None: the default). ``tensor_parallel``: the caller is one
-    rank of :mod:`pinsidecar_hook.swap_tp`'s apply on every rank, so several ranks are expected."""
+    rank of :mod:`pinsidecar_hook.swap.tp`'s apply on every rank, so several ranks are expected."""
     try:
         path, want_hash = parse_apply_args(args)
         hold_budget_s = apply_hold_budget_s(args)
@@ -162,7 +156,7 @@ def apply_map(target: ApplyTarget, args: Mapping[str, Any], token: str, *,
     """Serve one ``apply`` request on ``target``: refuse, or swap in bounded batches between the steps and adopt
     the candidate, or fail and roll back. ``hold_budget_s`` bounds one batch (else the request's ``hold_ms``,
     else :data:`HOLD_BUDGET_S`); ``switch_interval_s`` is the GIL switch interval while it runs (None: Python's;
-    :mod:`pinsidecar_hook.swap_batches`, "The GIL"); ``ordering`` how batches are ordered against the steps
+    :mod:`pinsidecar_hook.swap.batches`, "The GIL"); ``ordering`` how batches are ordered against the steps
     (``"stream"`` or ``"host"``; "Ordering" there; else the request's ``ordering``, else :data:`ORDERING`).
     Never raises; logs one line."""
     active = target.emap

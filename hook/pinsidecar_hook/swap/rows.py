@@ -1,7 +1,7 @@
 """The rows of an in-place remap: the swap plan resolved to rows, one pair's copies, and the swap-back.
 
-The in-place apply in three modules: :mod:`pinsidecar_hook.swap` serves the request (every check that can
-refuse, the answer, fault injection), :mod:`pinsidecar_hook.swap_batches` carries the plan out in bounded batches
+The in-place apply in three modules: :mod:`pinsidecar_hook.swap.apply` serves the request (every check that can
+refuse, the answer, fault injection), :mod:`pinsidecar_hook.swap.batches` carries the plan out in bounded batches
 between two steps (staging, prefetch, the step lock, the row-map flips), and this module holds what one pair swap
 is made of: the plan checked against the row maps and tensors the engine holds (:func:`_resolve`, refusing with
 :class:`ApplyRefused` before anything is touched), the copies of one row (:func:`_swap_row`), and the swap-back of
@@ -22,12 +22,12 @@ budget left once they are used, or ``math.inf``: one batch) swaps directly, ``ho
 written in place (``copy_``), never re-assigned: they keep their addresses, so captured CUDA graphs, the compiled
 graph's constants and the backends' references all see the new rows. The staging is allocated once per apply,
 before any lock, on the hot tier's device: one outgoing row per tensor, and prefetch slots within
-:data:`~pinsidecar_hook.swap_batches.STAGING_BYTES` (never a copy of a tier). On CUDA the cold tier is written
+:data:`~pinsidecar_hook.swap.batches.STAGING_BYTES` (never a copy of a tier). On CUDA the cold tier is written
 through its host storage (pinned, a DMA copy), not through the device view the kernels read: the same bytes.
 
 **The swap-back.** A swap is its own inverse, so :func:`_roll_back` swaps back every row already swapped, newest
 first, restores every written row map (running the layer's refreshers) and synchronizes the devices; it says
-whether all of that worked. When it runs: "Failure" in :mod:`pinsidecar_hook.swap_batches`.
+whether all of that worked. When it runs: "Failure" in :mod:`pinsidecar_hook.swap.batches`.
 """
 
 from __future__ import annotations

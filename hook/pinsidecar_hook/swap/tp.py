@@ -10,7 +10,7 @@ collective on the CPU group, once per that many steps); when one is pending, all
 steps, on the worker's own thread and under the step lock:
 
 1. take the request from rank 0 (a broadcast);
-2. check it, each rank on its own (every check of :func:`pinsidecar_hook.swap._prepare`: the file, its hash, the
+2. check it, each rank on its own (every check of :func:`pinsidecar_hook.swap.apply._prepare`: the file, its hash, the
    model, the geometry, the row maps), touching nothing, and gather the answers: a refusal on any rank and no rank
    touches anything; the answer names each rank that refused and why;
 3. swap their own shard's rows, in one hold (the step waits for the whole apply: a batch between two steps would
@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import pinsidecar_hook.swap.apply as swap_apply  # its functions are read at call time: tests wrap them there
 from pinsidecar_hook.contract import ApplyResult, plan_swap
 
 __all__ = ["CHECK_EVERY", "IDLE_TIMEOUT_S", "RankGroup", "TPApply", "TorchRankGroup"]
@@ -174,8 +175,6 @@ class TPApply:
 
     def run(self, target: Any, args: Mapping[str, Any], token: str) -> ApplyResult:
         """The apply on this rank, in step with the others (all ranks call it with the same request)."""
-        from pinsidecar_hook import swap  # late: swap imports the row machinery, and tests wrap its functions
-
         t0 = time.perf_counter()
         active = target.emap
         result = ApplyResult(token=token, outcome="refused", map_hash=active.content_hash,
@@ -183,9 +182,9 @@ class TPApply:
         with target.step_lock:
             prepared = None
             try:
-                prepared = swap._prepare(target, args, tensor_parallel=True)
+                prepared = swap_apply._prepare(target, args, tensor_parallel=True)
                 mine = {"outcome": "ok", "reason": ""}
-            except swap.ApplyRefused as exc:
+            except swap_apply.ApplyRefused as exc:
                 mine = {"outcome": "refused", "reason": str(exc)}
             except Exception as exc:  # ours: still a refusal on this rank, touching nothing
                 mine = {"outcome": "refused", "reason": f"{type(exc).__name__}: {exc}"}
@@ -199,8 +198,8 @@ class TPApply:
             result.to_hash = candidate.content_hash
             stats = None
             try:
-                stats = swap.swap_layers(target.layers, plan, target.step_lock, hold_budget_s=math.inf,
-                                         ordering="host", switch_interval_s=None)
+                stats = swap_apply.swap_layers(target.layers, plan, target.step_lock, hold_budget_s=math.inf,
+                                               ordering="host", switch_interval_s=None)
                 mine = {"outcome": "applied", "reason": "", "seconds": stats.seconds, "rows": stats.rows,
                         "bytes": stats.bytes_moved, "layers": stats.layers, "link_GBps": stats.link_GBps}
             except Exception as exc:  # SwapFailed: this rank's rows are back; anything else: the same promise
@@ -230,11 +229,9 @@ class TPApply:
     def _swap_back(self, target: Any, candidate: Any, path: Any, active: Any, token: str) -> None:
         """Another rank failed: put this rank's rows back (the inverse plan). Should that fail too, the rows follow
         the candidate, so this rank serves it under its own name rather than under a hash its rows do not hold."""
-        from pinsidecar_hook import swap
-
         try:
-            swap.swap_layers(target.layers, plan_swap(candidate, active), target.step_lock,
-                             hold_budget_s=math.inf, ordering="host", switch_interval_s=None)
+            swap_apply.swap_layers(target.layers, plan_swap(candidate, active), target.step_lock,
+                                   hold_budget_s=math.inf, ordering="host", switch_interval_s=None)
         except Exception:
             log.exception("pinsidecar pin: apply %s: this rank could not swap back; it serves the candidate", token)
             target.adopt(candidate, path)
