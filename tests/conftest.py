@@ -11,6 +11,9 @@ environment.
   them still skips, with the reason.
 - ``vllm`` tests need the vLLM CPU build importable; `scripts/setup.sh` installs it, so a missing vLLM is an
   error there rather than a silent skip (set PINSIDECAR_ALLOW_NO_VLLM=1 to skip them on a machine without it).
+- Under pytest-xdist (``scripts/test.sh`` runs the tests that boot no engine with a worker a core) each worker's
+  torch and OpenMP get its share of the cores: workers that each start a thread per core oversubscribe them, and
+  OpenMP's spinning threads then crawl (a backend test took 36 s instead of 1.4 s on a busy 2-core box).
 - A failure is also said the moment it happens (its test and the error's last line): pytest prints the tracebacks
   only at the end, and a CI run cut off by its time limit would otherwise show a bare ``F`` and nothing else.
 """
@@ -50,6 +53,17 @@ def _has_amx() -> bool:
         return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
     except Exception:
         return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker's share of the cores for torch's threads, and for the processes it starts (docstring)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

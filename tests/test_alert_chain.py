@@ -261,8 +261,13 @@ def test_drift_alert_fires_alertmanager_calls_the_webhook_and_the_remap_commits(
             with chain.control() as control:
                 dr = control.post("/drain-reboot", json={"timeout_s": 300})
             assert dr.status_code == 200 and dr.json().get("ok"), dr.text
-            # the dashboard's queries are checked on data that includes a whole remap, a boot and traffic after
-            time.sleep(5)
+            # the dashboard's queries are checked on data that includes a whole remap, a boot and traffic after:
+            # a request served by the rebooted engine, then a scrape of the sidecar taken after it
+            served = traffic.ok
+            wait_until(lambda: traffic.ok > served, "a request served after the drain-reboot", BOOT_LIMIT_S,
+                       gone=chain.exited)
+            after_boot = time.time()
+            prom.wait_for(f"timestamp(pinsidecar_engine_last_boot_duration_seconds) > {after_boot:.3f}")
         finally:
             traffic.close()
             poller.close()

@@ -260,15 +260,18 @@ def test_exporter_reads_the_container_cgroup_memory(daemon: Lane) -> None:
     assert info["container_id"] == box["Id"]
     assert box["Id"] in info["path"]  # v1: /libpod_parent/libpod-<id>; v2: .../libpod-<id>.scope
     assert before > 50 * 2**20  # an engine with a model loaded, not an empty cgroup
-    # something in the engine's container allocates 256 MiB: the exported value follows
-    alloc = subprocess.Popen(["podman", "exec", NAME, daemon.lane.python, "-c",
-                              "import time; b = bytearray(256 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
-                              "print('held', flush=True); time.sleep(8)"],
-                             env={**os.environ, **daemon.lane.env}, stdout=subprocess.PIPE, text=True)
+    # something in the engine's container allocates 256 MiB, held until its stdin closes: the exported value follows
+    alloc = subprocess.Popen(["podman", "exec", "-i", NAME, daemon.lane.python, "-c",
+                              "import sys; b = bytearray(256 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                              "print('held', flush=True); sys.stdin.read()"],
+                             env={**os.environ, **daemon.lane.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     try:
         assert alloc.stdout is not None and alloc.stdout.readline().strip() == "held"
         _, during = _cgroup(daemon.d.metrics())
     finally:
+        assert alloc.stdin is not None
+        alloc.stdin.close()
         alloc.wait(30)
     assert during - before > 200 * 2**20, (before, during)
     wait_until(lambda: _cgroup(daemon.d.metrics())[1] < during - 200 * 2**20, "memory released", 30.0)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import structlog
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from pinsidecar.daemon.control import ControlServer
 from pinsidecar.daemon.gate import Gate
@@ -39,7 +40,7 @@ from pinsidecar.testing.metrics import (
     write_cgroup_tree,
     write_proc_cgroup,
 )
-from pinsidecar.testing.wait import wait_until
+from pinsidecar.testing.wait import wait_until, wait_until_async
 
 GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
 ALERTS = GRAFANA / "alerts.yml"
@@ -199,6 +200,15 @@ def alertmanager(tmp_path: Path) -> Iterator[tuple[str, WebhookRecorder, str]]:
         hook.close()
 
 
+def _webhook_calls_answered(am: AlertmanagerServer, n: int) -> bool:
+    """Alertmanager has made ``n`` webhook calls that returned: its latency histogram observes a call once the
+    receiver has answered (its notifications counter counts a call before it is sent)."""
+    text = httpx.get(f"{am.url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "alertmanager_notification_latency_seconds_count"
+               and s.labels.get("integration") == "webhook") >= n
+
+
 def test_alertmanager_routes_remap_alerts_to_the_webhook_with_the_token(alertmanager: tuple) -> None:
     url, hook, token = alertmanager
     alerts = [
@@ -253,7 +263,11 @@ def test_alertmanager_delivers_to_the_control_api_which_remaps_once(tmp_path: Pa
                     break
                 await asyncio.sleep(0.05)
             assert target.remaps, f"no remap requested; alertmanager log:\n{am.log_tail()}"
-            await asyncio.sleep(6.0)  # two repeat intervals: Alertmanager re-sends the same firing episode
+            # Alertmanager re-sends the same firing episode after repeat_interval: the repeat has reached the
+            # webhook, and its answer came back, once Alertmanager has timed two webhook calls
+            await wait_until_async(lambda: asyncio.to_thread(_webhook_calls_answered, am, 2),
+                                   "Alertmanager's repeat of the firing episode answered by the webhook", 60.0,
+                                   detail=am.log_tail)
         finally:
             await asyncio.to_thread(am.stop)
             await server.stop()

@@ -388,6 +388,7 @@ def test_selfcheck_runs_in_the_engine_and_lists_every_tensor(pin_engines: dict[s
     assert "layer 0 tensors: w13_weight [64x" in log and ": split" in log
 
 
+@pytest.mark.vllm
 def test_engine_unwritable_stats_dir_keeps_serving(pin_engines: dict[str, Any]) -> None:
     from pinsidecar.live_stats import StatsReader
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pinsidecar.daemon.config import load_config
@@ -80,7 +81,8 @@ def test_a_taken_port_stops_the_daemon_before_anything_starts(tmp_path: Path, li
     with pytest.raises(PortsTakenError) as err:
         asyncio.run(daemon.start())
     msg = str(err.value)
-    assert f"{key} = {ports[key]} on 127.0.0.1 is taken by pid " in msg and "python" in msg
+    me = psutil.Process()  # the holder is this process ("python", or an xdist worker's title)
+    assert f"{key} = {ports[key]} on 127.0.0.1 is taken by pid {me.pid} ({me.name()})" in msg, msg
     assert f"sport = :{ports[key]}" in msg and "set another port" in msg
     assert all(f"{k} =" not in msg for k in KEYS if k != key)  # only the taken one is named
     assert daemon.supervisor is None and daemon.gate is None and daemon.exporter is None

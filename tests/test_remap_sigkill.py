@@ -88,7 +88,10 @@ def serve_requests():
         if req is None or req.token == state["token"]:
             continue
         if req.op == "apply":
-            time.sleep(float(os.environ.get("FAKE_ENGINE_APPLY_STALL_S", "0") or 0))
+            stall_s = float(os.environ.get("FAKE_ENGINE_APPLY_STALL_S", "0") or 0)
+            if stall_s:
+                open(stats_path + ".apply-stalled", "w").close()  # the test waits for this before it kills
+            time.sleep(stall_s)
             new = load(req.args["map"])
             plan = plan_swap(emap, new)
             with lock:
@@ -323,7 +326,8 @@ def test_sigkill_in_a_remap_state_then_restart_serves_and_closes_the_record(tmp_
     request = tmp_path / "state" / "stats.json.request"
     if state == "applying":  # the apply request is out, the engine holds it
         wait_until(request.exists, "the apply request sent", LIMIT_S, step_s=0.05)
-        time.sleep(0.5)  # the fake engine has read it and stalls in the apply
+        stalled = tmp_path / "state" / "stats.json.apply-stalled"
+        wait_until(stalled.exists, "the fake engine stalled in the apply", LIMIT_S, step_s=0.05)
     if state == "verifying":  # applied in place: the old engine serves the candidate now
         assert st["remap"]["current"]["apply"]["outcome"] is None
         assert st["remap"]["current"]["apply"]["requests"][0]["result"] == "applied"
@@ -384,8 +388,13 @@ def test_a_leftover_engine_group_is_stopped_and_its_pid_file_removed(tmp_path: P
     eng = _sleeper_engine(tmp_path, pid_file)
     rec = read_pid_file(pid_file)
     assert rec is not None and rec["pid"] == rec["pgid"] == eng.pid
-    time.sleep(0.3)  # the child is started
-    group = [p for p in psutil.process_iter() if os.getpgid(p.pid) == rec["pgid"]]
+
+    def started() -> list[psutil.Process] | None:
+        """The group's processes once the leader has started its child (a third one would fail the assert)."""
+        members = [p for p in psutil.process_iter() if os.getpgid(p.pid) == rec["pgid"]]
+        return members if len(members) >= 2 else None
+
+    group = wait_until(started, "the sleeper's child started", 30.0, ignore=(ProcessLookupError,))
     assert len(group) == 2
     found = stop_recorded_engine(pid_file)  # as the next daemon does, the parent having "died"
     assert found is not None and found["stopped"] and found["members"] == 2 and not found["reused"]

@@ -46,6 +46,7 @@ from pinsidecar.demo.clients import GateClients
 from pinsidecar.demo.model import load_prompts
 from pinsidecar.demo.sidecar import MAX_HOLD_S, SERVED_MODEL_NAME
 from pinsidecar.testing.daemon import DaemonUnderTest
+from pinsidecar.testing.wait import wait_until
 
 SOAK_ENV = "PINSIDECAR_SOAK_S"
 OUT_ENV = "PINSIDECAR_SOAK_OUT"
@@ -142,10 +143,16 @@ class Scraper(threading.Thread):
 
 
 # ------------------------------------------------------------------------------------------------ set-up
-def _idle_footprint(pid: int) -> dict[str, int]:
-    """RSS and open fds of the sidecar process at an idle moment (no client connected)."""
-    time.sleep(2.0)  # let the gate close the clients' connections
+def _idle_footprint(pid: int, gate_port: int) -> dict[str, int]:
+    """RSS and open fds of the sidecar process at an idle moment: once the gate has closed every client's
+    connection (the clients are stopped)."""
     p = psutil.Process(pid)
+
+    def no_client() -> bool:
+        return not [c for c in p.net_connections("tcp")
+                    if c.laddr and c.laddr.port == gate_port and c.status != psutil.CONN_LISTEN]
+
+    wait_until(no_client, f"the gate on port {gate_port} without client connections", 60.0)
     return {"rss_bytes": p.memory_info().rss, "fds": p.num_fds(), "threads": p.num_threads()}
 
 
@@ -224,7 +231,7 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
         streamer.halt.set()
         streamer.join(MAX_HOLD_S + 60)
         assert warm.failed == 0 and streamer.tally.failed == 0, (warm.as_dict(), streamer.tally)
-        before = _idle_footprint(sidecar.proc.pid)
+        before = _idle_footprint(sidecar.proc.pid, sidecar.ports.gate)
         event("baseline", **before)
         warm_tally = (warm, streamer.tally)
 
@@ -253,7 +260,7 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
         streamer.halt.set()
         streamer.join(MAX_HOLD_S + 60)
         final = sidecar.status()
-        after = _idle_footprint(sidecar.proc.pid)  # scraper still on, as at baseline
+        after = _idle_footprint(sidecar.proc.pid, sidecar.ports.gate)  # scraper still on, as at baseline
         event("final", **after)
         scraper.halt.set()
         scraper.join(30)

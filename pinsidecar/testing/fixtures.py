@@ -18,18 +18,25 @@ once per session.
 - ``fresh_logging`` (autouse): every test starts with structlog's defaults and without the handler
   :func:`pinsidecar.log.configure` installs, so a CLI test that set the level to ``warning`` cannot hide the
   ``info`` events a later test captures with ``structlog.testing.capture_logs``.
-- ``engine_factory`` (session): ``engine_factory(model_dir, mode="count", **kw)`` starts a ready
+- ``engine_factory`` (module): ``engine_factory(model_dir, mode="count", **kw)`` starts a ready
   :class:`~pinsidecar.testing.engine.HookedEngine` (arguments of :func:`~pinsidecar.testing.engine.start_engine`)
-  and stops every engine it started at the end of the session, so a module can keep one boot for all its tests.
+  and stops every engine it started when the module's tests are done, so a module can keep one boot for all its
+  tests and no module's engine outlives it (an idle engine holds 2 GiB and its threads while the next module's
+  engines boot);
 - ``pin_engine`` (session): a :class:`ServedPin`, the demo model served in pin mode on a random map with 40 of 64
   experts hot per layer (the live histogram and the attach-time self-check on), with its greedy outputs at boot.
   One boot for every module that needs a pin engine to read, count on or apply maps to, not a fresh one of its own:
   a boot costs 40-60 s on a 2-core box. A test that applies another map in place puts this one back before it
-  ends, so every test finds the engine serving :attr:`ServedPin.map_path`; a test that counts resets first;
+  ends, so every test finds the engine serving :attr:`ServedPin.map_path`; a test that counts resets first.
+  Stopped at the end of the session;
 - ``tmpfs``: a 64 KiB tmpfs mounted for the test under its ``tmp_path`` (a disk that really fills: ENOSPC from the
   kernel, not from a mock); skips with the mount's reason where mounting is not permitted (CI runs as root);
 - ``podman_lane`` (session): a :class:`~pinsidecar.testing.container.PodmanLane`, podman with its own storage and
   the engine image built (about a second); skips with podman's reason only where podman cannot run a container.
+
+A test that uses ``engine_factory`` or ``pin_engine`` (directly or through another fixture) boots an engine, so
+it is marked ``vllm`` here whether or not it says so: ``-m "not vllm"``, the run that boots nothing and runs in
+parallel, must never boot one.
 
 Failed tests get the tail of the log of every :class:`~pinsidecar.testing.daemon.DaemonUnderTest` that ran during
 them in their report (a section per daemon), so a daemon's failure reads from the report, not from a temp folder.
@@ -58,6 +65,8 @@ __all__ = ["demo_model_dir", "demo_model_factory", "engine_factory", "fresh_logg
            "podman_lane"]
 
 _TEST_STARTED = pytest.StashKey[float]()
+# The fixtures below that boot a real engine (see the module docstring: their users are ``vllm`` tests).
+ENGINE_FIXTURES = frozenset({"engine_factory", "pin_engine"})
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +82,14 @@ def fresh_logging() -> Iterator[None]:
     yield
     reset()
     logging.getLogger().setLevel(logging.WARNING)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that boots an engine through these fixtures ``vllm`` (module docstring)."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and "vllm" not in item.keywords:
+            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -124,9 +141,9 @@ def demo_model_dir(demo_model_factory: Callable[..., Path]) -> Path:
     return demo_model_factory()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., HookedEngine]]:
-    """Starts ready engines; every one of them is stopped at the end of the session (or earlier by the test,
+    """Starts ready engines; every one of them is stopped at the end of the module (or earlier by the test,
     with ``.stop()``)."""
     started: list[HookedEngine] = []
 
@@ -159,17 +176,20 @@ class ServedPin:
 
 
 @pytest.fixture(scope="session")
-def pin_engine(engine_factory: Callable[..., HookedEngine], demo_model_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> ServedPin:
-    """The shared pin engine (module docstring); stopped with the session's other engines."""
+def pin_engine(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedPin]:
+    """The shared pin engine (module docstring); stopped at the end of the session."""
     geo = model_geometry(demo_model_dir)
     n, label = geo["num_experts"], "skew"
     hot_rows = n * 5 // 8
-    map_path = write_map(tmp_path_factory.mktemp("pin-engine") / "skew.json", num_layers=geo["num_layers"],
-                         num_experts=n, hot_rows=hot_rows, seed=11, top_k=geo["top_k"], label=label)
-    engine = engine_factory(demo_model_dir, "pin", map_path=map_path,
-                            hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1", "PINSIDECAR_PIN_SELFCHECK": "1"})
-    return ServedPin(engine, map_path.absolute(), label, hot_rows, engine.greedy_outputs())
+    tmp = tmp_path_factory.mktemp("pin-engine")
+    map_path = write_map(tmp / "skew.json", num_layers=geo["num_layers"], num_experts=n, hot_rows=hot_rows, seed=11,
+                         top_k=geo["top_k"], label=label)
+    engine = start_engine(demo_model_dir, "pin", tmp / "engine", map_path=map_path,
+                          hook_env={"PINSIDECAR_STATS_HISTOGRAM": "1", "PINSIDECAR_PIN_SELFCHECK": "1"})
+    try:
+        yield ServedPin(engine, map_path.absolute(), label, hot_rows, engine.greedy_outputs())
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="session")
