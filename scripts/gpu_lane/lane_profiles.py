@@ -214,7 +214,7 @@ _CARRIED_034 = {
     "not have; 2.32.6 is the nearest later release and exports all of them (same soname, libnccl.so.2)",
 }
 _CARRIED_DROP_034 = (
-    (r"^torch/bin/", "protoc, a build tool"),
+    (r"^torch/bin/protoc", "protoc, a build tool (torch/bin/torch_shm_manager stays: importing torch needs it)"),
     (r"^triton/backends/nvidia/lib/cupti-blackwell/", "CUPTI for SM100+ profiling (proton); not loaded on SM90"),
     (r"^triton/backends/nvidia/lib/cupti/.*_static\.a$", "static CUPTI archives: for building, never loaded"),
     (r"^triton/backends/nvidia/lib/cupti/libnvperf_host.*", "the profiler's host library (proton only)"),
