@@ -110,6 +110,7 @@ def test_bad_remap_bodies_are_400_and_gate_refusals_keep_their_status() -> None:
             await c.post("/remap", json={"map": ""}, headers=_auth()),
             await c.post("/remap", json={"trigger": "alert"}, headers=_auth()),  # only Alertmanager's body is
             await c.post("/remap", json={"reason": 5}, headers=_auth()),
+            await c.post("/remap", json={"map": None}, headers=_auth()),
         ]
         target.refuse = (429, "cooldown: 120 s left")
         out.append(await c.post("/remap", json={}, headers=_auth()))
@@ -119,11 +120,12 @@ def test_bad_remap_bodies_are_400_and_gate_refusals_keep_their_status() -> None:
 
     target = RecordingTarget()
     _, rs = asyncio.run(_with_server(scenario, port=PORT + 4, target=target))
-    assert [r.status_code for r in rs] == [400, 400, 400, 400, 400, 400, 429, 409]
+    assert [r.status_code for r in rs] == [400, 400, 400, 400, 400, 400, 400, 429, 409]
     assert "unknown field 'dryrun'" in rs[1].json()["error"]
     assert "dry_run" in rs[2].json()["error"] and "map" in rs[3].json()["error"]
     assert "trigger" in rs[4].json()["error"] and "reason" in rs[5].json()["error"]
-    assert "cooldown" in rs[6].json()["error"] and "remap r7" in rs[7].json()["error"]
+    assert rs[6].json()["error"].startswith("map: null is not a value")
+    assert "cooldown" in rs[7].json()["error"] and "remap r7" in rs[8].json()["error"]
     assert target.remaps == []
 
 
@@ -134,15 +136,22 @@ def test_bad_bodies_are_400_and_target_errors_keep_their_status() -> None:
             await c.post("/drain-reboot", json=[1, 2], headers=_auth()),
             await c.post("/drain-reboot", json={"mpa": "x"}, headers=_auth()),
             await c.post("/drain-reboot", json={"timeout_s": -1}, headers=_auth()),
+            # null is not "left out" (the fuzzer's find: it used to reboot onto the active map), nor is a blank
+            await c.post("/drain-reboot", json={"map": None}, headers=_auth()),
+            await c.post("/drain-reboot", json={"timeout_s": None}, headers=_auth()),
+            await c.post("/drain-reboot", json={"map": "  "}, headers=_auth()),
             await c.post("/drain-reboot", json={"map": "busy"}, headers=_auth()),
             await c.post("/drain-reboot", headers=_auth()),  # empty body: reboot with the current map
         ]
 
     target, rs = asyncio.run(_with_server(scenario, port=PORT + 3))
-    assert [r.status_code for r in rs] == [400, 400, 400, 400, 409, 200]
+    assert [r.status_code for r in rs] == [400, 400, 400, 400, 400, 400, 400, 409, 200]
     assert "not JSON" in rs[0].json()["error"]
     assert "unknown field 'mpa'" in rs[2].json()["error"]
     assert "timeout_s" in rs[3].json()["error"]
+    assert rs[4].json()["error"].startswith("map: null is not a value")
+    assert rs[5].json()["error"].startswith("timeout_s: null is not a value")
+    assert rs[6].json()["error"].startswith("map: expected a path")
     assert target.calls == [(None, None)]
 
 

@@ -92,6 +92,8 @@ def test_the_verdict_says_pass_with_its_figure_or_fail_with_why() -> None:
                                       "<= 0.50x)")
     lost = {**SUMMARY, "requests": {"sent": 812, "completed": 811, "failed": 1, "errors": ["read timeout"]}}
     assert verdict(lost) == (False, "1 of 812 requests through the gate failed (first: read timeout)")
+    retried = {**SUMMARY, "requests": {**SUMMARY["requests"], "retried": 1}}
+    assert verdict(retried)[1].endswith("none failed (1 sent twice: a connection closed unanswered)")
     broke = {**SUMMARY, "error": "the daemon exited (code 1)", "logs": {"daemon": "/w/d.log", "engine": "/w/e.log"}}
     assert verdict(broke) == (False, "the loop did not complete: the daemon exited (code 1) (logs: /w/d.log, "
                                      "/w/e.log)")

@@ -280,17 +280,18 @@ def test_soak_mixed_traffic_two_shifts_and_a_drain_reboot(tmp_path: Path, demo_m
     assert scraper is not None
     c = counts.as_dict()
     w = warm_tally[0].as_dict()
-    figure["warmup_requests"] = {"plain": {k: w[k] for k in ("sent", "completed", "failed", "in_flight")},
+    figure["warmup_requests"] = {"plain": {k: w[k] for k in ("sent", "completed", "failed", "in_flight", "retried")},
                                  "streaming": {"sent": warm_tally[1].sent, "completed": warm_tally[1].completed,
                                                "failed": warm_tally[1].failed}}
     figure["samples_under_traffic"] = scraper.samples
-    figure["requests"] = {"plain": {k: c[k] for k in ("sent", "completed", "failed", "in_flight")},
+    figure["requests"] = {"plain": {k: c[k] for k in ("sent", "completed", "failed", "in_flight", "retried")},
                           "plain_by_domain": c["completed_by_domain"],
                           "streaming": {"sent": streamer.tally.sent, "completed": streamer.tally.completed,
                                         "failed": streamer.tally.failed},
                           "scrapes": {"sent": scraper.tally.sent, "completed": scraper.tally.completed,
                                       "failed": scraper.tally.failed},
-                          "errors": c["errors"][:5] + streamer.tally.errors[:5] + scraper.tally.errors[:5]}
+                          "errors": c["errors"][:5] + streamer.tally.errors[:5] + scraper.tally.errors[:5],
+                          "retries": c["retries"][:5]}
     figure["rss"] = {"before_bytes": before["rss_bytes"], "after_bytes": after["rss_bytes"],
                      "growth": round(after["rss_bytes"] / before["rss_bytes"] - 1, 4)}
     figure["fds"] = {"before": before["fds"], "after": after["fds"]}

@@ -211,6 +211,8 @@ class HealScenario:
         st = await asyncio.to_thread(lane.wait, "the drift watch to trip on prose",
                                      lambda s: bool((s.get("remap") or {}).get("current")
                                                     or (s.get("remap") or {}).get("last")), opts.limit_s)
+        if self.sampler is not None:  # the window that tripped is the shift's, however late the sampler reads it
+            self.sampler.note_window(st, time.time(), self.stage)
         rec = st["remap"]["current"] or st["remap"]["last"]
         self.enter("remap")
         self.facts["remap_observed"] = observed = [rec["state"]]

@@ -47,6 +47,7 @@ from pinsidecar.daemon.webhook import (
     parse_alertmanager_body,
     parse_cli_body,
     plan_delivery,
+    refuse_nulls,
 )
 from pinsidecar.errors import ControlError
 
@@ -217,9 +218,14 @@ class ControlServer:
         unknown = sorted(set(body) - {"map", "timeout_s"})
         if unknown:
             raise ControlError(400, f"unknown field {unknown[0]!r} (allowed: map, timeout_s)")
+        try:
+            refuse_nulls(body)
+        except WebhookError as exc:
+            raise ControlError(exc.status, str(exc)) from None
         map_ref = body.get("map")
-        if map_ref is not None and (not isinstance(map_ref, str) or not map_ref):
+        if map_ref is not None and (not isinstance(map_ref, str) or not map_ref.strip()):
             raise ControlError(400, "map: expected a path, a file name in the maps folder, or a hash")
+        map_ref = map_ref.strip() if map_ref else None
         timeout_s = body.get("timeout_s")
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
                                       or timeout_s <= 0):

@@ -138,6 +138,15 @@ def is_alertmanager_body(body: Mapping[str, Any]) -> bool:
     return "alerts" in body and any(k in body for k in ("version", "receiver", "groupKey"))
 
 
+def refuse_nulls(body: Mapping[str, Any]) -> None:
+    """A control body's fields are optional by leaving them out, never by ``null``: the OpenAPI document types each
+    one, and a client that sends ``"map": null`` most likely lost a value on its way, so it is told rather than
+    given the default (a drain-reboot onto the active map is not what it asked for)."""
+    nulls = sorted(k for k, v in body.items() if v is None)
+    if nulls:
+        raise WebhookError(400, f"{nulls[0]}: null is not a value; leave the field out to get its default")
+
+
 def parse_cli_body(body: Mapping[str, Any]) -> CliRemapRequest:
     """Validate a CLI remap body. Raises :class:`WebhookError` (400) naming the bad field."""
     allowed = {"dry_run", "map", "reason", "trigger"}
@@ -145,6 +154,7 @@ def parse_cli_body(body: Mapping[str, Any]) -> CliRemapRequest:
     if unknown:
         raise WebhookError(400, f"unknown field {unknown[0]!r} (allowed: {', '.join(sorted(allowed))}; an "
                            "Alertmanager delivery needs its version, receiver and alerts fields)")
+    refuse_nulls(body)
     dry_run = body.get("dry_run", False)
     if not isinstance(dry_run, bool):
         raise WebhookError(400, f"dry_run: expected true or false, got {dry_run!r}")

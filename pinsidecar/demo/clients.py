@@ -7,11 +7,20 @@ many requests the remap cost (none is the point: the gate holds, it does not ref
 
 :meth:`GateClients.switch` changes the traffic domain for every client at once (the demo's "shift"); requests in
 flight finish as they were sent.
+
+One thing a client does that an OpenAI client does too (openai-python retries connection errors by default): a
+request whose keep-alive connection was closed before any byte of an answer came back
+(``RemoteProtocolError: Server disconnected without sending a response``) is sent once more on a new connection.
+That is an HTTP keep-alive race, not a request the gate refused or lost: the close came with no answer, so the
+client cannot tell whether the server read the request, and every HTTP client pool meets it now and then. It
+is counted apart (``retried``, with when it happened), never silently: a second failure is a failure, and a
+rising ``retried`` count is a gate problem to look into.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +42,13 @@ class ClientCounts:
     failed: int = 0
     errors: list[str] = field(default_factory=list)
     by_domain: dict[str, int] = field(default_factory=dict)  # completed requests per domain
+    retried: int = 0  # requests sent again once after a connection closed unanswered (module docstring)
+    retries: list[str] = field(default_factory=list)  # the first ones: when (seconds since the start) and what
 
     def as_dict(self) -> dict[str, Any]:
         return {"sent": self.sent, "completed": self.completed, "failed": self.failed,
                 "in_flight": self.sent - self.completed - self.failed, "errors": list(self.errors),
-                "completed_by_domain": dict(self.by_domain)}
+                "completed_by_domain": dict(self.by_domain), "retried": self.retried, "retries": list(self.retries)}
 
 
 class GateClients:
@@ -62,6 +73,7 @@ class GateClients:
         self._threads = [threading.Thread(target=self._run, name=f"demo-client-{i}", daemon=True)
                          for i in range(clients)]
         self._started = False
+        self._t0 = time.monotonic()
 
     def switch(self, domain: str, prompts: Sequence[dict[str, Any]]) -> None:
         """Send ``prompts`` (cycled, in order) from now on; starts the clients on the first call."""
@@ -71,13 +83,15 @@ class GateClients:
             self.domain, self._prompts, self._next = domain, list(prompts), 0
         if not self._started:
             self._started = True
+            self._t0 = time.monotonic()
             for t in self._threads:
                 t.start()
 
     def snapshot(self) -> ClientCounts:
         with self._lock:
             c = self.counts
-            return ClientCounts(c.sent, c.completed, c.failed, list(c.errors), dict(c.by_domain))
+            return ClientCounts(c.sent, c.completed, c.failed, list(c.errors), dict(c.by_domain), c.retried,
+                                list(c.retries))
 
     def _take(self) -> tuple[str, dict[str, Any]]:
         with self._lock:
@@ -91,19 +105,35 @@ class GateClients:
             while not self._stop.is_set():
                 domain, prompt = self._take()
                 body = {**prompt, "model": self.model, "temperature": 0.0}
-                try:
-                    r = client.post(self.url, json=body)
-                    error = "" if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
-                except httpx.HTTPError as exc:
-                    error = f"{type(exc).__name__}: {exc}"
+                error = self._post(client, body)
                 with self._lock:
                     if error:
                         self.counts.failed += 1
                         if len(self.counts.errors) < KEEP_ERRORS:
-                            self.counts.errors.append(error)
+                            self.counts.errors.append(f"{error} (at {self._since_start():.1f} s)")
                     else:
                         self.counts.completed += 1
                         self.counts.by_domain[domain] = self.counts.by_domain.get(domain, 0) + 1
+
+    def _post(self, client: httpx.Client, body: dict[str, Any]) -> str:
+        """Send one request; the error ("" when it completed). A connection closed unanswered is tried once more."""
+        for attempt in (1, 2):
+            try:
+                r = client.post(self.url, json=body)
+                return "" if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.RemoteProtocolError as exc:
+                if attempt == 2 or "without sending a response" not in str(exc):
+                    return f"{type(exc).__name__}: {exc}"
+                with self._lock:
+                    self.counts.retried += 1
+                    if len(self.counts.retries) < KEEP_ERRORS:
+                        self.counts.retries.append(f"{exc} (at {self._since_start():.1f} s)")
+            except httpx.HTTPError as exc:
+                return f"{type(exc).__name__}: {exc}"
+        raise AssertionError("unreachable")
+
+    def _since_start(self) -> float:
+        return time.monotonic() - self._t0
 
     def stop(self, timeout_s: float | None = None) -> ClientCounts:
         """Stop sending; wait (up to ``timeout_s``, default the request timeout) for requests in flight."""

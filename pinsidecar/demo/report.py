@@ -214,4 +214,5 @@ def verdict(summary: dict[str, Any]) -> tuple[bool, str]:
     if q.get("failed") or q.get("completed") != q.get("sent"):
         first = (q.get("errors") or ["?"])[0]
         return False, f"{q.get('failed')} of {q.get('sent')} requests through the gate failed (first: {first})"
-    return True, f"{figure}; {q['completed']} of {q['sent']} requests served, none failed"
+    retried = f" ({q['retried']} sent twice: a connection closed unanswered)" if q.get("retried") else ""
+    return True, f"{figure}; {q['completed']} of {q['sent']} requests served, none failed{retried}"

@@ -377,5 +377,5 @@ class DemoRun:
     @staticmethod
     def _requests(counts: Any) -> dict[str, Any]:
         d = counts.as_dict()
-        d["errors"] = d["errors"][:5]
+        d["errors"], d["retries"] = d["errors"][:5], d["retries"][:5]
         return d
