@@ -160,7 +160,6 @@ _NOT_REQUIRED_034 = {
     **{k: v for k, v in _NOT_REQUIRED_026.items() if k not in ("torch", "triton", "apache-tvm-ffi")},
     "torch": "carried: vLLM 0.34.0 pins torch 2.14.0, the device has 2.11.0 (see carried)",
     "triton": "carried: torch 2.14.0 requires triton~=3.8.0, the device has 3.6.0 (see carried)",
-    "torchvision": "the device's 0.26.0 (vLLM 0.34 asks 0.29.0: vision models only; transformers only probes it)",
     "flashinfer-python": "a hard requirement since 0.34, but every use goes through has_flashinfer(), which looks the "
     "package up with find_spec: without it vLLM takes its other kernels. On SM90 with tensor parallel a bf16 or "
     "FP8-block MoE gets TritonExperts either way (oracle/unquantized.py, oracle/fp8.py); FlashInfer would add its "
@@ -209,6 +208,9 @@ _CARRIED_034 = {
     "(cuBLAS 13.1, cuDNN 9.19, cuSPARSELt 0.8.0: every symbol torch 2.14 imports from them is exported there, "
     "checked with nm against those wheels)",
     "triton==3.8.0": "torch 2.14.0 requires triton~=3.8.0 (Inductor's generated kernels, vLLM's own Triton kernels)",
+    "torchvision==0.29.0": "torch 2.14.0's match. The device's 0.26.0 cannot stay: transformers imports torchvision "
+    "when it is installed (image_utils.py, on vllm.config's import path), and 0.26.0's C++ ops, built for torch "
+    "2.11, do not load into 2.14 (\"operator torchvision::nms does not exist\", the H100, 2026-12-07). 7.1 MiB",
     "nvidia-nccl-cu13==2.32.6": "torch 2.14.0 links 16 NCCL symbols that the device's 2.28.9 lacks (ncclCommGrow, "
     "ncclAlltoAll, ...: a library missing them does not load). torch pins 2.30.7, which the package index here does "
     "not have; 2.32.6 is the nearest later release and exports all of them (same soname, libnccl.so.2)",
