@@ -7,7 +7,8 @@
 # ${GPU_LANE_SWEEP_QUANTS}, one after the other), off, p23, u23 and u0 booted together and swept (decode at 1/4/16
 # streams) in ${GPU_LANE_REPS:-3} interleaved rounds, alone on the GPU.
 # With GPU_LANE_SPLIT_CHECK=1, right after the install: scripts/gpu_lane/split_check.py (the split against vLLM's
-# unsplit TritonExperts call, bf16 and FP8 block, decode to prefill-sized batches) and the GPU tests beside it.
+# unsplit TritonExperts call, bf16, decode to prefill-sized batches; FP8 block is checked by each lane's in-engine
+# self-check) and the GPU tests beside it.
 # The same script runs any vLLM the chunks carry (pack.py --vllm): 0.26 on the device's torch, 0.34 on a carried one.
 #
 # Order: the selfcheck, parity and exact counts of every lane come first, the sweep last. The lanes run side by
