@@ -149,13 +149,13 @@ def _triton_version() -> tuple[int, ...]:
         return (0,)
 
 
-# Triton's interpreter multiplies and adds tl.fma in fp32, rounding twice, so the weighted finalize cases (an FMA
-# each) cannot match there; the compiled kernel on the GPU rounds once (tests/test_gpu.py). Seen in 3.6 (CI) and 3.8
-# (the H100 with vLLM 0.34's carried Triton, 2026-12-07: fma_is_fused false). Strict: an interpreter that starts
-# fusing makes this XPASS and fail, so the bound is noticed and moved.
+# Before 3.9, Triton's interpreter multiplies and adds tl.fma in fp32, rounding twice, so the weighted finalize
+# cases (an FMA each) cannot match there; the compiled kernel on the GPU rounds once (tests/test_gpu.py). Seen in
+# 3.6 (the device's own) and 3.8 (vLLM 0.34's carried Triton on the H100, 2026-12-07: fma_is_fused false); 3.9 (the
+# CPU lane's) fuses. Strict: an interpreter below 3.9 that fuses makes this XPASS and fail, so the bound is moved.
 @pytest.mark.xfail(_triton_version() < (3, 9), strict=True,
-                   reason="Triton's interpreter (3.6 and 3.8 seen) rounds tl.fma twice; the GPU's compiled kernel "
-                          "is checked")
+                   reason="Triton < 3.9's interpreter rounds tl.fma twice (3.6 and 3.8 seen); the GPU's compiled "
+                          "kernel is checked")
 def test_triton_finalize_fma_cases_match_torch_under_interpreter(interpreter_results: dict[str, bool]) -> None:
     fin = {k: v for k, v in interpreter_results.items() if k.startswith("finalize")}
     assert interpreter_results["fma_is_fused"]
