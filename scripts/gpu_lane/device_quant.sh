@@ -125,6 +125,7 @@ STATUS=0
 # (0) The split against vLLM's own kernel, layer by layer (no engine), and the GPU tests beside it: once per machine.
 if [ "${GPU_LANE_SPLIT_CHECK:-0}" = 1 ] && [ ! -f "$W0/split_check.done" ]; then
   PYTEST_S=$(( $(left) - PACK_S )); [ "$PYTEST_S" -lt 300 ] || PYTEST_S=300  # never past this call's budget
+  [ "$PYTEST_S" -ge 30 ] || PYTEST_S=1  # (timeout 0 would mean no limit at all)
   ( timeout "$PYTEST_S" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_lane_padding.py \
       tests/test_kernels.py tests/test_backends_ref.py tests/test_backends_gpu_adapters.py \
       tests/test_cache_plan_kernel.py tests/test_swap_gpu.py -ra > "$OUT/pytest_gpu.log" 2>&1
