@@ -6,8 +6,9 @@ Every router calls it once per forward with the *logical* top-k ids, before any 
 backend that routes in Python (CPU, Triton, FlashInfer modular): exactly the ids a row map is keyed on. We chose it
 over wrapping ``select_experts`` or the experts ``apply`` because it is a supported, named extension point (no
 monkeypatch at all on the step path), it sees ids before EPLB physical remapping, and it costs two small device
-ops per layer. A monolithic kernel routes inside the kernel and never calls it, so :func:`attach` refuses such a
-layer at boot rather than counting nothing.
+ops per layer. A monolithic kernel routes inside the kernel and never calls it: there the ids come from the
+kernel's own routing step, run beside it (:mod:`pinsidecar_hook.vllm_seam.monolithic`, proven against the kernel
+at attach), and a class without such a probe is refused at boot rather than counted as nothing.
 
 What the callback does, per layer and step, and nothing else: ``counts[i].index_add_(0, ids, ones)`` and
 ``tokens[i] += num_tokens`` on tensors that live on the model's device. No ``.item()``, no ``.cpu()``: no host
@@ -252,6 +253,55 @@ def _expert_bytes(module: Any, local_experts: int) -> int:
     return total // max(local_experts, 1)
 
 
+# Batch sizes the routing probe of a monolithic layer is proven at, at attach (capped at max_num_batched_tokens).
+PROBE_CHECK_TOKENS = (1, 7, 64, 512)
+
+
+def _check_probes(layers: list[tuple[Any, vllm_seam.MoEGeometry]], worker: Any) -> dict[str, Any]:
+    """Prove every monolithic layer's routing probe on the device (:func:`vllm_seam.monolithic.check_probe`), on
+    random and on tie-heavy logits; a probe that disagrees with its kernel stops the boot (its counts would be wrong).
+    A check that cannot run (no GPU, a kernel that wants more context) is reported, not fatal: the probe is the
+    kernel's own routing step either way."""
+    first = layers[0][1]
+    if first.device.type != "cuda":
+        return {"skipped": f"the layers are on {first.device.type}; the check runs on a GPU"}
+    vllm_config = getattr(worker, "vllm_config", None)
+    cap = vllm_seam.max_batched_tokens(vllm_config) if vllm_config is not None else None
+    sizes = [t for t in PROBE_CHECK_TOKENS if cap is None or t <= cap]
+    gen = torch.Generator(device=first.device).manual_seed(0)
+    report: dict[str, Any] = {"sizes": sizes, "layers": 0, "tokens": 0, "equal_rows": 0}
+    for ref, geo in layers:
+        if not getattr(geo.experts, "renormalize", False):
+            return dict(report, skipped=f"{geo.experts_class} routes softmax-first: the masking check needs "
+                                         "renormalizing routing")
+        for t in sizes:
+            x = torch.randn((t, geo.hidden_size), generator=gen, device=geo.device).to(geo.act_dtype or torch.bfloat16)
+            for ties in (False, True):
+                logits = torch.randn((t, geo.global_num_experts), generator=gen, device=geo.device)
+                if ties:  # a few distinct values: ties at the k-th place in most rows
+                    logits = (logits * 2).round() / 2
+                logits = logits.to(x.dtype)
+                try:
+                    got = vllm_seam.monolithic.check_probe(geo, x, logits, vllm_config)
+                except Exception as exc:
+                    log.warning("pinsidecar count: the routing probe check of %s could not run (%s: %s)",
+                                ref.name, type(exc).__name__, exc)
+                    return dict(report, error=f"{type(exc).__name__}: {exc}")
+                report["tokens"] += got["tokens"]
+                report["equal_rows"] += got["equal_rows"]
+                if not got["bitwise"]:
+                    flags = vllm_seam.monolithic.MODULAR_FLAG
+                    raise HookConfigError(
+                        f"count mode: the routing probe of {ref.name} ({geo.experts_class}) disagrees with its "
+                        f"kernel on {got['tokens'] - got['equal_rows']} of {got['tokens']} tokens "
+                        f"({'tie-heavy' if ties else 'random'} logits); the counts would be wrong. Boot the count "
+                        f"engine with {flags.get(geo.experts_class, 'a modular MoE backend')}")
+        report["layers"] += 1
+    log.info("pinsidecar count: the routing probe matched its monolithic kernel on %d layers, %d tokens, sizes %s",
+             report["layers"], report["tokens"], sizes)
+    return report
+
+
 def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
     """Bind a counting capture callback to every MoE router of ``model`` and start the side thread (rank 0).
 
@@ -272,10 +322,10 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
             "run the count boot without data/expert parallel")
     for ref, geo in layers:
         if geo.monolithic:
-            raise HookConfigError(
-                f"count mode: layer {ref.name} uses a monolithic MoE kernel that routes inside the kernel and "
-                "never calls the router capture; boot the count engine with a modular MoE backend")
-        if not vllm_seam.router_capture_supported(geo):
+            problem = vllm_seam.monolithic.monolithic_capture_problem(geo)
+            if problem is not None:
+                raise HookConfigError(f"count mode: layer {ref.name}: {problem}")
+        elif not vllm_seam.router_capture_supported(geo):
             raise HookConfigError(f"count mode: router {type(geo.router).__name__} of {ref.name} has no capture "
                                   "callback (set_capture_fn); this vLLM is not supported")
         if geo.top_k != top_k or geo.global_num_experts != num_experts:
@@ -290,6 +340,9 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
         "device": str(device), "moe_layers": [ref.name for ref, _ in layers],
         "counter": "router capture_fn", "padding_mask": "real-token scalar",
     }
+    if any(geo.monolithic for _, geo in layers):
+        meta["counter"] = f"routing probe beside {first.experts_class} (monolithic)"
+        meta["probe_check"] = _check_probes(layers, worker)
     layer_ids = [ref.layer_id for ref, _ in layers]
     writer = first.tp_rank == 0
     model_info = vllm_seam.model_info(worker)
@@ -300,7 +353,8 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> CountState:
     state = CountState(layer_ids, cfg, num_experts, top_k, device, writer=writer, meta=meta, model_info=model_info,
                        real_tokens=vllm_seam.real_token_count(device), trace=trace)
     for i, (_ref, geo) in enumerate(layers):
-        vllm_seam.bind_router_capture(geo, lambda previous, i=i: state.capture_fn(i, previous))
+        bind = vllm_seam.monolithic.bind_monolithic_capture if geo.monolithic else vllm_seam.bind_router_capture
+        bind(geo, lambda previous, i=i: state.capture_fn(i, previous))
     if state.writer:
         # Started at engine-ready, not here: a snapshot copies device counters from the side thread, and while the
         # worker captures CUDA graphs (warm-up, after load_model) any such copy invalidates the capture (seen on

@@ -18,11 +18,12 @@ What is here, by room:
 - one module per kernel family, for its backend: :mod:`~pinsidecar_hook.vllm_seam.triton` (``TritonExperts``),
   :mod:`~pinsidecar_hook.vllm_seam.marlin` (``MarlinExperts``), :mod:`~pinsidecar_hook.vllm_seam.flashinfer`
   (FlashInfer's TRT-LLM MXFP4 experts), :mod:`~pinsidecar_hook.vllm_seam.cpu` (the CPU engine's
-  ``cpu_fused_moe``). Each says which vLLM versions it was read against and tells them apart by vLLM's own code
-  (a signature, a function that exists), not by the version string.
+  ``cpu_fused_moe``), and :mod:`~pinsidecar_hook.vllm_seam.monolithic` (count mode's routing probes for kernels
+  that route inside themselves, gpt-oss's MXFP4 Triton kernel). Each says which vLLM versions it was read against
+  and tells them apart by vLLM's own code (a signature, a function that exists), not by the version string.
 """
 
-from pinsidecar_hook.vllm_seam import cpu, flashinfer, marlin, triton
+from pinsidecar_hook.vllm_seam import cpu, flashinfer, marlin, monolithic, triton
 from pinsidecar_hook.vllm_seam._common import (
     PINSIDECAR_CLASS,
     MoEGeometry,
@@ -60,6 +61,7 @@ __all__ = [
     "model_info",
     "moe_geometry",
     "moe_layers",
+    "monolithic",
     "patch_workers",
     "real_token_count",
     "router_capture_supported",
