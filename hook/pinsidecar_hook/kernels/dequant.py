@@ -554,8 +554,9 @@ def _dequant_awq(tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.d
 def _e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[.., P]`` of two e2m1 values each, the low nibble first -> their float32 values ``[.., 2P]``."""
     lut = torch.tensor((*E2M1_VALUES, *(-v for v in E2M1_VALUES)), dtype=torch.float32, device=packed.device)
-    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-    return lut[nibbles.to(torch.int64)]
+    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(-1).to(torch.int64)
+    # index_select rather than lut[nibbles]: the same values, and the CPU's advanced indexing is ~50x slower here
+    return lut.index_select(0, nibbles).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def _dequant_fp4(tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, which: str, dtype: torch.dtype,
