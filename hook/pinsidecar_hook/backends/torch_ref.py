@@ -41,7 +41,8 @@ activation is a function of one (token, slot) row, so the bit-identity argument 
 
 Quantized experts. :func:`unsplit` and :func:`split` also take a layer's per-expert tensors as a mapping (vLLM's
 parameter names -> tensors; for a split, the ``hot`` and ``cold`` mappings), in any format of
-:mod:`pinsidecar_hook.kernels.dequant` (fp8 block / per-tensor / per-channel, int4 GPTQ groups, with or without
+:mod:`pinsidecar_hook.kernels.dequant` (fp8 block / per-tensor / per-channel, int4 GPTQ or AWQ groups, mxfp4,
+nvfp4, with or without
 biases). Each expert's dense weight is dequantized, in torch, before its GEMMs, from *its own rows* of the
 tensors only (elementwise, and gathers within the row), so it is the same bits whichever tier the expert lives
 in; the argument above then holds unchanged, and a split is bit-identical to the unsplit call over the original
