@@ -33,9 +33,16 @@ on for every split on CUDA (measured on the H200 by bench/placement.py); the CPU
 Layout follows vLLM's unquantized experts: ``w13 [E, 2N, D]`` (gate rows then up rows), ``w2 [E, D, N]``, the
 activation is SiLU-and-mul computed in fp32 and rounded once to the activation dtype.
 
+Activation (``activation``, :data:`ACTIVATIONS`). ``"silu"`` (the default) is the SiLU-and-mul above.
+``"swigluoai"`` is gpt-oss's (vLLM's ``MoEActivation.SWIGLUOAI``), on ``w13`` rows gate/up *interleaved* (gate =
+rows ``0::2``, up = rows ``1::2``, as gpt-oss checkpoints and vLLM's mxfp4 layers keep them): :func:`swigluoai_and_mul`.
+Only the ``loop`` implementation runs it (the grouped kernels have a SiLU epilogue only). Either way the
+activation is a function of one (token, slot) row, so the bit-identity argument below is unchanged.
+
 Quantized experts. :func:`unsplit` and :func:`split` also take a layer's per-expert tensors as a mapping (vLLM's
 parameter names -> tensors; for a split, the ``hot`` and ``cold`` mappings), in any format of
-:mod:`pinsidecar_hook.kernels.dequant` (fp8 block / per-tensor / per-channel, int4 GPTQ groups, with or without
+:mod:`pinsidecar_hook.kernels.dequant` (fp8 block / per-tensor / per-channel, int4 GPTQ or AWQ groups, mxfp4,
+nvfp4, with or without
 biases). Each expert's dense weight is dequantized, in torch, before its GEMMs, from *its own rows* of the
 tensors only (elementwise, and gathers within the row), so it is the same bits whichever tier the expert lives
 in; the argument above then holds unchanged, and a split is bit-identical to the unsplit call over the original
@@ -49,6 +56,7 @@ epilogue); the grouped implementations dequantize a tier's weights whole before 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
@@ -81,6 +89,7 @@ from pinsidecar_hook.kernels.grouped import IMPLS, grouped_experts, silu_and_mul
 from pinsidecar_hook.kernels.partition import partition
 
 __all__ = [
+    "ACTIVATIONS",
     "IMPLS",
     "OVERLAP_DEFAULT",
     "REQUIRED_TENSORS",
@@ -90,6 +99,7 @@ __all__ = [
     "split",
     "split_rows",
     "split_tiers",
+    "swigluoai_and_mul",
     "tier_rows",
     "unsplit",
     "unsplit_rows",
@@ -105,14 +115,41 @@ REQUIRED_TENSORS: tuple[str, ...] = ()
 OVERLAP_DEFAULT = True
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 _UNQUANTIZED = QuantScheme()
+# The experts' activations, by vLLM's MoEActivation value (fused_moe/activation.py:26, 34).
+ACTIVATIONS = ("silu", "swigluoai")
+# gpt-oss's SwiGLU constants: vLLM's SwigluOAIAndMul defaults (model_executor/layers/activation.py:481) and the
+# gemm1_alpha / gemm1_beta (the "+ 1") / swiglu_limit its mxfp4 method passes (quantization/mxfp4.py:430-432).
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+
+
+def swigluoai_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's SwiGLU on ``[M, 2N]`` rows with gate and up *interleaved*: vLLM's ``SwigluOAIAndMul.forward_native``
+    (model_executor/layers/activation.py:486-493): ``gate = h[:, ::2]`` clamped to at most the limit, ``up =
+    h[:, 1::2]`` clamped to ``[-limit, limit]``, ``(up + 1) * (gate * sigmoid(gate * alpha))``. Computed in fp32
+    and rounded once to ``h``'s dtype, as :func:`silu_and_mul` is (forward_native computes in ``h``'s dtype)."""
+    x = h.float()
+    gate = x[:, ::2].clamp(max=SWIGLUOAI_LIMIT)
+    up = x[:, 1::2].clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+    return ((up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))).to(h.dtype)
+
+
+_ACTIVATE = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul}
+
+
+def _check_activation(activation: str) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"torch_ref activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return activation
 
 
 @dataclass(frozen=True)
 class _Tier:
-    """One experts call's per-expert tensors (rows in call order) and their scheme."""
+    """One experts call's per-expert tensors (rows in call order), their scheme and the experts' activation."""
 
     tensors: Mapping[str, torch.Tensor]
     scheme: QuantScheme
+    activation: str = "silu"
 
     @property
     def num_rows(self) -> int:
@@ -123,6 +160,9 @@ class _Tier:
         if self.scheme.bias:
             raise ValueError("torch_ref: biases are supported by impl='loop' only (the grouped kernels have no bias "
                              "epilogue)")
+        if self.activation != "silu":
+            raise ValueError(f"torch_ref: activation {self.activation!r} is supported by impl='loop' only (the "
+                             "grouped kernels have a SiLU-and-mul epilogue)")
         return dequant(self.tensors, self.scheme, "w13", dtype), dequant(self.tensors, self.scheme, "w2", dtype)
 
 
@@ -152,6 +192,7 @@ def _expert_rows(x: torch.Tensor, tier: _Tier, row_ids: torch.Tensor, out: torch
     pairs = live[order]
     rows_used, counts = torch.unique_consecutive(flat[pairs], return_counts=True)
     t, scheme = tier.tensors, tier.scheme
+    activate = _ACTIVATE[tier.activation]
     plain = scheme == _UNQUANTIZED and t["w13_weight"].dtype == x.dtype  # the weights as they are (no copy)
     start = 0
     for row, count in zip(rows_used.tolist(), counts.tolist(), strict=True):
@@ -159,11 +200,11 @@ def _expert_rows(x: torch.Tensor, tier: _Tier, row_ids: torch.Tensor, out: torch
         start += count
         xs = x.index_select(0, torch.div(sel, top_k, rounding_mode="floor"))
         if plain:
-            act = silu_and_mul(xs @ t["w13_weight"][row].t())
+            act = activate(xs @ t["w13_weight"][row].t())
             flat_out[sel] = act @ t["w2_weight"][row].t()
             continue
         w13 = dequant_expert(t, scheme, row, "w13", x.dtype)
-        act = silu_and_mul(_gemm(xs, w13, expert_bias(t, scheme, row, "w13")))
+        act = activate(_gemm(xs, w13, expert_bias(t, scheme, row, "w13")))
         w2 = dequant_expert(t, scheme, row, "w2", x.dtype)
         flat_out[sel] = _gemm(act, w2, expert_bias(t, scheme, row, "w2"))
     return out
@@ -189,11 +230,12 @@ def tier_rows(
     out: torch.Tensor | None = None,
     *,
     scheme: QuantScheme | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """:func:`expert_rows` over one call's per-expert tensors by name, in any format of
     :mod:`pinsidecar_hook.kernels.dequant` (``scheme``: :func:`scheme_of` of ``tensors`` unless given). Each used
-    row's weights are dequantized to ``x``'s dtype before its GEMMs."""
-    return _expert_rows(x, _Tier(tensors, scheme or scheme_of(tensors)), row_ids, out)
+    row's weights are dequantized to ``x``'s dtype before its GEMMs; ``activation``: one of :data:`ACTIVATIONS`."""
+    return _expert_rows(x, _Tier(tensors, scheme or scheme_of(tensors), _check_activation(activation)), row_ids, out)
 
 
 def _rows(x: torch.Tensor, tier: _Tier, row_ids: torch.Tensor, impl: str) -> torch.Tensor:
@@ -243,8 +285,13 @@ def _unsplit(
     *,
     impl: str = "loop",
     scheme: QuantScheme | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    tier = tensors if isinstance(tensors, _Tier) else _Tier(tensors, scheme or scheme_of(tensors))
+    _check_activation(activation)
+    if isinstance(tensors, _Tier):
+        tier = dataclasses.replace(tensors, activation=activation)
+    else:
+        tier = _Tier(tensors, scheme or scheme_of(tensors), activation)
     rows, local = _unsplit_rows(x, tier, topk_ids, expert_map, impl)
     if local is None:
         return finalize(rows, topk_weights)
@@ -254,13 +301,13 @@ def _unsplit(
 @overload
 def unsplit(x: torch.Tensor, tensors: Mapping[str, torch.Tensor], topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, /, expert_map: torch.Tensor | None = None, *, impl: str = "loop",
-            scheme: QuantScheme | None = None) -> torch.Tensor: ...
+            scheme: QuantScheme | None = None, activation: str = "silu") -> torch.Tensor: ...
 
 
 @overload
 def unsplit(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, /, expert_map: torch.Tensor | None = None, *,
-            impl: str = "loop") -> torch.Tensor: ...
+            impl: str = "loop", activation: str = "silu") -> torch.Tensor: ...
 
 
 def unsplit(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -270,7 +317,7 @@ def unsplit(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     Two forms, told apart by the second argument: ``unsplit(x, tensors, topk_weights, topk_ids)`` with the layer's
     per-expert tensors by name, in any format of :mod:`pinsidecar_hook.kernels.dequant` (``scheme``:
     :func:`scheme_of` of ``tensors`` unless given), or ``unsplit(x, w13, w2, topk_weights, topk_ids)`` for
-    unquantized weights."""
+    unquantized weights. ``activation``: one of :data:`ACTIVATIONS` (module docstring)."""
     if args and isinstance(args[0], Mapping):
         return _unsplit(x, *args, **kwargs)
     w13, w2, *rest = args
@@ -352,18 +399,19 @@ def split_tiers(
 
 
 def _tiers(hot: Mapping[str, torch.Tensor] | _Tier, cold: Mapping[str, torch.Tensor] | _Tier,
-           scheme: QuantScheme | None) -> tuple[_Tier, _Tier]:
+           scheme: QuantScheme | None, activation: str = "silu") -> tuple[_Tier, _Tier]:
     """The two calls' tiers; their schemes must be equal (a tier's tensors in another format than the other's
     would mean the split did not mirror every per-expert tensor)."""
+    _check_activation(activation)
     if isinstance(hot, _Tier) and isinstance(cold, _Tier):
-        return hot, cold
+        return dataclasses.replace(hot, activation=activation), dataclasses.replace(cold, activation=activation)
     assert not isinstance(hot, _Tier) and not isinstance(cold, _Tier)
     if scheme is not None:
-        return _Tier(hot, scheme), _Tier(cold, scheme)
+        return _Tier(hot, scheme, activation), _Tier(cold, scheme, activation)
     hot_scheme, cold_scheme = scheme_of(hot), scheme_of(cold)
     if hot_scheme != cold_scheme:
         raise ValueError(f"hot and cold tensors differ in format: {hot_scheme} vs {cold_scheme}")
-    return _Tier(hot, hot_scheme), _Tier(cold, cold_scheme)
+    return _Tier(hot, hot_scheme, activation), _Tier(cold, cold_scheme, activation)
 
 
 def _split(
@@ -383,8 +431,9 @@ def _split(
     overlap: bool | None = None,
     scheme: QuantScheme | None = None,
     partitioned: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    hot_tier, cold_tier = _tiers(hot, cold, scheme)
+    hot_tier, cold_tier = _tiers(hot, cold, scheme, activation)
     if partitioned is not None:  # the cache's step partitioned the ids (and counted) in its own launch
         hot_ids, cold_ids = partitioned
     else:
@@ -411,7 +460,7 @@ def split(x: torch.Tensor, hot: Mapping[str, torch.Tensor], cold: Mapping[str, t
           expert_counts: torch.Tensor | None = None, cold_counts: torch.Tensor | None = None, *,
           num_real: torch.Tensor | None = None, token_counts: torch.Tensor | None = None, impl: str = "loop",
           overlap: bool | None = None, scheme: QuantScheme | None = None,
-          partitioned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
+          partitioned: tuple[torch.Tensor, torch.Tensor] | None = None, activation: str = "silu") -> torch.Tensor: ...
 
 
 @overload
@@ -420,7 +469,7 @@ def split(x: torch.Tensor, w13_hot: torch.Tensor, w2_hot: torch.Tensor, w13_cold
           hot_rows: int, /, expert_counts: torch.Tensor | None = None, cold_counts: torch.Tensor | None = None, *,
           num_real: torch.Tensor | None = None, token_counts: torch.Tensor | None = None, impl: str = "loop",
           overlap: bool | None = None,
-          partitioned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
+          partitioned: tuple[torch.Tensor, torch.Tensor] | None = None, activation: str = "silu") -> torch.Tensor: ...
 
 
 def split(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -434,7 +483,8 @@ def split(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     scalars in both; ``scheme``: :func:`scheme_of` of each tier, which must agree, unless given), or
     ``split(x, w13_hot, w2_hot, w13_cold, w2_cold, topk_weights, ...)`` for unquantized weights. ``partitioned``:
     the ``(hot_ids, cold_ids)`` a cache's step already made (:meth:`pinsidecar_hook.cache.ExpertCache.step_partition`,
-    which counted too), instead of partitioning here."""
+    which counted too), instead of partitioning here. ``activation``: one of :data:`ACTIVATIONS`, the same as the
+    unsplit call's."""
     if args and isinstance(args[0], Mapping):
         return _split(x, *args, **kwargs)
     w13_hot, w2_hot, w13_cold, w2_cold, *rest = args
