@@ -32,10 +32,12 @@ __all__: list[str] = []  # nothing here is another package's business
 @click.option("--expert-intermediate", type=int, default=None, help="Each expert's intermediate size (default 64).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="Weights dtype.")
-@click.option("--quant", type=click.Choice(["none", "fp8-block", "gptq-int4"]), default="none", show_default=True,
-              help="Store the routed experts quantized (FP8 with 128x128 block scales, or GPTQ int4 with groups of "
-                   "128); the rest stays in --dtype. Needs hidden and expert intermediate sizes that are multiples "
-                   "of 128.")
+@click.option("--quant", type=click.Choice(["none", "fp8-block", "gptq-int4", "awq-int4", "nvfp4", "mxfp4"]),
+              default="none", show_default=True,
+              help="Store the routed experts quantized, the rest in --dtype: fp8-block (128x128 block scales), "
+                   "gptq-int4 or awq-int4 (groups of 128; these three need hidden and expert intermediate sizes "
+                   "that are multiples of 128), nvfp4 (ModelOpt, blocks of 16), or mxfp4 (a gpt-oss model built "
+                   "from the same tensors, experts in MXFP4 as gpt-oss ships them; multiples of 32).")
 @click.option("--router", type=click.Choice(["zipf", "calibrated"]), default="zipf", show_default=True,
               help="zipf: the designed router (the toy's skew). calibrated: the same router with its gains set at "
                    "build time so that a usage map with 23 % of the experts cold sees about 1.55 % cold selections "
@@ -55,6 +57,7 @@ def demo_model(out_dir: Path, seed: int, force: bool, hidden: int | None, layers
     geometry options build the same routing design at another size (attention heads of 128 from hidden 512 up);
     without them the model is byte for byte the tiny default. --quant writes the quantized twin of a geometry
     (e.g. --hidden 256 --expert-intermediate 128 --quant fp8-block): the same router, so the same routing.
+    --quant mxfp4 writes a gpt-oss model (GptOssForCausalLM) instead, from the same tensors.
     --router calibrated keeps everything but the routers' gains, so placement figures see the reference skew.
     --replay-trace T.npz writes a model whose routing is the trace's, token by token (docs/cache-tier.md).
     """
@@ -101,10 +104,11 @@ def _written(path: Path, seed: int, quant: str, router: str) -> dict[str, Any]:
         "digest": weights_digest(path),
         "model_type": config["model_type"],
         "num_layers": config["num_hidden_layers"],
-        "num_experts": config["num_experts"],
+        # gpt-oss (--quant mxfp4) names them num_local_experts and intermediate_size
+        "num_experts": config.get("num_experts", config.get("num_local_experts")),
         "top_k": config["num_experts_per_tok"],
         "hidden_size": config["hidden_size"],
-        "expert_intermediate": config["moe_intermediate_size"],
+        "expert_intermediate": config.get("moe_intermediate_size", config["intermediate_size"]),
         "dtype": config["torch_dtype"],
         "quant": quant,
         "router": router,

@@ -52,9 +52,11 @@ map sees 15 %, 4 %, 10 % and 12 % cold selections on prose traffic at those geom
 and 14 % on code. At the GPU lane's geometry the calibration takes about 20 s of CPU (0.5 GB) and sets gains of
 1.44-1.69, as at hidden 512 with 128 experts (1.39-1.68); no forward pass measured it there.
 
-**Quantized twins** (``--quant fp8-block`` / ``--quant gptq-int4``, :mod:`pinsidecar.demo.quant`): the same model
-(same seed, same geometry, same router) with its routed experts stored quantized in the layout vLLM loads for real
-FP8-block and GPTQ checkpoints; everything else stays bf16, so the routing is the unquantized model's.
+**Quantized twins** (``--quant fp8-block|gptq-int4|awq-int4|nvfp4``, :mod:`pinsidecar.demo.quant`): the same
+model (same seed, same geometry, same router) with its routed experts stored quantized in the layout vLLM loads for
+real FP8-block, GPTQ, AutoAWQ and ModelOpt NVFP4 checkpoints; everything else stays bf16, so the routing is the
+unquantized model's. ``--quant mxfp4`` writes a gpt-oss (``GptOssForCausalLM``) model built from the same tensors,
+its experts in MXFP4 as gpt-oss ships them (:mod:`pinsidecar.demo.gpt_oss`).
 """
 
 from __future__ import annotations
@@ -701,8 +703,12 @@ def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY, quant: 
     calibration = _RouterCalibration(tok, geo) if router == "calibrated" else None
     if geo.is_default:
         tensors, plans = _weights(seed, scores, calibration)
-        save_file({k: torch.from_numpy(v).to(torch.bfloat16).contiguous() for k, v in tensors.items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        as_torch = {k: torch.from_numpy(v).to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+        if quant:  # a format whose blocks fit the tiny geometry (nvfp4): the default model's experts, quantized
+            from pinsidecar.demo.quant import quantize_expert_tensors
+
+            as_torch = quantize_expert_tensors(as_torch, quant)
+        save_file(as_torch, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     else:
         plans = _write_sharded(tmp, seed, scores, geo, quant, calibration)
     tmp.joinpath("tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
@@ -720,9 +726,12 @@ def _write_model(tmp: Path, seed: int, geo: Geometry = DEFAULT_GEOMETRY, quant: 
     _dump_json(tmp / "special_tokens_map.json", {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN})
     config = _config(eos_id, geo)
     if quant:
-        from pinsidecar.demo.quant import quantization_config
+        from pinsidecar.demo.quant import hf_quant_config, quantization_config
 
         config["quantization_config"] = quantization_config(quant, geo.layers)
+        legacy = hf_quant_config(quant, geo.layers)
+        if legacy is not None:
+            _dump_json(tmp / "hf_quant_config.json", legacy)
     _dump_json(tmp / "config.json", config)
     _dump_json(tmp / "generation_config.json", {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False})
     info: dict[str, Any] = {
@@ -781,25 +790,31 @@ def build_demo_model(out_dir: Path, seed: int = 0, force: bool = False,
     """Write the demo model to ``out_dir`` and return it; the same seed always gives the same bytes (for a
     non-default ``geometry``: on the same kind of device, see the module docstring).
 
-    ``quant`` (``"fp8-block"`` or ``"gptq-int4"``, :mod:`pinsidecar.demo.quant`) stores the routed experts
-    quantized; it needs hidden and expert intermediate sizes that are multiples of 128, so never the default
-    geometry. The model is built in a temporary directory beside ``out_dir`` and renamed into place, so a crash
+    ``quant`` (``"fp8-block"``, ``"gptq-int4"``, ``"awq-int4"``, ``"nvfp4"``, :mod:`pinsidecar.demo.quant`)
+    stores the routed experts quantized; the 128-grid formats need hidden and expert intermediate sizes that are
+    multiples of 128, so never the default geometry. ``"mxfp4"`` writes a gpt-oss model instead
+    (:mod:`pinsidecar.demo.gpt_oss`): this model's tensors in gpt-oss's layout, its experts in MXFP4.
+    The model is built in a temporary directory beside ``out_dir`` and renamed into place, so a crash
     never leaves half a model. An existing non-empty ``out_dir`` is refused unless ``force`` (then it is replaced
     whole). ``router="calibrated"`` sets the routers' gains for the reference deployment's skew (module docstring);
     everything else is the ``zipf`` model's, and the kind and gains are recorded in ``pinsidecar_demo.json``.
     """
-    geometry.check()
-    if router not in ROUTERS:
-        raise DemoModelError(f"unknown demo-model router {router!r}; use one of {', '.join(ROUTERS)}")
-    if quant:
+    if quant:  # first: its message names the flags that fix the geometry for this format
         from pinsidecar.demo.quant import geometry_problems
 
         problems = geometry_problems(quant, geometry.hidden, geometry.expert_intermediate)
         if problems:
             raise DemoModelError("bad demo-model quantization: " + "; ".join(problems))
+    geometry.check()
+    if router not in ROUTERS:
+        raise DemoModelError(f"unknown demo-model router {router!r}; use one of {', '.join(ROUTERS)}")
 
     def write(tmp: Path) -> None:
-        if geometry.is_default and router == "zipf":  # never quantized: refused above
+        if quant == "mxfp4":  # another architecture: gpt-oss, built from this model's tensors
+            from pinsidecar.demo.gpt_oss import write_gpt_oss_twin
+
+            write_gpt_oss_twin(tmp, lambda bf16: _write_model(bf16, seed, geometry, None, router))
+        elif geometry.is_default and router == "zipf" and not quant:
             _write_model(tmp, seed)
         else:
             _write_model(tmp, seed, geometry, quant, router)

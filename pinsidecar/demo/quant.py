@@ -6,7 +6,8 @@ Pin mode must handle quantized MoE checkpoints, and there is no model hub here, 
 router, attention, norms, embeddings and LM head in bf16 keeps the routing *identical* to the bf16 twin (the router
 is unchanged; only the experts' outputs move a little), so counts and maps of the bf16 model apply to its twin.
 
-Two formats, each exactly what vLLM reads for the real thing:
+Five formats, each exactly what vLLM reads for the real thing (the FP4 quantizers are in
+:mod:`pinsidecar.demo.quant_fp4`; ``mxfp4`` is a gpt-oss model of its own, :mod:`pinsidecar.demo.gpt_oss`):
 
 - ``fp8-block`` (DeepSeek-V3 / Qwen3-FP8): ``X.weight`` in float8_e4m3fn plus ``X.weight_scale_inv`` (float32,
   ``[ceil(out/128), ceil(in/128)]``, the *dequant multiplier*: ``w ~= w_fp8 * scale_inv`` per block). The config
@@ -24,8 +25,35 @@ Two formats, each exactly what vLLM reads for the real thing:
   config carries both: ``modules_in_block_to_quantize: ["mlp.experts"]`` and negative ``dynamic`` rules for
   attention and the router.
 
-Both need hidden and expert intermediate sizes that are multiples of 128 (:func:`geometry_problems`), so the tiny
-default geometry (expert intermediate 64) has no quantized twin: pass ``--expert-intermediate 128``. Smaller FP8
+- ``nvfp4`` (NVIDIA ModelOpt, ``quant_algo: NVFP4``, W4A4): ``X.weight`` uint8 ``[out, in/2]`` (e2m1, two a
+  byte, low nibble first), ``X.weight_scale`` float8_e4m3fn ``[out, in/16]``, ``X.weight_scale_2`` float32 ``[]``
+  and ``X.input_scale`` float32 ``[]``, the shapes vLLM 0.34 allocates in ``ModelOptNvFp4FusedMoE.create_weights``
+  (``quantization/modelopt.py:946-1060``; the per-tensor scales become ``w13_weight_scale_2 [E, 2]``,
+  ``w2_weight_scale_2 [E]``, ``w13_input_scale [E, 2]``, ``w2_input_scale [E]``, one scalar per expert and shard).
+  ``config.json`` carries ModelOpt's current ``quantization_config`` (``quant_method: modelopt``, ``quant_algo``,
+  ``group_size``, ``config_groups`` with non-null ``input_activations``: all-null ones would make vLLM treat the
+  checkpoint as W4A16, ``modelopt.py:820-834``) and its exclusions under ``ignore``; ``hf_quant_config.json``
+  carries the legacy form, whose ``quantization`` must hold ``group_size``, ``kv_cache_quant_algo`` and
+  ``exclude_modules`` (``modelopt.py:845-856``). vLLM matches the list exactly, then by substring, then as
+  ``fnmatch`` wildcards (``is_layer_excluded``, ``modelopt.py:198-233``); experts are quantized unless excluded
+  (``:263-266``). No activations were seen, so ``input_scale`` is a *bound*, not a calibration:
+  ``bound / (6 * 448)`` with ModelOpt's convention, where an expert's input is RMS-normed with weight 1 (``|x_i|
+  <= sqrt(hidden)``) and the down projection's input ``silu(g) * u`` is bounded by ``hidden`` times the product
+  of the largest gate and up row norms.
+- ``awq-int4`` (AutoAWQ ``GEMM``, 4 bit, asymmetric, group 128): ``X.qweight`` int32 ``[in, out/8]`` packed along
+  *out* in AWQ's order (nibble slot ``i`` holds column ``[0, 2, 4, 6, 1, 3, 5, 7][i]``; vLLM undoes it with
+  ``_REVERSE_AWQ_PACK_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]``, ``quantization/auto_awq.py:70-75``), ``X.qzeros`` int32
+  ``[in/128, out/8]`` packed the same way, ``X.scales`` float16 ``[in/128, out]``. vLLM's ``AutoAWQConfig`` reads
+  ``bits``/``w_bit``, ``group_size``/``q_group_size``, ``zero_point`` and ``modules_to_not_convert``, and skips a
+  module, Linear or MoE, whose prefix *contains* a listed string (``match_mode="substring"``,
+  ``auto_awq.py:296-300`` and ``:338-342``): ``["self_attn", "mlp.gate"]`` keeps attention and the router bf16
+  (the router is a ``GateLinear`` built with the quant config, ``models/qwen3_moe.py:170-175``) and no expert
+  prefix (``model.layers.N.mlp.experts``) contains either.
+
+The 128-grid formats need hidden and expert intermediate sizes that are multiples of 128 (:func:`geometry_problems`),
+so the tiny default geometry (expert intermediate 64) has no fp8-block, gptq-int4 or awq-int4 twin: pass
+``--expert-intermediate 128``. NVFP4 needs multiples of 16 (its blocks) and MXFP4 multiples of 32: the default
+geometry has both. Smaller FP8
 blocks are not offered: vLLM's FP8 MoE method keys every block-quantized checkpoint as 128x128
 (``kFp8Static128BlockSym``), the CPU W8A16 kernel supports only that, and ``validate_fp8_block_shape_moe`` wants
 the gate/up outputs divisible by the block. GPTQ groups of 128 span whole blocks of ``in`` for both matrices.
@@ -33,18 +61,30 @@ the gate/up outputs divisible by the block. GPTQ groups of 128 span whole blocks
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["pack_int4"]
+from pinsidecar.demo import quant_fp4
 
-QUANT_METHODS = ("fp8-block", "gptq-int4")
+__all__ = ["pack_awq_int4", "pack_int4", "quantize_awq_int4"]
+
+QUANT_METHODS = ("fp8-block", "gptq-int4", "awq-int4", "nvfp4", "mxfp4")
 BLOCK = 128  # FP8 weight block, both dimensions (vLLM's CPU FP8 MoE kernel and DeepSeek-V3 checkpoints: 128x128)
 GPTQ_GROUP = 128  # GPTQ group size along the input dimension
 GPTQ_BITS = 4
+AWQ_GROUP = 128  # AutoAWQ's default q_group_size, along the input dimension
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble slot i of an int32 holds column AWQ_PACK_ORDER[i]
+# Each format's unit along hidden and expert intermediate: 128x128 FP8 tiles and int4 groups, NVFP4's block of 16,
+# MXFP4's block of 32 (vLLM pads further per kernel; the format itself needs this).
+_UNIT = {"fp8-block": BLOCK, "gptq-int4": GPTQ_GROUP, "awq-int4": AWQ_GROUP, "nvfp4": quant_fp4.NVFP4_GROUP,
+         "mxfp4": quant_fp4.MXFP4_BLOCK}
+_UNIT_WHAT = {"fp8-block": "128x128 weight blocks", "gptq-int4": "groups of 128 input channels",
+              "awq-int4": "groups of 128 input channels", "nvfp4": "e2m1 blocks of 16 input channels",
+              "mxfp4": "MX blocks of 32 input channels"}
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 # vLLM's per_block_cast_to_fp8 (vllm/utils/deep_gemm.py) floors a block's amax here, so an all-zero block gets a
 # finite scale and quantizes to zeros.
@@ -59,8 +99,7 @@ def geometry_problems(quant: str, hidden: int, expert_intermediate: int) -> list
     """What stops ``quant`` at this geometry (empty: it can be written). Messages say which flag fixes it."""
     if quant not in QUANT_METHODS:
         return [f"unknown quant {quant!r}; use one of {', '.join(QUANT_METHODS)}"]
-    unit = BLOCK if quant == "fp8-block" else GPTQ_GROUP
-    what = "128x128 weight blocks" if quant == "fp8-block" else "groups of 128 input channels"
+    unit, what = _UNIT[quant], _UNIT_WHAT[quant]
     bad = [f"{name} {size}" for name, size in (("hidden", hidden), ("expert intermediate", expert_intermediate))
            if size % unit]
     if not bad:
@@ -153,6 +192,67 @@ def quantize_gptq_int4(w: torch.Tensor, group_size: int = GPTQ_GROUP) -> dict[st
     }
 
 
+def pack_awq_int4(values: torch.Tensor) -> torch.Tensor:
+    """``[rows, out]`` ints 0..15 -> int32 ``[rows, out/8]``, AutoAWQ's packing along ``out``: for columns
+    ``8c .. 8c+7``, nibble slot ``i`` (bits ``4i .. 4i+3``) holds column ``8c + AWQ_PACK_ORDER[i]``."""
+    rows, out_f = values.shape
+    if out_f % 8:
+        raise ValueError(f"AWQ packs 8 output channels per int32; out ({out_f}) is not a multiple of 8")
+    grouped = values.reshape(rows, out_f // 8, 8)[..., list(AWQ_PACK_ORDER)]  # slot order
+    return pack_int4(grouped.reshape(rows, out_f), dim=1)
+
+
+def quantize_awq_int4(w: torch.Tensor, group_size: int = AWQ_GROUP) -> dict[str, torch.Tensor]:
+    """``w [out, in]`` -> AutoAWQ GEMM tensors ``qweight``, ``qzeros``, ``scales`` (4 bit, zero point).
+
+    AutoAWQ's asymmetric quantizer (``pseudo_quantize_tensor``), with no activation-aware search (no calibration
+    data; the layout and rounding are AWQ's): per group of ``group_size`` input channels and per output channel,
+    ``scale = max(max - min, 1e-5) / 15`` (stored fp16, and quantized against the stored value),
+    ``zero = clamp(round(-min / scale), 0, 15)``, ``q = clamp(round(w / scale) + zero, 0, 15)``; dequantized
+    ``(q - zero) * scale``. ``qweight`` int32 ``[in, out/8]`` and ``qzeros`` int32 ``[in/group, out/8]`` are packed
+    along ``out`` by :func:`pack_awq_int4`; ``scales`` float16 ``[in/group, out]``.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_awq_int4 wants a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    out_f, in_f = w.shape
+    if in_f % group_size or out_f % 8:
+        raise ValueError(f"AWQ int4 needs in ({in_f}) a multiple of the group size {group_size} and out ({out_f}) "
+                         "a multiple of 8")
+    wt = w.float().t().reshape(in_f // group_size, group_size, out_f)  # [groups, group, out]
+    maxq = 2**GPTQ_BITS - 1
+    hi, lo = wt.amax(dim=1, keepdim=True), wt.amin(dim=1, keepdim=True)
+    scale = ((hi - lo).clamp(min=1e-5) / maxq).to(torch.float16).float()
+    zero = torch.clamp(torch.round(-lo / scale), 0, maxq)
+    q = torch.clamp(torch.round(wt / scale) + zero, 0, maxq).to(torch.int32).reshape(in_f, out_f)
+    return {
+        "qweight": pack_awq_int4(q),
+        "qzeros": pack_awq_int4(zero.reshape(in_f // group_size, out_f).to(torch.int32)),
+        "scales": scale.reshape(in_f // group_size, out_f).to(torch.float16).contiguous(),
+    }
+
+
+def _nvfp4_experts(experts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One expert's ``{gate,up,down}_proj`` weights (keys ``P.weight``) -> ModelOpt NVFP4 tensors.
+
+    Gate and up share one ``weight_scale_2`` and one ``input_scale`` (vLLM fuses them into ``w13``); the input
+    scales are bounds (module docstring), in ModelOpt's convention ``amax / (6 * 448)``.
+    """
+    fp4_max = quant_fp4.E2M1_MAX * quant_fp4.FP8_E4M3_MAX
+    by_proj = {name.rsplit(".", 2)[-2]: (name.removesuffix(".weight"), w) for name, w in experts.items()}
+    gate, up = (by_proj[p][1].float() for p in ("gate_proj", "up_proj"))
+    hidden = gate.shape[1]
+    w13_amax = float(max(gate.abs().max(), up.abs().max()))
+    w13_input = math.sqrt(hidden)  # RMS-normed, norm weight 1: |x_i| <= sqrt(hidden)
+    w2_input = hidden * float(gate.norm(dim=1).max()) * float(up.norm(dim=1).max())  # |silu(g) u| <= |g| |u|
+    out: dict[str, torch.Tensor] = {}
+    for proj, amax, bound in (("gate_proj", w13_amax, w13_input), ("up_proj", w13_amax, w13_input),
+                              ("down_proj", None, w2_input)):
+        prefix, w = by_proj[proj]
+        out.update({f"{prefix}.{k}": v.cpu() for k, v in quant_fp4.quantize_nvfp4(w, global_amax=amax).items()})
+        out[f"{prefix}.input_scale"] = torch.tensor(max(bound, 1e-6) / fp4_max, dtype=torch.float32)
+    return out
+
+
 def quantize_expert_tensors(tensors: Mapping[str, torch.Tensor], quant: str) -> dict[str, torch.Tensor]:
     """The checkpoint tensors with every routed expert's ``X.weight`` replaced by ``quant``'s tensors for ``X``.
 
@@ -161,21 +261,42 @@ def quantize_expert_tensors(tensors: Mapping[str, torch.Tensor], quant: str) -> 
     """
     if quant not in QUANT_METHODS:
         raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANT_METHODS)}")
+    if quant == "mxfp4":
+        raise ValueError("mxfp4 is a gpt-oss model of its own (pinsidecar.demo.gpt_oss), not an expert format of "
+                         "the Qwen3-MoE demo model")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out: dict[str, torch.Tensor] = {}
+    nvfp4: dict[str, dict[str, torch.Tensor]] = {}  # expert prefix -> its weights
     for name, t in tensors.items():
         m = _EXPERT_WEIGHT.match(name)
         if m is None:
             out[name] = t
             continue
         prefix, w = m["prefix"], t.to(device)
+        if quant == "nvfp4":  # needs the expert's three weights together: below
+            nvfp4.setdefault(prefix.rsplit(".", 1)[0], {})[name] = w
+            continue
         if quant == "fp8-block":
             q, scale_inv = quantize_fp8_block(w)
             out[f"{prefix}.weight"] = q.cpu()
             out[f"{prefix}.weight_scale_inv"] = scale_inv.cpu()
         else:
-            out.update({f"{prefix}.{k}": v.cpu() for k, v in quantize_gptq_int4(w).items()})
+            quantize = quantize_gptq_int4 if quant == "gptq-int4" else quantize_awq_int4
+            out.update({f"{prefix}.{k}": v.cpu() for k, v in quantize(w).items()})
+    for experts in nvfp4.values():
+        out.update(_nvfp4_experts(experts))
     return out
+
+
+def hf_quant_config(quant: str, num_layers: int) -> dict[str, Any] | None:
+    """``hf_quant_config.json`` for ``quant`` (ModelOpt's legacy file, which ModelOpt exports still write beside
+    ``config.json``), or None where the format has none."""
+    if quant != "nvfp4":
+        return None
+    qc = quantization_config(quant, num_layers)
+    return {"producer": qc["producer"],
+            "quantization": {"quant_algo": qc["quant_algo"], "kv_cache_quant_algo": None,
+                             "group_size": qc["group_size"], "exclude_modules": qc["ignore"]}}
 
 
 def quantization_config(quant: str, num_layers: int) -> dict[str, Any]:
@@ -206,5 +327,25 @@ def quantization_config(quant: str, num_layers: int) -> dict[str, Any]:
             # Linear layers: quantized iff a listed substring is in the prefix. MoE layers: only `dynamic` is read.
             "modules_in_block_to_quantize": ["mlp.experts"],
             "dynamic": {r"-:.*\.self_attn\..*": {}, r"-:.*\.mlp\.gate$": {}},
+        }
+    if quant == "awq-int4":
+        return {
+            "quant_method": "awq",
+            "bits": GPTQ_BITS,
+            "group_size": AWQ_GROUP,
+            "zero_point": True,
+            "version": "gemm",
+            # Substring match on the module prefix, for Linear and MoE layers alike (auto_awq.py:296-300, 338-342).
+            "modules_to_not_convert": ["self_attn", "mlp.gate"],
+        }
+    if quant == "nvfp4":
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": quant_fp4.NVFP4_GROUP}
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": quant_fp4.NVFP4_GROUP,
+            "producer": {"name": "modelopt", "version": "0.37.0"},
+            "config_groups": {"group_0": {"input_activations": fp4, "weights": fp4, "targets": ["Linear"]}},
+            "ignore": [*dense, "lm_head"],
         }
     raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANT_METHODS)}")
