@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from pinsidecar_hook.vllm_seam import monolithic
 
 E, K, H = 16, 4, 8
