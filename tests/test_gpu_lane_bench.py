@@ -76,7 +76,12 @@ def test_quant_engine_args_and_report_names() -> None:
     assert gpu_lane.default_report_name(False, "fp8-block") == "gpu_lane_h200_fp8-block"
     assert gpu_lane.default_report_name(True, "gptq-int4") == "gpu_lane_vllm_cpu_gptq-int4"
     assert gpu_lane.CHECKPOINT_QUANT == {"bf16": None, "fp8-block": "fp8-block", "fp8-online": None,
-                                         "gptq-int4": "gptq-int4"}
+                                         "gptq-int4": "gptq-int4", "mxfp4": "mxfp4", "nvfp4": "nvfp4",
+                                         "awq-int4": "awq-int4"}
+    from pinsidecar.demo.quant import QUANT_METHODS
+
+    # every lane's checkpoint is one the demo-model generator writes
+    assert {q for q in gpu_lane.CHECKPOINT_QUANT.values() if q} <= set(QUANT_METHODS)
 
 
 def test_engine_args_per_quant(tmp_path: Path) -> None:
@@ -336,7 +341,7 @@ def test_build_model_passes_the_checkpoint_quant(tmp_path: Path, monkeypatch: py
         lane = _lane(tmp_path, quant)
         assert gpu_lane.build_model(lane)["reused"] is False
         assert gpu_lane.build_model(lane)["reused"] is True  # the marker says the same format: kept
-    assert [c.get("quant") for c in calls] == [None, "fp8-block", None, "gptq-int4"]
+    assert [c.get("quant") for c in calls] == [None, "fp8-block", None, "gptq-int4", "mxfp4", "nvfp4", "awq-int4"]
     assert all(c["force"] and c["geometry"].hidden == HID for c in calls)
     lane = _lane(tmp_path, "gptq-int4")
     (lane.model / "pinsidecar_demo.json").write_text("{}")  # a bf16 model where a GPTQ one belongs: rebuilt

@@ -12,7 +12,8 @@ class and its quant config): ``cpu`` (vLLM's ``CPUUnquantizedExperts``), ``trito
 bf16, FP8 block, per-channel and per-tensor), ``marlin_experts`` (``MarlinExperts``: weight-only int4/int8/FP8).
 ``flashinfer_trtllm`` has never run on hardware and ``torch_ref`` is a slow reference: ``auto`` never picks them;
 name them in ``PINSIDECAR_PIN_BACKEND`` to use them. When nothing fits, the error names the experts class, the
-quant method and every backend's reason.
+quant method and every backend's reason, and for a class vLLM is known to pick (:mod:`.refused`) the vLLM flag that
+gives a class pinsidecar splits, or that none does yet.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 
 from pinsidecar_hook.backends.base import BackendUnavailable, SplitBackend, SplitLayer, UnsupportedSplit
+from pinsidecar_hook.backends.refused import advice
 from pinsidecar_hook.contract.backends import AUTO_BACKEND, BACKENDS
+from pinsidecar_hook.vllm_seam import vllm_class
 
 __all__ = ["BackendUnavailable", "SplitBackend", "SplitLayer", "UnsupportedSplit", "describe_experts",
            "load_backend", "select_backend"]
@@ -91,7 +94,9 @@ def select_backend(requested: str, device: torch.device, experts: Any) -> type[S
         if reason is None:
             return cls
         reasons.append(f"{entry.name}: {reason}")
+    what_to_do = advice(vllm_class(experts).__name__) or (
+        "Serve this model in count mode (counting needs no split), or run it with experts and a quantization one of "
+        "these backends supports")
     raise BackendUnavailable(
         f"no split backend for experts {describe_experts(experts)} on {device.type}. Tried: " + "; ".join(reasons)
-        + ". Serve this model in count mode (counting needs no split), or run it with experts and a quantization "
-        "one of these backends supports")
+        + f". {what_to_do}")

@@ -1,0 +1,66 @@
+"""The experts classes vLLM picks that no split backend takes, and what an operator can do about each.
+
+A refusal at attach names the class vLLM chose, the formats it serves, and the vLLM flag that makes vLLM pick a
+class pinsidecar *does* split (with the guarantee it gets there), or says that none does yet and count mode is
+what works. Read in vLLM 0.34.0's oracles (``model_executor/layers/fused_moe/oracle/``) for one SM90 GPU with a
+default install; the flag is ``--moe-backend`` (``config/kernel.py:122``, ``MoEBackend``), which every oracle maps
+to its own backend list (e.g. ``oracle/mxfp4.py:385``, ``"triton_unfused": [TRITON_UNFUSED]``).
+
+Torch-free data: the hook's refusal message and ``docs/backends.md``'s table read the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["KNOWN_UNSPLIT", "UnsplitClass", "advice"]
+
+
+@dataclass(frozen=True)
+class UnsplitClass:
+    """One experts class no backend splits: what it serves, the flag to use instead (None: none gives a split
+    class yet) and what that flag gives."""
+
+    formats: str
+    flag: str | None
+    gives: str
+
+
+KNOWN_UNSPLIT: dict[str, UnsplitClass] = {
+    "OAITritonMxfp4ExpertsMonolithic": UnsplitClass(
+        "MXFP4 (gpt-oss), routing inside the kernel", None,
+        "count mode counts it (a routing probe beside the kernel); `--moe-backend triton_unfused` gives the modular "
+        "UnfusedOAITritonExperts, which pinsidecar does not split yet"),
+    "OAITritonExperts": UnsplitClass(
+        "MXFP4 (gpt-oss) with expert parallel", None,
+        "count mode only; the OAI Triton kernel reduces the top-k inside its scatter, not split yet"),
+    "UnfusedOAITritonExperts": UnsplitClass(
+        "MXFP4 (gpt-oss), --moe-backend triton_unfused", None, "count mode only; not split yet"),
+    "HummingIndexedExperts": UnsplitClass(
+        "GPTQ/AWQ int4 and NVFP4 on SM90 (prioritize_humming)", "--moe-backend marlin",
+        "MarlinExperts for int4 (split by the marlin_experts backend, not bit-identical: PINSIDECAR_PIN_BACKEND="
+        "marlin_experts runs it with a warning); no split for NVFP4 yet, count mode"),
+    "FlashInferExperts": UnsplitClass(
+        "FP8 block with expert parallel; compressed-tensors static FP8", "--moe-backend triton",
+        "TritonExperts, split bit-identical by triton_experts"),
+    "TritonOrCutlassExperts": UnsplitClass(
+        "compressed-tensors FP8 per-channel, dynamic per-token", "--moe-backend triton",
+        "TritonExperts, split bit-identical by triton_experts"),
+    "TritonOrDeepGemmExperts": UnsplitClass(
+        "FP8 block with DeepGEMM installed", "--moe-backend triton",
+        "TritonExperts, split bit-identical by triton_experts"),
+    "TritonWNA16Experts": UnsplitClass(
+        "int4/int8 weight-only through Triton", "--moe-backend marlin",
+        "MarlinExperts (split by marlin_experts, not bit-identical)"),
+}
+
+
+def advice(class_name: str) -> str:
+    """What to tell the operator about a refused layer of ``class_name`` ('' for a class not in the table)."""
+    known = KNOWN_UNSPLIT.get(class_name)
+    if known is None:
+        return ""
+    if known.flag is None:
+        return f"vLLM picked {class_name} for {known.formats}: no vLLM flag gives a class pinsidecar splits yet; " \
+               f"{known.gives}"
+    return f"vLLM picked {class_name} for {known.formats}: boot vLLM with {known.flag} to get {known.gives}"
