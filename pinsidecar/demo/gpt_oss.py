@@ -58,7 +58,7 @@ import torch
 
 from pinsidecar.demo import quant_fp4
 
-__all__ = ["GPT_OSS_MODULES_TO_NOT_CONVERT", "gpt_oss_config", "gpt_oss_tensors", "write_gpt_oss_twin"]
+__all__: list[str] = []  # used inside pinsidecar.demo and by the tests only
 
 # openai/gpt-oss-20b's config.json, quantization_config.modules_to_not_convert: everything but the experts.
 GPT_OSS_MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",

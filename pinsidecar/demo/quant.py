@@ -70,7 +70,7 @@ import torch
 
 from pinsidecar.demo import quant_fp4
 
-__all__ = ["pack_awq_int4", "pack_int4", "quantize_awq_int4"]
+__all__ = ["pack_int4"]
 
 QUANT_METHODS = ("fp8-block", "gptq-int4", "awq-int4", "nvfp4", "mxfp4")
 BLOCK = 128  # FP8 weight block, both dimensions (vLLM's CPU FP8 MoE kernel and DeepSeek-V3 checkpoints: 128x128)
