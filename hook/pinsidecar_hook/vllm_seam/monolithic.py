@@ -62,10 +62,10 @@ def _oai_triton_problem(experts: Any) -> str | None:
         from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
     except ImportError as exc:  # pragma: no cover - only inside an engine that built this class
         return f"cannot import vLLM's gpt_oss_triton_kernels_moe ({exc})"
-    version = getattr(oai, "triton_kernels_version", None)
-    if version == "3.5.1":
-        # 3.5.1's forward calls the fused routing() kernel, which returns no ids to probe
-        return "triton_kernels 3.5.1 routes with its fused routing() kernel, which this probe does not follow"
+    # triton_kernels 3.5.1 (the API vLLM 0.34 vendors) routes with routing(), which makes the same topk() call on the
+    # same (softmaxed if sm_first) logits (triton_kernels/routing.py:292-297); 3.6/3.8 call topk() directly.
+    if getattr(oai, "triton_kernels_version", None) not in ("3.5.1", "3.6", "3.8"):
+        return f"triton_kernels API {getattr(oai, 'triton_kernels_version', None)!r} was not read"
     if not hasattr(experts, "renormalize") or not hasattr(experts, "topk"):
         return "this OAITritonMxfp4ExpertsMonolithic has no renormalize/topk attributes (not vLLM 0.34's)"
     return None
