@@ -153,6 +153,18 @@ def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     return packed.to(torch.int32).movedim(-1, dim).contiguous()
 
 
+def _int4_groups(w: torch.Tensor, group_size: int, fmt: str) -> tuple[int, int, torch.Tensor]:
+    """``w [out, in]`` as float32 ``[in/group, group, out]`` (the groups int4 quantizers scale), with its shape;
+    refuses a weight whose ``in`` is not whole groups or whose ``out`` does not pack 8 to an int32."""
+    if w.dim() != 2:
+        raise ValueError(f"{fmt} int4 wants a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    out_f, in_f = w.shape
+    if in_f % group_size or out_f % 8:
+        raise ValueError(f"{fmt} int4 needs in ({in_f}) a multiple of the group size {group_size} and out "
+                         f"({out_f}) a multiple of 8")
+    return out_f, in_f, w.float().t().reshape(in_f // group_size, group_size, out_f)
+
+
 def quantize_gptq_int4(w: torch.Tensor, group_size: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
     """``w [out, in]`` -> AutoGPTQ tensors ``qweight``, ``qzeros``, ``scales``, ``g_idx`` (4 bit, symmetric).
 
@@ -168,13 +180,7 @@ def quantize_gptq_int4(w: torch.Tensor, group_size: int = GPTQ_GROUP) -> dict[st
     the same way along ``out``; ``scales`` float16 ``[in/group, out]``; ``g_idx`` int32 ``[in]`` = channel // group
     (``desc_act`` false: channels in order).
     """
-    if w.dim() != 2:
-        raise ValueError(f"quantize_gptq_int4 wants a 2-D weight [out, in], got shape {tuple(w.shape)}")
-    out_f, in_f = w.shape
-    if in_f % group_size or out_f % 8:
-        raise ValueError(f"GPTQ int4 needs in ({in_f}) a multiple of the group size {group_size} and out ({out_f}) "
-                         "a multiple of 8")
-    wt = w.float().t().reshape(in_f // group_size, group_size, out_f)  # [groups, group, out]
+    out_f, in_f, wt = _int4_groups(w, group_size, "GPTQ")
     amax = wt.abs().amax(dim=1, keepdim=True)
     maxq = 2**GPTQ_BITS - 1
     scale = 2.0 * amax / maxq
@@ -212,13 +218,7 @@ def quantize_awq_int4(w: torch.Tensor, group_size: int = AWQ_GROUP) -> dict[str,
     ``(q - zero) * scale``. ``qweight`` int32 ``[in, out/8]`` and ``qzeros`` int32 ``[in/group, out/8]`` are packed
     along ``out`` by :func:`pack_awq_int4`; ``scales`` float16 ``[in/group, out]``.
     """
-    if w.dim() != 2:
-        raise ValueError(f"quantize_awq_int4 wants a 2-D weight [out, in], got shape {tuple(w.shape)}")
-    out_f, in_f = w.shape
-    if in_f % group_size or out_f % 8:
-        raise ValueError(f"AWQ int4 needs in ({in_f}) a multiple of the group size {group_size} and out ({out_f}) "
-                         "a multiple of 8")
-    wt = w.float().t().reshape(in_f // group_size, group_size, out_f)  # [groups, group, out]
+    out_f, in_f, wt = _int4_groups(w, group_size, "AWQ")
     maxq = 2**GPTQ_BITS - 1
     hi, lo = wt.amax(dim=1, keepdim=True), wt.amin(dim=1, keepdim=True)
     scale = ((hi - lo).clamp(min=1e-5) / maxq).to(torch.float16).float()

@@ -375,25 +375,34 @@ def _int4_scheme(tensors: Mapping[str, torch.Tensor], present: set[str], bias: b
     for what, flags in (("qzeros", zeros), ("g_idx", g_idx)):
         if flags["w13"] != flags["w2"]:
             raise ValueError(f"int4 layer has {what} for one side only ({flags}); give both or neither")
+    nk = {"w13": (n13, h), "w2": (h, i)}
+    group = _scale_groups(tensors, e, nk, "int4")
+    for side, (n, k) in nk.items():
+        if zeros[side]:
+            if n % _NIBBLES:
+                raise ValueError(f"{_describe(f'{side}_qzeros', tensors[f'{side}_qzeros'])}: N = {n} is not a "
+                                 f"multiple of {_NIBBLES}")
+            _expect(tensors, f"{side}_qzeros", (e, k // group, n // _NIBBLES), (torch.int32,))
+        if g_idx[side]:
+            _expect(tensors, f"{side}_g_idx", (e, k), (torch.int32,))
+    return QuantScheme("int4_group", group_size=group, zeros=zeros["w13"], g_idx=g_idx["w13"], bias=bias,
+                       shared=shared)
+
+
+def _scale_groups(tensors: Mapping[str, torch.Tensor], e: int, nk: Mapping[str, tuple[int, int]], fmt: str) -> int:
+    """The group size of an int4 layer (GPTQ or AWQ): each side's ``{side}_scales`` is ``[E, K/group, N]`` with the
+    group dividing K (``nk``: side -> (N, K)), and both sides share one group size."""
     groups: dict[str, int] = {}
-    for side, (n, k) in {"w13": (n13, h), "w2": (h, i)}.items():
+    for side, (n, k) in nk.items():
         s = tensors[f"{side}_scales"]
         if s.dim() != 3 or s.shape[0] != e or s.shape[2] != n or s.shape[1] == 0 or k % s.shape[1]:
             raise ValueError(f"{_describe(f'{side}_scales', s)}: expected [E, K/group, N] = [{e}, {k}/group, {n}] "
                              "with the group size dividing K")
         _expect(tensors, f"{side}_scales", tuple(s.shape), FLOAT_DTYPES)
         groups[side] = k // s.shape[1]
-        if zeros[side]:
-            if n % _NIBBLES:
-                raise ValueError(f"{_describe(f'{side}_qzeros', tensors[f'{side}_qzeros'])}: N = {n} is not a "
-                                 f"multiple of {_NIBBLES}")
-            _expect(tensors, f"{side}_qzeros", (e, s.shape[1], n // _NIBBLES), (torch.int32,))
-        if g_idx[side]:
-            _expect(tensors, f"{side}_g_idx", (e, k), (torch.int32,))
     if groups["w13"] != groups["w2"]:
-        raise ValueError(f"int4 group sizes differ between w13 ({groups['w13']}) and w2 ({groups['w2']})")
-    return QuantScheme("int4_group", group_size=groups["w13"], zeros=zeros["w13"], g_idx=g_idx["w13"], bias=bias,
-                       shared=shared)
+        raise ValueError(f"{fmt} group sizes differ between w13 ({groups['w13']}) and w2 ({groups['w2']})")
+    return groups["w13"]
 
 
 def _fp4_scheme(tensors: Mapping[str, torch.Tensor], kind: str, bias: bool,
@@ -455,18 +464,11 @@ def _awq_scheme(tensors: Mapping[str, torch.Tensor], bias: bool, shared: tuple[s
         raise ValueError(f"{_describe('w13_qweight', tensors['w13_qweight'])}: the hidden size {h} must be a "
                          f"multiple of {_NIBBLES} to pack w2's output dim")
     _expect(tensors, "w2_qweight", (e, i, h // _NIBBLES), (torch.int32,))
-    groups: dict[str, int] = {}
-    for side, (n, k) in {"w13": (n13, h), "w2": (h, i)}.items():
-        s = tensors[f"{side}_scales"]
-        if s.dim() != 3 or s.shape[0] != e or s.shape[2] != n or s.shape[1] == 0 or k % s.shape[1]:
-            raise ValueError(f"{_describe(f'{side}_scales', s)}: expected [E, K/group, N] = [{e}, {k}/group, {n}] "
-                             "with the group size dividing K")
-        _expect(tensors, f"{side}_scales", tuple(s.shape), FLOAT_DTYPES)
-        _expect(tensors, f"{side}_qzeros", (e, s.shape[1], n // _NIBBLES), (torch.int32,))
-        groups[side] = k // s.shape[1]
-    if groups["w13"] != groups["w2"]:
-        raise ValueError(f"AWQ group sizes differ between w13 ({groups['w13']}) and w2 ({groups['w2']})")
-    return QuantScheme("int4_awq", group_size=groups["w13"], bias=bias, shared=shared)
+    nk = {"w13": (n13, h), "w2": (h, i)}
+    group = _scale_groups(tensors, e, nk, "AWQ")
+    for side, (n, k) in nk.items():
+        _expect(tensors, f"{side}_qzeros", (e, k // group, n // _NIBBLES), (torch.int32,))
+    return QuantScheme("int4_awq", group_size=group, bias=bias, shared=shared)
 
 
 def _unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
