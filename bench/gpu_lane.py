@@ -121,7 +121,8 @@ CHECKPOINT_QUANT: dict[str, str | None] = {"bf16": None, "fp8-block": "fp8-block
                                            "awq-int4": "awq-int4"}
 QUANT_ENGINE_ARGS: dict[str, list[str]] = {"bf16": [], "fp8-block": [], "fp8-online": ["--quantization", "fp8"],
                                            "gptq-int4": [], "mxfp4": [], "nvfp4": [], "awq-int4": []}
-PIN_BACKEND: dict[str, str] = {"gptq-int4": "marlin_experts"}
+# pin backends named for a lane (auto refuses them: not bit-identical); the lane measures what they give
+PIN_BACKEND: dict[str, str] = {"gptq-int4": "marlin_experts", "awq-int4": "marlin_experts"}
 FP8_BLOCK = 128  # the checkpoint's weight block (both dimensions)
 GPTQ_GROUP = 128  # GPTQ group along the input dimension
 GPTQ_PACK = 8  # int4 values per int32
