@@ -381,3 +381,11 @@ def test_each_tier_computes_only_its_own_slots() -> None:
     cold_only = torch_ref.tier_rows(x, cold, cold_ids, out=nan.clone())
     assert torch.equal(torch.isnan(cold_only).all(-1), cold_ids < 0)
     assert not torch.isnan(hot_only[hot_ids >= 0]).any() and not torch.isnan(cold_only[cold_ids >= 0]).any()
+
+
+def test_the_layer_builder_refuses_a_kind_it_does_not_build() -> None:
+    """The reference reads more kinds than this builder writes (the 4-bit ones have builders in
+    test_backends_4bit_ref.py): asking it for one must fail, not hand back a layer in another format."""
+    for kind in ("mxfp4", "nvfp4", "int4_awq"):
+        with pytest.raises(ValueError, match=f"got '{kind}'"):
+            quant.quantized_layer(kind, 4, 64, 64, seed=0)
