@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pinsidecar_hook.backends import BackendUnavailable, load_backend, select_backend
+from pinsidecar_hook.backends.base import GUARANTEES
 from pinsidecar_hook.backends.refused import KNOWN_UNSPLIT, advice
 from pinsidecar_hook.contract.backends import BACKENDS
 
@@ -31,7 +32,7 @@ def test_a_known_unsplit_class_is_refused_with_its_formats_and_the_flag(name: st
 
 def test_the_flags_that_give_tritonexperts_point_at_the_bitwise_backend() -> None:
     triton = load_backend("triton_experts")
-    assert triton.BIT_IDENTICAL and triton.AUTO
+    assert triton.GUARANTEE == "bitwise" and triton.AUTO
     for name, known in KNOWN_UNSPLIT.items():
         if known.flag == "--moe-backend triton":
             assert "TritonExperts, split bit-identical by triton_experts" in known.gives, name
@@ -49,5 +50,7 @@ def test_auto_picks_bitwise_backends_and_the_cpu_engines_placement_invariant_one
     (named here, so a second exception is a decision, not an accident)."""
     for entry in BACKENDS:
         cls = load_backend(entry.name)
-        if cls.AUTO and not cls.BIT_IDENTICAL:
-            assert entry.name == "cpu", f"auto may pick {entry.name}, which is not bit-identical"
+        assert cls.GUARANTEE in GUARANTEES, entry.name
+        if cls.AUTO and cls.GUARANTEE != "bitwise":
+            assert (entry.name, cls.GUARANTEE) == ("cpu", "placement-invariant"), \
+                f"auto may pick {entry.name}, which guarantees {cls.GUARANTEE}"

@@ -299,7 +299,11 @@ def test_status_says_when_the_split_backend_is_unverified() -> None:
     assert "18800640 bytes per expert" in text
     assert "self-check 358/360 cases bitwise equal over 40 layers, 2 MISMATCHED" in text
     st["pin"] = {"backend": "triton_experts", "backend_verified": True, "selfcheck": None}
-    assert "split    triton_experts (verified)" in _fmt_status(st)
+    assert "split    triton_experts (verified)" in _fmt_status(st)  # stats written before the guarantee was
+    st["pin"]["backend_guarantee"] = "bitwise"
+    assert "split    triton_experts (bitwise, verified)" in _fmt_status(st)
+    st["pin"] = {"backend": "cpu", "backend_verified": True, "backend_guarantee": "placement-invariant"}
+    assert "split    cpu (placement-invariant, verified)" in _fmt_status(st)
     assert "split" not in _fmt_status({**st, "pin": None})
 
 

@@ -383,6 +383,7 @@ def test_selfcheck_runs_in_the_engine_and_lists_every_tensor(pin_engines: dict[s
     assert sc["layers"] == 4 and sc["cases"] == 4 * len(sc["tokens"]) * len(KINDS)
     assert 0 <= sc["equal"] <= sc["cases"] and sc["equal"] + sc["mismatch_count"] == sc["cases"]
     assert meta["backend"] == "cpu" and meta["backend_verified"] is True and meta["expert_bytes"] > 0
+    assert meta["backend_guarantee"] == "placement-invariant"
     log = Path(skew["log"]).read_text(errors="replace")
     assert "pinsidecar pin selfcheck: " in log
     assert "layer 0 tensors: w13_weight [64x" in log and ": split" in log

@@ -225,6 +225,7 @@ class PinState:
             histogram=hist if self.cfg.histogram else None, errors=dict(info.errors), flush_token=info.flush_token,
             meta={"map_path": str(self.map_path or ""), "map_changed_on_disk": self.check_map_file(),
                   "backend": self.backend, "backend_verified": self.summary.get("backend_verified", True),
+                  "backend_guarantee": self.summary.get("backend_guarantee"),
                   "tp_size": self.tp_size, "expert_bytes": self.summary.get("expert_bytes", 0),
                   **({"selfcheck": self.summary["selfcheck"]} if "selfcheck" in self.summary else {}),
                   "peak_extra_bytes": self.summary["peak_extra_total_bytes"],
@@ -434,7 +435,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
              "; ".join(f.describe() for f in facts.first_fates))
     names_by_layer = facts.names_by_layer
     checker = SelfCheck(vllm_config=getattr(worker, "vllm_config", None),
-                        expected_equal=backend.BIT_IDENTICAL) if cfg.selfcheck else None
+                        expected_equal=backend.GUARANTEE == "bitwise") if cfg.selfcheck else None
 
     ledger = MemoryLedger()
     pins: list[LayerPin] = []
@@ -487,25 +488,27 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         "tier_bytes": {"hbm": hbm, "host": host},
         "predicted_cold_rate": emap.predicted_cold_rate,
         "peak_extra_bytes": dict(ledger.peak), "peak_extra_total_bytes": ledger.peak_total,
-        "backend_verified": backend.VERIFIED,
+        "backend_verified": backend.VERIFIED, "backend_guarantee": backend.GUARANTEE,
         "expert_bytes": facts.expert_bytes,
         "tensors": [f.describe() for f in facts.first_fates],
     }
     if checker is not None:
         summary["selfcheck"] = checker.summary()
         sc = summary["selfcheck"]
-        bad = sc.get("errors") or (sc.get("mismatch_count") and backend.BIT_IDENTICAL)
-        design = "" if backend.BIT_IDENTICAL else (f" (the {backend_name} backend is placement-invariant by design, "
-                                                   "not bit-identical to the unsplit kernel)")
+        bad = sc.get("errors") or (sc.get("mismatch_count") and backend.GUARANTEE == "bitwise")
+        design = "" if backend.GUARANTEE == "bitwise" else (
+            f" (the {backend_name} backend guarantees {backend.GUARANTEE}, not bit identity to the unsplit kernel)")
         (log.error if bad else log.info)(
             "pinsidecar pin selfcheck: %s",
             f"{sc['equal']}/{sc['cases']} cases bitwise equal to vLLM's unsplit call over {sc['layers']} layers"
             f"{design}{'; mismatches: ' + str(sc['mismatches'][:3]) if sc.get('mismatch_count') else ''}"
             f"{'; errors: ' + str(sc['errors'][:2]) if sc.get('errors') else ''}")
     log.info(
-        "pinsidecar pin: map %s (%s, hash %s) on rank %d/%d via %s backend: %d layers, %d hot + %d cold rows/layer, "
+        "pinsidecar pin: map %s (%s, hash %s) on rank %d/%d via %s backend (%s): %d layers, %d hot + %d cold "
+        "rows/layer, "
         "hot %.1f MiB, cold %.1f MiB, predicted cold rate %s, peak extra while re-homing %.1f MiB",
-        cfg.map_path, emap.label or "-", emap.short_hash, rank, tp_size, backend_name, len(pins), emap.hot_rows,
+        cfg.map_path, emap.label or "-", emap.short_hash, rank, tp_size, backend_name, backend.GUARANTEE, len(pins),
+        emap.hot_rows,
         emap.cold_rows, hbm / 2**20, host / 2**20,
         "n/a" if emap.predicted_cold_rate is None else f"{emap.predicted_cold_rate:.4f}", ledger.peak_total / 2**20,
     )

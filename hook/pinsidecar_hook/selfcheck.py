@@ -15,8 +15,8 @@ sorted-A down projection). Sizes above the engine's ``max_num_batched_tokens`` a
 the engine never makes such a call. After re-homing and installing the split, the same cases run again and the
 outputs are compared with ``torch.equal``. The counters the split bumps meanwhile are zeroed at engine-ready with
 the warm-up's. A backend that is not bit-identical by design (the CPU kernel reduces inside;
-``SplitBackend.BIT_IDENTICAL``) is still run and reported, with ``expected_equal: false``: a difference there is
-not an error.
+``SplitBackend.GUARANTEE`` other than "bitwise") is still run and reported, with ``expected_equal: false``: a
+difference there is not an error.
 
 Cost, at boot only. Per layer 18 cases, each run three times (two unsplit, one split). The prefill cases dominate:
 at 4096 tokens nearly every expert of a layer is read, the unsplit call from HBM and the split's cold tier from host

@@ -107,7 +107,8 @@ def _fmt_status(st: dict[str, Any]) -> str:
     if p and p.get("backend"):
         verified = "verified" if p.get("backend_verified") else (
             "UNVERIFIED: this backend has not run on hardware against vLLM's unsplit kernel")
-        lines.append(f"split    {p['backend']} ({verified})"
+        guarantee = f"{p['backend_guarantee']}, " if p.get("backend_guarantee") else ""
+        lines.append(f"split    {p['backend']} ({guarantee}{verified})"
                      + (f", {p['expert_bytes']} bytes per expert" if p.get("expert_bytes") else "")
                      + (" per rank" if p.get("expert_bytes") and (p.get("tp_size") or 1) > 1 else ""))
         if (p.get("tp_size") or 1) > 1:

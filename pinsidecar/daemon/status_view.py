@@ -100,6 +100,7 @@ def pin_status(stats_path: Path | None, hook_mode: str) -> dict[str, Any] | None
     # Rank 0 writes the stats; under tensor parallel every rank holds an equal shard of every expert, and
     # routing (so every count) is the same on all of them.
     return {"backend": meta.get("backend"), "backend_verified": bool(meta.get("backend_verified", True)),
+            "backend_guarantee": meta.get("backend_guarantee"),
             "expert_bytes": meta.get("expert_bytes"), "tier_bytes": tiers, "tp_size": ranks,
             "lane_tier_bytes": {k: v * ranks for k, v in tiers.items()}, "selfcheck": meta.get("selfcheck"),
             "cache": cache_status(snap)}

@@ -189,6 +189,10 @@ _BACKENDS: weakref.WeakValueDictionary[int, SplitBackend] = weakref.WeakValueDic
 _KEYS = itertools.count()
 
 
+# What a split backend may promise (SplitBackend.GUARANTEE), strongest first.
+GUARANTEES = ("bitwise", "placement-invariant", "none")
+
+
 class SplitBackend(abc.ABC):
     """One layer's split invoke (module docstring). A kernel family sets the class attributes and implements
     :meth:`supports`, :meth:`run_tier` and :meth:`choose_reducer`; the registry
@@ -207,9 +211,11 @@ class SplitBackend(abc.ABC):
     VERIFIED: ClassVar[bool] = True
     # May ``auto`` pick it? A reference (torch_ref) or an adapter that never ran (FlashInfer) may not.
     AUTO: ClassVar[bool] = True
-    # Equal to the unsplit kernel bit for bit (what the self-check compares). The CPU kernel reduces inside, so
-    # its split guarantees placement invariance instead (backends/cpu.py).
-    BIT_IDENTICAL: ClassVar[bool] = True
+    # What the split promises against vLLM's unsplit call of the same layer (GUARANTEES): "bitwise", equal bit
+    # for bit (what the self-check expects); "placement-invariant", every row map gives the same bits, but not
+    # vLLM's (the CPU kernel reduces inside itself, backends/cpu.py; the torch reference); "none", it runs but was
+    # measured to differ (Marlin). VERIFIED says whether it was shown on the hardware it targets.
+    GUARANTEE: ClassVar[str] = "bitwise"
     # Runs the cache tier (pinsidecar_hook.cache): the partition stage steps the cache before the tiers, treating
     # the slots as HBM rows, and the cache counts the misses. A map with cache slots is refused on a backend
     # without it.

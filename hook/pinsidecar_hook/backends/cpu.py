@@ -179,7 +179,7 @@ class CpuSplit(SplitBackend):
 
     NAME = "cpu"
     SPLIT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
-    BIT_IDENTICAL = False  # placement invariance (module docstring)
+    GUARANTEE = "placement-invariant"  # (module docstring)
     CACHE = True  # a slot is one more hot row: placement invariance makes a cached step's bits the uncached ones
 
     @classmethod

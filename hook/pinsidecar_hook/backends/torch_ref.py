@@ -502,14 +502,14 @@ class TorchRefSplit(SplitBackend):
     The weights vLLM passes (the layer's parameters, which now hold only the hot rows) and its ``expert_map`` are
     ignored: the row map already sends other ranks' experts to -1. Only SiLU-and-mul with the router weight
     applied after the experts, on unquantized activations, is supported; anything else is refused at the call.
-    It is bit-identical to *its own* unsplit call, not to vLLM's kernel (``BIT_IDENTICAL = False``)."""
+    It is bit-identical to *its own* unsplit call, not to vLLM's kernel (``GUARANTEE = "placement-invariant"``)."""
 
     NAME = "torch_ref"
     SPLIT_TENSORS = SPLIT_TENSORS
     REQUIRED_TENSORS = REQUIRED_TENSORS
     SHARED_TENSORS = tuple(DEQUANT_SHARED_TENSORS)
     AUTO = False
-    BIT_IDENTICAL = False
+    GUARANTEE = "placement-invariant"
 
     @classmethod
     def supports(cls, experts: Any, device: torch.device) -> str | None:
