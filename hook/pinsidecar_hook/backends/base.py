@@ -41,7 +41,7 @@ import abc
 import dataclasses
 import itertools
 import weakref
-from typing import Any, ClassVar, Protocol, final
+from typing import Any, ClassVar, Literal, Protocol, final, get_args
 
 import torch
 
@@ -190,7 +190,8 @@ _KEYS = itertools.count()
 
 
 # What a split backend may promise (SplitBackend.GUARANTEE), strongest first.
-GUARANTEES = ("bitwise", "placement-invariant", "none")
+Guarantee = Literal["bitwise", "placement-invariant", "none"]
+GUARANTEES: tuple[str, ...] = get_args(Guarantee)
 
 
 class SplitBackend(abc.ABC):
@@ -215,7 +216,7 @@ class SplitBackend(abc.ABC):
     # for bit (what the self-check expects); "placement-invariant", every row map gives the same bits, but not
     # vLLM's (the CPU kernel reduces inside itself, backends/cpu.py; the torch reference); "none", it runs but was
     # measured to differ (Marlin). VERIFIED says whether it was shown on the hardware it targets.
-    GUARANTEE: ClassVar[str] = "bitwise"
+    GUARANTEE: ClassVar[Guarantee] = "bitwise"
     # Runs the cache tier (pinsidecar_hook.cache): the partition stage steps the cache before the tiers, treating
     # the slots as HBM rows, and the cache counts the misses. A map with cache slots is refused on a backend
     # without it.

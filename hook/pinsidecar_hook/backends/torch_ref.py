@@ -115,8 +115,6 @@ REQUIRED_TENSORS: tuple[str, ...] = ()
 OVERLAP_DEFAULT = True
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 _UNQUANTIZED = QuantScheme()
-# The experts' activations, by vLLM's MoEActivation value (fused_moe/activation.py:26, 34).
-ACTIVATIONS = ("silu", "swigluoai")
 # gpt-oss's SwiGLU constants: vLLM's SwigluOAIAndMul defaults (model_executor/layers/activation.py:481) and the
 # gemm1_alpha / gemm1_beta (the "+ 1") / swiglu_limit its mxfp4 method passes (quantization/mxfp4.py:430-432).
 SWIGLUOAI_ALPHA = 1.702
@@ -134,7 +132,9 @@ def swigluoai_and_mul(h: torch.Tensor) -> torch.Tensor:
     return ((up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))).to(h.dtype)
 
 
+# The experts' activations, by vLLM's MoEActivation value (fused_moe/activation.py:26, 34).
 _ACTIVATE = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul}
+ACTIVATIONS = tuple(_ACTIVATE)
 
 
 def _check_activation(activation: str) -> str:

@@ -354,13 +354,18 @@ def _weight_scheme(tensors: Mapping[str, torch.Tensor], family: str, block_shape
     return QuantScheme(kind, bias=bias, shared=shared)
 
 
-def _int4_scheme(tensors: Mapping[str, torch.Tensor], present: set[str], bias: bool,
-                 shared: tuple[str, ...]) -> QuantScheme:
+def _expect_qweights(tensors: Mapping[str, torch.Tensor], layout: str, fmt: str) -> None:
+    """Both sides' packed int4 ``{side}_qweight`` are 3-d int32 in ``fmt``'s checkpoint ``layout``."""
     for name in ("w13_qweight", "w2_qweight"):
         t = tensors[name]
         if t.dim() != 3 or t.dtype != torch.int32:
-            raise ValueError(f"{_describe(name, t)}: expected int32 [E, K/8, N] (GPTQ checkpoint layout, not "
+            raise ValueError(f"{_describe(name, t)}: expected int32 {layout} ({fmt} checkpoint layout, not "
                              "Marlin's repacked one)")
+
+
+def _int4_scheme(tensors: Mapping[str, torch.Tensor], present: set[str], bias: bool,
+                 shared: tuple[str, ...]) -> QuantScheme:
+    _expect_qweights(tensors, "[E, K/8, N]", "GPTQ")
     e, k8, n13 = tensors["w13_qweight"].shape
     h = k8 * _NIBBLES
     if n13 % 2:
@@ -452,11 +457,7 @@ def _fp4_scheme(tensors: Mapping[str, torch.Tensor], kind: str, bias: bool,
 def _awq_scheme(tensors: Mapping[str, torch.Tensor], bias: bool, shared: tuple[str, ...]) -> QuantScheme:
     """AWQ: ``qweight [E, K, N/8]`` and ``qzeros [E, K/g, N/8]`` packed along the output dim, ``scales [E, K/g,
     N]``, ``w13`` with ``K = H, N = 2I`` and ``w2`` with ``K = I, N = H``."""
-    for name in ("w13_qweight", "w2_qweight"):
-        t = tensors[name]
-        if t.dim() != 3 or t.dtype != torch.int32:
-            raise ValueError(f"{_describe(name, t)}: expected int32 [E, K, N/8] (AWQ checkpoint layout, not "
-                             "Marlin's repacked one)")
+    _expect_qweights(tensors, "[E, K, N/8]", "AWQ")
     e, h, n8 = tensors["w13_qweight"].shape
     n13 = n8 * _NIBBLES
     i = n13 // 2

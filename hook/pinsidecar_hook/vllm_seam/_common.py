@@ -54,6 +54,7 @@ __all__ = [
     "MoELayerRef",
     "accelerator_view",
     "bind_router_capture",
+    "forward_context",
     "install_split",
     "max_batched_tokens",
     "model_info",
@@ -409,6 +410,17 @@ def install_split(geometry: MoEGeometry, split: Any) -> None:
     experts._pinsidecar_split = split
 
 
+def forward_context(vllm_config: Any) -> AbstractContextManager[Any]:
+    """vLLM's forward context for a layer call outside a model forward (the self-checks at attach): some kernels
+    read it. A null context without a config, or where this vLLM has none."""
+    if vllm_config is not None:
+        with contextlib.suppress(ImportError):
+            from vllm.forward_context import set_forward_context
+
+            return set_forward_context(None, vllm_config)
+    return contextlib.nullcontext()
+
+
 def run_layer_experts(geometry: MoEGeometry, x: Any, topk_weights: Any, topk_ids: Any,
                       vllm_config: Any = None) -> Any:
     """One forward of this layer's experts on given routing, through the layer's quant method, the way the engine
@@ -426,13 +438,7 @@ def run_layer_experts(geometry: MoEGeometry, x: Any, topk_weights: Any, topk_ids
     for name in ("shared_experts", "shared_experts_input"):
         if name in params:
             kwargs[name] = None
-    ctx: AbstractContextManager[Any] = contextlib.nullcontext()
-    if vllm_config is not None:
-        with contextlib.suppress(ImportError):
-            from vllm.forward_context import set_forward_context
-
-            ctx = set_forward_context(None, vllm_config)
-    with torch.inference_mode(), ctx:
+    with torch.inference_mode(), forward_context(vllm_config):
         out = method.apply(owner, x, topk_weights, topk_ids, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     if not isinstance(out, torch.Tensor):  # 0.34: UnfinalizedMoEOutput, the top-k reduction left to a consumer

@@ -30,7 +30,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from pinsidecar_hook.vllm_seam._common import PINSIDECAR_CLASS, MoEGeometry, vllm_class
+from pinsidecar_hook.vllm_seam._common import PINSIDECAR_CLASS, MoEGeometry, forward_context, vllm_class
 
 __all__ = ["MODULAR_FLAG", "bind_monolithic_capture", "check_probe", "monolithic_capture_problem", "register_probe",
            "routing_probe"]
@@ -115,24 +115,23 @@ def _count_class(cls: type) -> type:
         # modular_kernel calls apply by keyword (0.34: hidden_states=, w1=, w2=, router_logits=, ...)
         logits = kwargs["router_logits"] if "router_logits" in kwargs else args[3]
         self._pinsidecar_capture(self._pinsidecar_probe(self, logits))
-        return super(cls_, self).apply(*args, **kwargs)
+        return cls.apply(self, *args, **kwargs)
 
-    cls_ = type(f"PinCount{cls.__name__}", (cls,), {
+    return type(f"PinCount{cls.__name__}", (cls,), {
         "apply": apply, "__doc__": f"vLLM's {cls.__name__}, its routing counted beside it (pinsidecar)",
         PINSIDECAR_CLASS: True})
-    return cls_
 
 
 def bind_monolithic_capture(geometry: MoEGeometry,
                             make_capture: Callable[[Callable[[Any], None] | None], Callable[[Any], None]]) -> None:
     """Make this monolithic layer hand its top-k ids to ``make_capture(None)`` on every call (the counterpart of
     :func:`~pinsidecar_hook.vllm_seam.bind_router_capture`); :func:`monolithic_capture_problem` must be None."""
+    problem = monolithic_capture_problem(geometry)
+    if problem is not None:
+        raise RuntimeError(problem)
     experts = geometry.experts
-    probe = routing_probe(experts)
-    if probe is None or monolithic_capture_problem(geometry) is not None:
-        raise RuntimeError(monolithic_capture_problem(geometry) or "no routing probe")
     experts.__class__ = _count_class(vllm_class(experts))
-    experts._pinsidecar_probe = probe
+    experts._pinsidecar_probe = routing_probe(experts)
     experts._pinsidecar_capture = make_capture(None)
 
 
@@ -140,8 +139,6 @@ def check_probe(geometry: MoEGeometry, x: Any, router_logits: Any, vllm_config: 
     """Prove the layer's probe on one batch: its monolithic call on ``router_logits`` against the same call with
     every expert the probe did not pick masked to ``-inf`` (see the module docstring). Returns ``{"tokens",
     "equal_rows", "bitwise"}``. Valid for renormalizing routing only (``experts.renormalize``)."""
-    import contextlib
-
     import torch
 
     owner = geometry.param_owner
@@ -152,13 +149,7 @@ def check_probe(geometry: MoEGeometry, x: Any, router_logits: Any, vllm_config: 
     if not getattr(experts, "renormalize", False):
         raise ValueError(f"{vllm_class(experts).__name__} routes softmax-first: masking the other experts would "
                          "change the weights, so this check does not apply")
-    ctx: Any = contextlib.nullcontext()
-    if vllm_config is not None:
-        with contextlib.suppress(ImportError):
-            from vllm.forward_context import set_forward_context
-
-            ctx = set_forward_context(None, vllm_config)
-    with torch.inference_mode(), ctx:
+    with torch.inference_mode(), forward_context(vllm_config):
         ids = probe(experts, router_logits).long()
         keep = torch.zeros_like(router_logits, dtype=torch.bool).scatter_(1, ids, True)
         masked = router_logits.masked_fill(~keep, float("-inf"))
