@@ -237,13 +237,19 @@ def test_a_hung_engine_is_noticed_in_bounded_time_its_stream_cut_with_an_error_a
     counters0 = _gate(lane)["counters"]
     body = {"model": "demo", "prompt": "def f(", "max_tokens": 2000, "stream": True, "ignore_eos": True}
     got: list[bytes] = []
+    # The engine core (the API server's child processes) is stopped before the request is sent: the API server
+    # still answers with the stream's headers, so the stream is open, and no token can be written before the hang.
+    # (Stopping the whole group once the headers came raced the tiny demo model, which writes 2000 tokens in a few
+    # seconds: on a loaded 2-core CI box the stream finished first.)
+    core = psutil.Process(pid).children(recursive=True)
+    assert core, "the engine has no core process to stop"
+    for p in core:
+        p.send_signal(signal.SIGSTOP)
     with Watcher(lane) as watcher, httpx.Client(timeout=BOOT_LIMIT_S) as c, \
             c.stream("POST", f"{lane.gate_url}/v1/completions", json=body) as resp:
-        assert resp.status_code == 200  # the stream runs: headers come with the first token
-        # Stopped at once: on an idle box the tiny demo model writes all 2000 tokens in a few seconds, so waiting
-        # for the client to read a chunk first can let the whole stream finish before the hang begins.
+        assert resp.status_code == 200  # the stream is open: the API server sent its headers
         t0 = time.monotonic()
-        os.killpg(pid, signal.SIGSTOP)
+        os.killpg(pid, signal.SIGSTOP)  # now the API server too: health checks go unanswered, a real hang
         chunks = resp.iter_raw()
         try:
             for chunk in chunks:
