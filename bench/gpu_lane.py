@@ -122,7 +122,9 @@ CHECKPOINT_QUANT: dict[str, str | None] = {"bf16": None, "fp8-block": "fp8-block
 QUANT_ENGINE_ARGS: dict[str, list[str]] = {"bf16": [], "fp8-block": [], "fp8-online": ["--quantization", "fp8"],
                                            "gptq-int4": [], "mxfp4": [], "nvfp4": [], "awq-int4": []}
 # pin backends named for a lane (auto refuses them: not bit-identical); the lane measures what they give
-PIN_BACKEND: dict[str, str] = {"gptq-int4": "marlin_experts", "awq-int4": "marlin_experts"}
+# (mxfp4: oai_triton, which splits the engine only when booted with --moe-backend triton_unfused, GPU_LANE_VLLM_ARGS;
+# the default monolithic kernel is refused at attach, naming that flag)
+PIN_BACKEND: dict[str, str] = {"gptq-int4": "marlin_experts", "awq-int4": "marlin_experts", "mxfp4": "oai_triton"}
 FP8_BLOCK = 128  # the checkpoint's weight block (both dimensions)
 GPTQ_GROUP = 128  # GPTQ group along the input dimension
 GPTQ_PACK = 8  # int4 values per int32

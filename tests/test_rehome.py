@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pinsidecar_hook.contract import placement_row_map
-from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, rehome_layer, tensor_bytes
+from pinsidecar_hook.rehome import MemoryLedger, expert_tensor_names, memory_order, rehome_layer, tensor_bytes
 
 E = 8
 
@@ -57,6 +57,27 @@ def test_rehome_replaces_the_original_storage() -> None:
     rehome_layer(layer, ["w13_weight"], [0, 1], list(range(2, E)), MemoryLedger())
     assert layer.w13_weight.data_ptr() != ptr_before
     assert all(t.data_ptr() != ptr_before for t in layer.parameters())
+
+
+@pytest.mark.parametrize("slots", [0, 2])
+def test_rows_keep_the_tensors_memory_order(slots: int) -> None:
+    """A kernel may read a per-expert tensor through a transposed view by its strides (triton_kernels keeps the
+    swizzled MXFP4 weights as ``data.mT``): each tier keeps that memory order, so the same strides address it."""
+    layer = FakeExperts()
+    stored = torch.arange(E * 3 * 5, dtype=torch.float32).view(E, 3, 5)
+    layer.w13_weight = torch.nn.Parameter(stored.transpose(1, 2), requires_grad=False)  # [E, 5, 3], strides (15, 1, 5)
+    full = layer.w13_weight.detach().clone()
+    assert memory_order(layer.w13_weight) == (0, 2, 1)
+    hot, cold = [5, 0, 3], [7, 1, 2, 4, 6]
+    out = rehome_layer(layer, ["w13_weight"], hot, cold, MemoryLedger(), slot_rows=slots)
+    for tier, rows in ((out.hot, hot), (out.cold, cold), (out.cold_host, cold)):
+        t = tier["w13_weight"]
+        assert t.shape[1:] == (5, 3) and t.stride()[1:] == (1, 5), t.stride()  # the original's inner strides
+        assert torch.equal(t[: len(rows)], full[rows])
+    assert out.hot["w13_weight"].shape[0] == len(hot) + slots
+    assert memory_order(layer.w2_weight) == (0, 1, 2)  # contiguous: copied as before
+    broadcast = torch.zeros(3, 1).expand(3, 4)  # not dense: copied contiguous rather than guessed at
+    assert memory_order(broadcast) == (0, 1)
 
 
 @pytest.mark.parametrize("hot_count", [0, 3, E])

@@ -28,7 +28,7 @@ import torch
 from pinsidecar_hook import vllm_seam
 
 __all__ = ["TIERS", "MemoryLedger", "RehomedLayer", "TensorFate", "device_view_of_pinned", "expert_tensor_names",
-           "plan_layer_tensors", "rehome_layer", "tensor_bytes"]
+           "memory_order", "plan_layer_tensors", "rehome_layer", "tensor_bytes"]
 
 # The two residency tiers, by the names the stats file uses for their byte counts.
 TIERS = ("hbm", "host")
@@ -135,6 +135,18 @@ class RehomedLayer:
     cold_bytes: int
 
 
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The order of ``t``'s dimensions from outermost to innermost in memory, the expert dimension first: the
+    permutation that makes it contiguous. The identity for a contiguous tensor, and for any tensor whose expert
+    dimension is not outermost or that is not dense (such a tensor is copied contiguous, as before)."""
+    identity = tuple(range(t.dim()))
+    if t.dim() < 2 or t.is_contiguous():
+        return identity
+    inner = sorted(range(1, t.dim()), key=lambda d: (-t.stride(d), d))
+    order = (0, *inner)
+    return order if t.permute(order).is_contiguous() else identity
+
+
 def device_view_of_pinned(host: torch.Tensor) -> torch.Tensor:
     """A CUDA tensor that reads the pinned host tensor ``host`` in place, over the bus (zero-copy): the one device
     view of pinned memory, used by re-homing in production and by the GPU tests and benchmark.
@@ -196,23 +208,29 @@ def rehome_layer(
         original = getattr(owner, name)
         data = original.data if isinstance(original, torch.nn.Parameter) else original
         original_bytes = tensor_bytes(data)
+        # Rows are copied in the tensor's own memory order (a kernel may read a transposed view by its strides:
+        # triton_kernels' swizzled MXFP4 weights), then shown in its logical order again.
+        order = memory_order(data)
+        back = tuple(order.index(d) for d in range(len(order)))
+        src = data.permute(order)
         # cold rows -> host (pinned on CUDA, so the device can read them in place)
-        host = torch.empty((len(cold_local), *data.shape[1:]), dtype=data.dtype, device="cpu", pin_memory=on_cuda)
-        host.copy_(data.index_select(0, cold_idx))
+        host = torch.empty((len(cold_local), *src.shape[1:]), dtype=data.dtype, device="cpu", pin_memory=on_cuda)
+        host.copy_(src.index_select(0, cold_idx))
         if on_cuda:  # give the staging copy's segment back now, or the next allocation splits it and strands it
             torch.cuda.empty_cache()
         ledger.alloc("host", tensor_bytes(host))
         if on_cuda:
-            view = device_view_of_pinned(host)
+            view = device_view_of_pinned(host).permute(back)
             view._vllm_is_uva_offloaded = True  # type: ignore[attr-defined]
         else:
-            view = host
+            view = host.permute(back)
         # hot rows -> a fresh tensor on the layer's device
         if slot_rows:  # one allocation: the hot rows, then the slots
-            hot_t = data.new_zeros((len(hot_local) + slot_rows, *data.shape[1:]))
-            torch.index_select(data, 0, hot_idx, out=hot_t[: len(hot_local)])
+            hot_t = src.new_zeros((len(hot_local) + slot_rows, *src.shape[1:]))
+            torch.index_select(src, 0, hot_idx, out=hot_t[: len(hot_local)])
         else:
-            hot_t = data.index_select(0, hot_idx).contiguous()
+            hot_t = src.index_select(0, hot_idx).contiguous()
+        hot_t = hot_t.permute(back)
         ledger.alloc(hot_tier, tensor_bytes(hot_t))
         # the original goes: re-point the parameter (same object, so outside references follow) and drop ours
         if isinstance(original, torch.nn.Parameter):
@@ -226,7 +244,7 @@ def rehome_layer(
             torch.cuda.empty_cache()
         ledger.free(hot_tier, original_bytes)
         cold[name] = view
-        cold_host[name] = host
+        cold_host[name] = host.permute(back)
         hot_bytes += tensor_bytes(hot_t)
         cold_bytes += tensor_bytes(host)
     for alias, target in (aliases or {}).items():

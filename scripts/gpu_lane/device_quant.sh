@@ -140,6 +140,17 @@ if [ "${GPU_LANE_SPLIT_CHECK:-0}" = 1 ] && [ ! -f "$W0/split_check.done" ]; then
   # alone, and before this call's report.
 fi
 pytest_done() { [ -n "${PYTEST:-}" ] && { wait "$PYTEST"; tail -n 3 "$OUT/pytest_gpu.log"; PYTEST=""; }; return 0; }
+# (0b) With GPU_LANE_OAI_CHECK=1: the oai_triton split against vLLM's MXFP4 Triton kernels (unfused, fused and the
+# monolithic one), kernel by kernel (scripts/gpu_lane/oai_split_check.py): once per machine, beside the lanes.
+if [ "${GPU_LANE_OAI_CHECK:-0}" = 1 ] && [ ! -f "$W0/oai_check.done" ]; then
+  OAI_S=$(( $(left) - PACK_S )); [ "$OAI_S" -lt 420 ] || OAI_S=420; [ "$OAI_S" -ge 30 ] || OAI_S=30
+  ( timeout "$OAI_S" python3 scripts/gpu_lane/oai_split_check.py --out "$W0/oai_split_check.json" > "$OUT/oai_check.log" 2>&1
+    echo "oai_split_check rc=$?" >> "$OUT/oai_check.log"; cp "$W0/oai_split_check.json" "$OUT/" 2>/dev/null \
+      && touch "$W0/oai_check.done" ) &
+  OAI_CHECK=$!
+  echo "== oai_split_check started at $(at) (pid $OAI_CHECK)"
+fi
+oai_check_done() { [ -n "${OAI_CHECK:-}" ] && { wait "$OAI_CHECK"; tail -n 2 "$OUT/oai_check.log"; OAI_CHECK=""; }; return 0; }
 if [ "$PARALLEL" = 1 ]; then  # (1)-(3): every lane's model, count boot and maps, then its selfcheck and parity
   each build - --phases model || STATUS=3
   each count build --phases count,maps,report --sweep none || STATUS=3
@@ -155,11 +166,13 @@ fi
 for q in $SWEEP_QUANTS; do  # (4): each sweep lane's decode sweep, its placements interleaved, alone on the GPU
   [ $STATUS -eq 0 ] || break
   pytest_done
+  oai_check_done
   step "$q" sweep lane --phases engines,report --plan "$SWEEP_PLAN" --sweep all --reps "$REPS"
   [ "$(cat "$W0/$q/sweep.rc")" = 0 ] || STATUS=3
 done
 
 pytest_done
+oai_check_done
 echo "== every engine so far (at $(at)):"
 REPORTS=()
 for q in $QUANTS; do

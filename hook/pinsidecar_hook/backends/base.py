@@ -263,6 +263,13 @@ class SplitBackend(abc.ABC):
         Most families change nothing."""
         return None
 
+    @classmethod
+    def before_rehome(cls, experts: Any, owner: Any) -> None:
+        """Called once per layer just before its tensors are re-homed (after the self-check's reference call): drop
+        the references vLLM keeps to the original per-expert tensors besides the layer's parameters (a second
+        wrapper over the same storage), or re-homing cannot free them. Most families have none."""
+        return
+
     @abc.abstractmethod
     def choose_reducer(self) -> Reducer:
         """The reduce stage for this layer, chosen once (called at the end of the constructor)."""

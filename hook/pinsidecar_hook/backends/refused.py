@@ -28,14 +28,9 @@ class UnsplitClass:
 
 KNOWN_UNSPLIT: dict[str, UnsplitClass] = {
     "OAITritonMxfp4ExpertsMonolithic": UnsplitClass(
-        "MXFP4 (gpt-oss), routing inside the kernel", None,
-        "count mode counts it (a routing probe beside the kernel); `--moe-backend triton_unfused` gives the modular "
-        "UnfusedOAITritonExperts, which pinsidecar does not split yet"),
-    "OAITritonExperts": UnsplitClass(
-        "MXFP4 (gpt-oss) with expert parallel", None,
-        "count mode only; the OAI Triton kernel reduces the top-k inside its scatter, not split yet"),
-    "UnfusedOAITritonExperts": UnsplitClass(
-        "MXFP4 (gpt-oss), --moe-backend triton_unfused", None, "count mode only; not split yet"),
+        "MXFP4 (gpt-oss), routing inside the kernel", "--moe-backend triton_unfused",
+        "the modular UnfusedOAITritonExperts, split bit-identical (to that class) by oai_triton; its activation is "
+        "an op of its own, so its output is not bit-equal to this monolithic kernel's. Count mode counts either"),
     "HummingIndexedExperts": UnsplitClass(
         "GPTQ/AWQ int4 and NVFP4 on SM90 (prioritize_humming)", "--moe-backend marlin",
         "MarlinExperts for int4 (split by the marlin_experts backend, not bit-identical: PINSIDECAR_PIN_BACKEND="

@@ -17,13 +17,14 @@ What is here, by room:
   :func:`vllm_class`, :func:`vllm_version`). All monkeypatching of vLLM is there, in one module;
 - one module per kernel family, for its backend: :mod:`~pinsidecar_hook.vllm_seam.triton` (``TritonExperts``),
   :mod:`~pinsidecar_hook.vllm_seam.marlin` (``MarlinExperts``), :mod:`~pinsidecar_hook.vllm_seam.flashinfer`
-  (FlashInfer's TRT-LLM MXFP4 experts), :mod:`~pinsidecar_hook.vllm_seam.cpu` (the CPU engine's
+  (FlashInfer's TRT-LLM MXFP4 experts), :mod:`~pinsidecar_hook.vllm_seam.oai_triton` (gpt-oss's modular MXFP4
+  Triton experts), :mod:`~pinsidecar_hook.vllm_seam.cpu` (the CPU engine's
   ``cpu_fused_moe``), and :mod:`~pinsidecar_hook.vllm_seam.monolithic` (count mode's routing probes for kernels
   that route inside themselves, gpt-oss's MXFP4 Triton kernel). Each says which vLLM versions it was read against
   and tells them apart by vLLM's own code (a signature, a function that exists), not by the version string.
 """
 
-from pinsidecar_hook.vllm_seam import cpu, flashinfer, marlin, monolithic, triton
+from pinsidecar_hook.vllm_seam import cpu, flashinfer, marlin, monolithic, oai_triton, triton
 from pinsidecar_hook.vllm_seam._common import (
     PINSIDECAR_CLASS,
     MoEGeometry,
@@ -62,6 +63,7 @@ __all__ = [
     "moe_geometry",
     "moe_layers",
     "monolithic",
+    "oai_triton",
     "patch_workers",
     "real_token_count",
     "router_capture_supported",

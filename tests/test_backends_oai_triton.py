@@ -1,0 +1,252 @@
+"""The ``oai_triton`` backend (gpt-oss MXFP4 through vLLM's modular OAI Triton experts), on the CPU.
+
+The kernels are triton_kernels' ``matmul_ogs`` on a GPU; here they are **named fakes**, kept thin:
+``fake_tier_rows`` computes each slot's router-weighted row in fp32 from per-expert dense weights (the arithmetic the
+split must reproduce per row), ``fake_masked_moe_sum`` is vLLM's ``masked_moe_sum`` in torch (fp32 from 0, slot
+order, ``-1`` skipped, one cast), and ``FakeTensor``/``FakeStorage`` have the fields of triton_kernels' ``Tensor`` and
+``Storage`` that the seam touches. What is real: the backend's stages (partition, tier calls, merge, reduce), the
+tier tensors it builds, the pinning of ``matmul_ogs``'s tiling to the unsplit expert count, and the release of vLLM's
+second references before re-homing. The bit identity against vLLM's own kernel is the GPU lane's in-engine
+self-check (``docs/backends.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+from pinsidecar_hook.backends import select_backend
+from pinsidecar_hook.backends.base import Tier
+from pinsidecar_hook.backends.oai_triton import OAIRows, OAITritonSplit
+from pinsidecar_hook.vllm_seam import oai_triton
+
+from pinsidecar.testing import moe
+
+E, HIDDEN, INTER, TOP_K = 12, 32, 16, 4
+
+
+@dataclasses.dataclass
+class FakeStorage:
+    """triton_kernels' ``Storage``: the data and its layout (a fake: the fields the seam reads)."""
+
+    data: torch.Tensor
+    layout: Any = None
+
+
+@dataclasses.dataclass
+class FakeTensor:
+    """triton_kernels' ``Tensor``: storage, dtype, logical shape and its bound (a fake)."""
+
+    storage: FakeStorage
+    dtype: Any = "fp4"
+    shape: list[int] | None = None
+    shape_max: list[int] | None = None
+
+
+def fake_tier_rows(form: str, *, hidden_states: torch.Tensor, w1: Any, w2: Any, w1_precision: Any,
+                   w2_precision: Any, w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                   topk_weights: torch.Tensor, tier_ids: torch.Tensor, num_experts: int, activation: Any,
+                   activation_fn: Any, apply_router_weight_on_input: bool) -> torch.Tensor:
+    """A named fake of :func:`oai_triton.tier_rows`: each slot's row ``w * (silu(x W1g) * (x W1u) + b) W2 + b2`` of
+    its tier-local expert, in fp32 then bf16, zero for another tier's slot. The weights come through the tier
+    tensors the backend built (their storage data), scaled by the tier's per-expert block scale."""
+    w13 = w1.storage.data.float() * w1_precision.weight_scale.storage.data.float()[:, None, None]
+    w2_ = w2.storage.data.float() * w2_precision.weight_scale.storage.data.float()[:, None, None]
+    tokens, k = tier_ids.shape
+    rows = torch.zeros(tokens, k, hidden_states.shape[1], dtype=torch.bfloat16)
+    x = hidden_states.float()
+    for t in range(tokens):
+        for j in range(k):
+            e = int(tier_ids[t, j])
+            if e < 0:
+                continue
+            h = x[t] @ w13[e] + w1_bias[e]
+            act = torch.nn.functional.silu(h[:INTER]) * h[INTER:]
+            rows[t, j] = (float(topk_weights[t, j]) * (act @ w2_[e] + w2_bias[e])).to(torch.bfloat16)
+    return rows
+
+
+def fake_masked_moe_sum(rows: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """vLLM's ``masked_moe_sum`` in torch (a named fake of the Triton kernel)."""
+    acc = torch.zeros(out.shape, dtype=torch.float32)
+    for j in range(rows.shape[1]):
+        acc += torch.where((ids[:, j] >= 0).unsqueeze(1), rows[:, j].float(), torch.zeros(()))
+    out.copy_(acc.to(out.dtype))
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, HIDDEN, 2 * INTER, generator=g) / 4).to(torch.bfloat16)
+    w2 = (torch.randn(E, INTER, HIDDEN, generator=g) / 4).to(torch.bfloat16)
+    return {
+        # stored transposed, as triton_kernels keeps a swizzled view: re-homing must keep that memory order
+        "w13_weight": w13.transpose(1, 2).contiguous().transpose(1, 2),
+        "w2_weight": w2,
+        "w13_weight_scale": torch.rand(E, generator=g) + 0.5,
+        "w2_weight_scale": torch.rand(E, generator=g) + 0.5,
+        "w13_bias": torch.randn(E, 2 * INTER, generator=g),
+        "w2_bias": torch.randn(E, HIDDEN, generator=g),
+    }
+
+
+class _Layer:
+    """The pin state a backend is given (SplitLayer), its tiers cut by the test's stand-in for re-homing."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> None:
+        self.row_map, self.hot_rows = row_map, hot_rows
+        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
+        self.hot, self.cold = {}, {}
+        for name, t in tensors.items():
+            self.hot[name], self.cold[name] = moe.rehome_weights(t, row_map, hot_rows)
+        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
+        self.cold_counts = torch.zeros(1, dtype=torch.int64)
+        self.token_counts = torch.zeros(1, dtype=torch.int64)
+        self.cache, self.cache_slots = None, 0
+
+
+def _experts(tensors: dict[str, torch.Tensor]) -> Any:
+    """vLLM's experts object as the backend reads it: a quant config with both GEMMs' precision configs (their
+    weight scales triton_kernels tensors), and the weight templates ``before_rehome`` keeps."""
+    def precision(name: str) -> Any:
+        scale = tensors[f"{name}_weight_scale"]
+        return types.SimpleNamespace(weight_scale=FakeTensor(FakeStorage(scale, "scale-layout"), "u8",
+                                                             list(scale.shape), list(scale.shape)),
+                                     flex_ctx="flex")
+
+    qc = types.SimpleNamespace(w1_precision=precision("w13"), w2_precision=precision("w2"))
+    experts = types.SimpleNamespace(quant_config=qc, activation=None, _lora_context=None)
+    experts._pinsidecar_oai_templates = {
+        f"{n}_weight": FakeTensor(FakeStorage(torch.empty(0), f"{n}-value-layout"), "fp4",
+                                  list(tensors[f"{n}_weight"].shape), list(tensors[f"{n}_weight"].shape))
+        for n in ("w13", "w2")}
+    return experts
+
+
+@pytest.fixture
+def fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(oai_triton, "module", lambda: types.SimpleNamespace(masked_moe_sum=fake_masked_moe_sum))
+
+
+@pytest.mark.parametrize("cold_fraction", [0.0, 0.25, 0.5, 1.0])
+@pytest.mark.parametrize("adversarial", [False, True])
+def test_the_split_equals_the_unsplit_rows_and_counts(fake_module: None, cold_fraction: float,
+                                                      adversarial: bool) -> None:
+    g = torch.Generator().manual_seed(7)
+    tensors = _weights(1)
+    ids, weights, row_map, hot_rows = moe.routing_case(9, TOP_K, E, cold_fraction, adversarial, g)
+    x = torch.randn(9, HIDDEN, generator=g).to(torch.bfloat16)
+    # the unsplit call: every expert in one call, rows reduced by vLLM's masked sum
+    experts = _experts(tensors)
+    everything = OAITritonSplit._tier_args(Tier("all", tensors, E, 0), experts._pinsidecar_oai_templates,
+                                           experts.quant_config)
+    unsplit = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
+    fake_masked_moe_sum(fake_tier_rows("unfused", hidden_states=x, topk_weights=weights, tier_ids=ids.to(torch.int32),
+                                       num_experts=E, activation=None, activation_fn=None,
+                                       apply_router_weight_on_input=False, **everything), ids, unsplit)
+    layer = _Layer(tensors, row_map, hot_rows)
+    calls: list[dict[str, Any]] = []
+
+    def recording(form: str, **kw: Any) -> torch.Tensor:
+        calls.append({"form": form, "rows": int(kw["w1"].shape[0]), "num_experts": kw["num_experts"],
+                      "layout": kw["w1"].storage.layout})
+        return fake_tier_rows(form, **kw)
+
+    split = OAITritonSplit(_experts(tensors), layer, rows_fn=recording, form="unfused", num_real=None)
+    out = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
+    split.apply(out, x, None, None, weights, ids, "swigluoai", E, None, None, None, None, None, None, False)
+    assert torch.equal(out, unsplit)
+    assert int(layer.token_counts) == 9 and int(layer.expert_counts.sum()) == 9 * TOP_K
+    assert int(layer.cold_counts) == int((row_map.long()[ids] >= hot_rows).sum())
+    # each tier call: its own rows, the unsplit expert count for the tiling, vLLM's layout object
+    assert all(c["num_experts"] == E and c["layout"] == "w13-value-layout" for c in calls)
+    assert [c["rows"] for c in calls] == [n for n in (hot_rows, layer.cold_rows) if n]
+
+
+def test_a_wrong_merge_is_caught(fake_module: None) -> None:
+    """Negative control: the reducer reading every slot from the hot tier's rows differs from the unsplit sum."""
+    g = torch.Generator().manual_seed(3)
+    tensors = _weights(2)
+    ids, weights, row_map, hot_rows = moe.routing_case(8, TOP_K, E, 0.5, True, g)
+    x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+
+    class HotOnly(OAIRows):
+        def reduce(self, call: Any, part: Any, rows: Any) -> None:
+            fake_masked_moe_sum(rows.hot.values, part.row_ids(self.hot_rows), call.output)
+
+    outs = []
+    for reducer in (None, HotOnly(hot_rows)):
+        split = OAITritonSplit(_experts(tensors), _Layer(tensors, row_map, hot_rows), rows_fn=fake_tier_rows,
+                               reducer=reducer, form="unfused", num_real=None)
+        out = torch.empty(8, HIDDEN, dtype=torch.bfloat16)
+        split.apply(out, x, None, None, weights, ids, "swigluoai", E, None, None, None, None, None, None, False)
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_tier_tensors_keep_vllms_layout_dtype_and_shape_with_the_tiers_rows() -> None:
+    data = torch.arange(5 * 6 * 4, dtype=torch.uint8).reshape(5, 6, 4)
+    full = FakeTensor(FakeStorage(torch.empty(0), "HOPPER_VALUE"), "fp4", [12, 8, 4], [12, 8, 4])
+    tier = oai_triton.tier_tensor(full, data)
+    assert tier.storage.data is data and tier.storage.layout == "HOPPER_VALUE" and tier.dtype == "fp4"
+    assert tier.shape == [5, 8, 4] and tier.shape_max == [5, 8, 4]
+    assert full.shape == [12, 8, 4] and full.storage.data.numel() == 0  # the template is not changed
+    precision = types.SimpleNamespace(weight_scale="full", flex_ctx="flex")
+    copy = oai_triton.precision_with_scale(precision, tier)
+    assert copy.weight_scale is tier and copy.flex_ctx == "flex" and precision.weight_scale == "full"
+
+
+def test_release_views_drops_vllms_second_references_and_keeps_the_templates() -> None:
+    w13 = torch.ones(4, 3, dtype=torch.uint8)
+    owner = torch.nn.Module()
+    owner.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+    owner.w13_weight_triton = FakeTensor(FakeStorage(owner.w13_weight.data, "v"), "fp4", [4, 6], [4, 6])
+    owner.w2_weight_triton = FakeTensor(FakeStorage(torch.ones(4, 2, dtype=torch.uint8), "v"), "fp4", [4, 4],
+                                        [4, 4])
+    scale = FakeTensor(FakeStorage(torch.ones(4, 2, dtype=torch.uint8), "s"), "u8", [4, 2], [4, 2])
+    experts = types.SimpleNamespace(quant_config=types.SimpleNamespace(
+        w1_precision=types.SimpleNamespace(weight_scale=scale), w2_precision=None))
+    templates = oai_triton.release_views(owner, experts)
+    assert owner.w13_weight_triton.storage.data.numel() == 0 and scale.storage.data.numel() == 0
+    assert owner.w2_weight_triton.storage.data.numel() == 0
+    assert templates == {"w13_weight": owner.w13_weight_triton, "w2_weight": owner.w2_weight_triton}
+    assert owner.w13_weight.data.numel() == 12  # the parameter itself is re-homing's to move
+
+
+def test_the_tier_calls_get_the_unsplit_calls_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unsplit_flags`` makes matmul_ogs's flag function see the layer's expert count, leaves the tier's routing
+    data alone, and puts the function back (after an error too)."""
+    seen: list[int] = []
+    fake = types.ModuleType("fake_triton_kernels_matmul_ogs")  # where matmul_ogs looks its flag function up
+
+    def make_opt_flags(out_dtype: Any, lhs: Any, rhs: Any, pc: Any, m: int, n: int, k: int, routing_data: Any,
+                       *rest: Any) -> str:
+        seen.append(routing_data.n_expts_tot)
+        return "flags"
+
+    def matmul_ogs() -> None: ...
+
+    matmul_ogs.__module__ = fake.__name__
+    fake.make_opt_flags = make_opt_flags
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(oai_triton, "module", lambda: types.SimpleNamespace(matmul_ogs=matmul_ogs))
+    tier_routing = types.SimpleNamespace(n_expts_tot=40)
+    with oai_triton.unsplit_flags(128):
+        assert fake.make_opt_flags(None, None, None, None, 64, 2048, 768, tier_routing, False, True, None) == "flags"
+    assert seen == [128] and tier_routing.n_expts_tot == 40 and fake.make_opt_flags is make_opt_flags
+    with pytest.raises(RuntimeError), oai_triton.unsplit_flags(128):
+        raise RuntimeError("a kernel failed")
+    assert fake.make_opt_flags is make_opt_flags
+
+
+def test_only_the_modular_oai_classes_are_taken() -> None:
+    """A fake named as the monolithic class (it routes inside itself) is not an OAI experts call; auto falls through
+    to the refusal, which names the flag that gives the class this backend splits."""
+    assert OAITritonSplit.supports(types.SimpleNamespace(), torch.device("cuda")) is not None
+    experts = type("OAITritonMxfp4ExpertsMonolithic", (), {})()
+    with pytest.raises(Exception, match="--moe-backend triton_unfused") as info:
+        select_backend("auto", torch.device("cuda"), experts)
+    assert "oai_triton" in str(info.value)
