@@ -242,11 +242,125 @@ def test_the_tier_calls_get_the_unsplit_calls_tiling(monkeypatch: pytest.MonkeyP
     assert fake.make_opt_flags is make_opt_flags
 
 
-def test_only_the_modular_oai_classes_are_taken() -> None:
-    """A fake named as the monolithic class (it routes inside itself) is not an OAI experts call; auto falls through
-    to the refusal, which names the flag that gives the class this backend splits."""
+def test_auto_refuses_the_monolithic_class_naming_the_flag_and_the_backend() -> None:
+    """``auto`` does not pick the unverified oai_triton: a layer of the monolithic class (here a fake of that name,
+    which the backend itself does not take either) is refused with the flag and the backend that split it."""
     assert OAITritonSplit.supports(types.SimpleNamespace(), torch.device("cuda")) is not None
     experts = type("OAITritonMxfp4ExpertsMonolithic", (), {})()
     with pytest.raises(Exception, match="--moe-backend triton_unfused") as info:
         select_backend("auto", torch.device("cuda"), experts)
-    assert "oai_triton" in str(info.value)
+    assert "PINSIDECAR_PIN_BACKEND=oai_triton" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- the monolithic class
+
+
+def test_routing_logits_route_to_the_cases_experts_in_slot_order() -> None:
+    from pinsidecar_hook.selfcheck import routing_logits
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(64)])
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = routing_logits(ids, E, dtype, g)
+        vals, top = torch.topk(logits.float(), TOP_K, dim=1)
+        assert torch.equal(top, ids) and bool((vals[:, :-1] > vals[:, 1:]).all()), dtype  # distinct, in order
+
+
+class FakeMonolithic:
+    """vLLM's monolithic experts class as modular_kernel calls it (a fake: ``apply`` by keyword, logits in)."""
+
+    renormalize = True
+
+    def apply(self, hidden_states: Any, w1: Any, w2: Any, router_logits: Any, activation: Any,
+              global_num_experts: int, expert_map: Any, a1q_scale: Any, apply_router_weight_on_input: bool,
+              **kwargs: Any) -> Any:
+        raise AssertionError("the split replaces this")
+
+
+class RoutingFakeSplit(OAITritonSplit):
+    """The OAI split with a torch top-k as its routing (the engine's is the kernel's own topk call)."""
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        vals, ids = torch.topk(router_logits.float(), TOP_K, dim=1)
+        return torch.softmax(vals, dim=1).to(router_logits.dtype), ids
+
+
+def test_a_monolithic_layer_is_routed_then_split(fake_module: None) -> None:
+    """install_split switches a monolithic experts object to a class whose apply routes the logits, then splits;
+    the output is the split of that routing, and the counters count it. A call that routes with more than the
+    logits (grouped top-k, a correction bias) is refused rather than routed differently."""
+    from pinsidecar_hook import vllm_seam
+    from pinsidecar_hook.selfcheck import routing_logits
+
+    g = torch.Generator().manual_seed(9)
+    tensors = _weights(4)
+    ids, _w, row_map, hot_rows = moe.routing_case(6, TOP_K, E, 0.5, True, g)
+    logits = routing_logits(ids, E, torch.bfloat16, g)
+    x = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16)
+    mono = FakeMonolithic()
+    layer = _Layer(tensors, row_map, hot_rows)
+    split = RoutingFakeSplit(_experts(tensors), layer, rows_fn=fake_tier_rows, form="monolithic", num_real=None)
+    assert split.routes and split.form == "fused"
+    geometry = types.SimpleNamespace(experts=mono, monolithic=True)
+    vllm_seam.install_split(geometry, split)
+    assert type(mono).__name__ == "PinSplitFakeMonolithic" and vllm_seam.vllm_class(mono) is FakeMonolithic
+    got = mono.apply(hidden_states=x, w1=None, w2=None, router_logits=logits, activation="swigluoai",
+                     global_num_experts=E, expert_map=None, a1q_scale=None, apply_router_weight_on_input=False,
+                     num_expert_group=None, e_score_correction_bias=None)
+    weights, routed = split.route(logits)
+    assert torch.equal(routed, ids)
+    want = torch.empty(6, HIDDEN, dtype=torch.bfloat16)
+    modular = OAITritonSplit(_experts(tensors), _Layer(tensors, row_map, hot_rows), rows_fn=fake_tier_rows,
+                             form="fused", num_real=None)
+    modular.apply(want, x, None, None, weights, routed, "swigluoai", E, None, None, None, None, None, None, False)
+    assert torch.equal(got, want)
+    assert int(layer.token_counts) == 6 and int(layer.cold_counts) == int((row_map.long()[ids] >= hot_rows).sum())
+    with pytest.raises(RuntimeError, match="e_score_correction_bias"):
+        mono.apply(hidden_states=x, w1=None, w2=None, router_logits=logits, activation="swigluoai",
+                   global_num_experts=E, expert_map=None, a1q_scale=None, apply_router_weight_on_input=False,
+                   e_score_correction_bias=torch.zeros(E))
+
+
+def test_a_backend_that_does_not_route_is_not_installed_on_a_monolithic_layer() -> None:
+    from pinsidecar_hook import vllm_seam
+
+    split = types.SimpleNamespace(ROUTES=False, NAME="triton_experts")
+    with pytest.raises(RuntimeError, match="routes inside its kernel and the triton_experts backend does not route"):
+        vllm_seam.install_split(types.SimpleNamespace(experts=FakeMonolithic(), monolithic=True), split)
+
+
+def test_the_selfcheck_calls_a_monolithic_layer_on_logits_that_route_to_its_cases(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    """The self-check's cases reach a monolithic layer as router logits (the layer routes them itself); a split that
+    computes something else is reported as a mismatch. The layer calls are a named fake of vLLM's."""
+    from pinsidecar_hook import vllm_seam
+    from pinsidecar_hook.selfcheck import SelfCheck, cases
+
+    seen: list[torch.Tensor] = []
+    shift = {"after": 0.0}
+
+    def fake_layer_call(geometry: Any, x: torch.Tensor, logits: torch.Tensor, cfg: Any) -> torch.Tensor:
+        seen.append(torch.topk(logits.float(), TOP_K, dim=1).indices)
+        return x * logits.float().amax(dim=1, keepdim=True).to(x.dtype) + shift["after"]
+
+    def modular_call(*args: Any) -> torch.Tensor:
+        raise AssertionError("a monolithic layer is never called with top-k ids")
+
+    monkeypatch.setattr(vllm_seam, "run_layer_monolithic", fake_layer_call)
+    monkeypatch.setattr(vllm_seam, "run_layer_experts", modular_call)
+    row_map = torch.arange(E, dtype=torch.int32)
+    layer_cases = cases(E, TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, 8, tokens=(1, 7))
+    geometry = types.SimpleNamespace(monolithic=True)
+    for after, want_equal in ((0.0, True), (1.0, False)):
+        checker = SelfCheck()
+        check = checker.before(geometry, 0, layer_cases)
+        shift["after"] = after
+        checker.after(geometry, check)
+        shift["after"] = 0.0
+        summary = checker.summary()
+        assert summary["errors"] == [] and summary["cases"] == len(layer_cases)
+        assert (summary["equal"] == len(layer_cases)) is want_equal and (summary["mismatch_count"] == 0) is want_equal
+    # per round: each case twice before (the unsplit kernel against itself), then once after
+    order = [c for c in layer_cases for _ in range(2)] + layer_cases
+    assert len(seen) == 2 * len(order)
+    assert all(torch.equal(ids, c.topk_ids.long()) for ids, c in zip(seen, order + order, strict=True))

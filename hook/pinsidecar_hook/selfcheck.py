@@ -13,8 +13,10 @@ alternate between hot and cold experts), at decode sizes (1, 7, 64 tokens) and p
 tokens: where vLLM's kernels switch paths, the per-pair assignment, tuned tile configs per batch size, 0.34's
 sorted-A down projection). Sizes above the engine's ``max_num_batched_tokens`` are left out (:func:`token_sizes`):
 the engine never makes such a call. After re-homing and installing the split, the same cases run again and the
-outputs are compared with ``torch.equal``. The counters the split bumps meanwhile are zeroed at engine-ready with
-the warm-up's. A backend that is not bit-identical by design (the CPU kernel reduces inside;
+outputs are compared with ``torch.equal``. A layer whose kernel routes inside itself (monolithic: gpt-oss's default
+MXFP4 kernel) is called on router logits built to route to each case's experts (:func:`routing_logits`), so its own
+routing, and the split's copy of it, are checked too. The counters the split bumps meanwhile are zeroed at
+engine-ready with the warm-up's. A backend that is not bit-identical by design (the CPU kernel reduces inside;
 ``SplitBackend.GUARANTEE`` other than "bitwise") is still run and reported, with ``expected_equal: false``: a
 difference there is not an error.
 
@@ -37,7 +39,7 @@ import torch
 from pinsidecar_hook import vllm_seam
 
 __all__ = ["DECODE_TOKENS", "KINDS", "PREFILL_TOKENS", "TOKENS", "Case", "LayerCheck", "SelfCheck", "cases",
-           "token_sizes"]
+           "routing_logits", "token_sizes"]
 
 DECODE_TOKENS = (1, 7, 64)
 PREFILL_TOKENS = (512, 2048, 4096)
@@ -61,9 +63,30 @@ class Case:
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
     device: torch.device
+    router_logits: torch.Tensor | None = None  # logits that route to ``topk_ids`` (:func:`routing_logits`)
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.x.to(self.device), self.topk_weights.to(self.device), self.topk_ids.to(self.device)
+
+    def run(self, geometry: Any, vllm_config: Any) -> torch.Tensor:
+        """The layer's experts call on this case, in host memory: on the routing for a modular layer, on the logits
+        for a monolithic one (it routes inside itself)."""
+        if getattr(geometry, "monolithic", False):
+            assert self.router_logits is not None, "a monolithic layer's case needs router logits"
+            return vllm_seam.run_layer_monolithic(geometry, self.x.to(self.device), self.router_logits.to(self.device),
+                                                  vllm_config).to("cpu")
+        return vllm_seam.run_layer_experts(geometry, *self.inputs(), vllm_config).to("cpu")
+
+
+def routing_logits(ids: torch.Tensor, num_experts: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Router logits ``[T, num_experts]`` whose top-k is ``ids`` in slot order, for a kernel that routes inside
+    itself: each token's k experts get distinct values, falling by random gaps of 0.1-0.6 from 6 (kept distinct and
+    in order by ``dtype``'s rounding), everything else -4 or below. The weights follow from the logits, not from
+    the case's weights."""
+    tokens, k = ids.shape
+    logits = -4.0 - torch.rand(tokens, num_experts, generator=gen) * 4.0
+    top = 6.0 - torch.cumsum(0.1 + 0.5 * torch.rand(tokens, k, generator=gen), dim=1)
+    return logits.scatter_(1, ids.to(torch.int64), top).to(dtype)
 
 
 def _distinct_ids(scores: torch.Tensor, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -103,7 +126,8 @@ def cases(num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, device:
             logits = torch.randn(size, top_k, generator=gen, dtype=torch.float32)
             weights = torch.softmax(logits, dim=-1)
             x = (torch.randn(size, hidden, generator=gen) * 0.5).to(dtype)
-            out.append(Case(kind, x, weights, ids.to(torch.int32), torch.device(device)))
+            out.append(Case(kind, x, weights, ids.to(torch.int32), torch.device(device),
+                            routing_logits(ids, num_experts, dtype, gen)))
     return out
 
 
@@ -134,9 +158,8 @@ class SelfCheck:
         check = LayerCheck(layer_id, layer_cases)
         try:
             for c in layer_cases:
-                inputs = c.inputs()
-                first = vllm_seam.run_layer_experts(geometry, *inputs, self.vllm_config).to("cpu")
-                again = vllm_seam.run_layer_experts(geometry, *inputs, self.vllm_config).to("cpu")
+                first = c.run(geometry, self.vllm_config)
+                again = c.run(geometry, self.vllm_config)
                 # The unsplit kernel against itself: where it is not deterministic, bit identity is undefined
                 check.unstable += int(not torch.equal(first, again))
                 check.reference.append(first)
@@ -154,7 +177,7 @@ class SelfCheck:
             return
         try:
             for case, want in zip(check.cases, check.reference, strict=True):
-                got = vllm_seam.run_layer_experts(geometry, *case.inputs(), self.vllm_config).to("cpu")
+                got = case.run(geometry, self.vllm_config)
                 if want is not None and got.shape == want.shape and torch.equal(got, want):
                     result["equal"] += 1
                 else:

@@ -10,7 +10,8 @@ cold fraction, with the routing of the monolithic kernel (``triton_kernels.topk`
    :class:`pinsidecar_hook.backends.oai_triton.OAITritonSplit` driven as pin mode drives it;
 2. ``fused``: ``triton_kernel_fused_experts`` (what ``OAITritonExperts`` runs) against the split's fused form;
 3. ``monolithic``: ``OAITritonMxfp4ExpertsMonolithic``'s forward (``triton_kernel_moe_forward``: routing inside)
-   against (2)'s unsplit call and against the fused split: whether the default kernel can be split bit for bit.
+   against the split standing in for it (``apply_routed``: the kernel's own ``topk`` on the logits, then the fused
+   form), and against (2)'s unsplit call: whether the default kernel can be split bit for bit.
 
 Usage: ``python3 scripts/gpu_lane/oai_split_check.py --out $OUT/oai_split_check.json``.
 """
@@ -99,6 +100,7 @@ def check(quick: bool) -> dict[str, Any]:
         qc, owner, _raw = build(seed)
         g = torch.Generator(device="cpu").manual_seed(100 + seed)
         cases = []
+        logits_of: dict[int, torch.Tensor] = {}
         for t in tokens:
             x = (torch.randn(t, HIDDEN, generator=g) / 2).to(torch.bfloat16).cuda()
             logits = torch.randn(t, EXPERTS, generator=g).to(torch.bfloat16).cuda()
@@ -118,6 +120,7 @@ def check(quick: bool) -> dict[str, Any]:
                                             torch.empty_like(ws), ws, None, False)
             ref["unfused"] = unfused
             cases.append((t, x, ids, weights, {k: v.cpu() for k, v in ref.items()}))
+            logits_of[t] = logits
         # re-home as pin mode does (after vLLM's second references are dropped), then split
         perm = torch.randperm(EXPERTS, generator=g).tolist()
         n_cold = round(cold * EXPERTS)
@@ -136,15 +139,21 @@ def check(quick: bool) -> dict[str, Any]:
                                 token_counts=torch.zeros(1, dtype=torch.int64, device="cuda"))
         unfused_experts = unfused_self(m, qc)
         unfused_experts._pinsidecar_oai_templates = experts._pinsidecar_oai_templates
+        mono_experts = SimpleNamespace(quant_config=qc, _lora_context=None, renormalize=True, topk=TOP_K,
+                                       _pinsidecar_oai_templates=experts._pinsidecar_oai_templates)
         splits = {"unfused": OAITritonSplit(unfused_experts, layer, form="unfused", num_real=None),
-                  "fused": OAITritonSplit(experts, layer, form="fused", num_real=None)}
+                  "fused": OAITritonSplit(experts, layer, form="fused", num_real=None),
+                  "monolithic": OAITritonSplit(mono_experts, layer, form="monolithic", num_real=None)}
         for t, x, ids, weights, ref in cases:
             row: dict[str, Any] = {"tokens": t, "cold_fraction": cold, "seed": seed}
             for form, split in splits.items():
                 got = torch.empty_like(x)
                 try:
-                    split.apply(got, x, None, None, weights, ids, act, EXPERTS, None, None, None, None, None,
-                                None, False)
+                    if form == "monolithic":  # routed by the split itself, as pin mode runs the default class
+                        got = split.apply_routed(x, logits_of[t], act, EXPERTS, None, False)
+                    else:
+                        split.apply(got, x, None, None, weights, ids, act, EXPERTS, None, None, None, None, None,
+                                    None, False)
                     got = got.cpu()
                     row[f"{form}_split_equal"] = bool(torch.equal(got, ref[form]))
                     row[f"{form}_split_max_abs"] = float((got.float() - ref[form].float()).abs().max())
@@ -160,7 +169,7 @@ def check(quick: bool) -> dict[str, Any]:
         del splits, layer, re, owner
         torch.cuda.empty_cache()
     rows = out["cases"]
-    for key in ("unfused_split_equal", "fused_split_equal", "fused_split_equal_monolithic",
+    for key in ("unfused_split_equal", "fused_split_equal", "monolithic_split_equal", "fused_split_equal_monolithic",
                 "fused_unsplit_equal_monolithic", "unfused_unsplit_equal_monolithic"):
         out[key] = f"{sum(bool(r.get(key)) for r in rows)}/{len(rows)}"
     return out

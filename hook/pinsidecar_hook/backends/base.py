@@ -224,6 +224,10 @@ class SplitBackend(abc.ABC):
     # Calls vLLM with ``expert_map``-style tier maps (:func:`pinsidecar_hook.backends.tiers.tier_expert_maps`),
     # built here from the row map, kept in step with it by :meth:`refresh` and the cache's fused step.
     TIER_MAPS: ClassVar[bool] = False
+    # Stands in for a kernel that routes inside itself (a monolithic experts class, which takes the router's
+    # logits): :meth:`route` computes the ids and weights the kernel would, then the three stages run as for a
+    # modular call (:meth:`apply_routed`).
+    ROUTES: ClassVar[bool] = False
 
     def __init__(self, experts: Any, layer: SplitLayer, *, num_real: Any = REAL_TOKENS) -> None:
         """``num_real``: the real-token scalar that masks CUDA-graph padding out of the counters (default: the
@@ -323,6 +327,23 @@ class SplitBackend(abc.ABC):
         self._run(ExpertsCall(output, hidden_states, topk_weights, topk_ids, activation, global_num_experts,
                               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
                               apply_router_weight_on_input))
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights, topk_ids)`` exactly as the monolithic kernel this backend stands in for routes
+        ``router_logits`` (a backend with ``ROUTES``)."""
+        raise NotImplementedError(f"the {self.NAME} backend does not route")
+
+    @final
+    def apply_routed(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, activation: Any,
+                     global_num_experts: int, expert_map: torch.Tensor | None,
+                     apply_router_weight_on_input: bool) -> torch.Tensor:
+        """A monolithic experts class's ``apply`` (it routes inside itself): route as it does, then split; returns
+        the layer's experts output."""
+        topk_weights, topk_ids = self.route(router_logits)
+        output = torch.empty_like(hidden_states)
+        self._run(ExpertsCall(output, hidden_states, topk_weights, topk_ids, activation, global_num_experts,
+                              expert_map, None, None, None, None, None, apply_router_weight_on_input))
+        return output
 
     @final
     def partition(self, call: ExpertsCall) -> Partition:

@@ -1,6 +1,7 @@
 """Split invoke for vLLM's OAI Triton MoE experts: gpt-oss MXFP4 through triton_kernels' ``matmul_ogs``, the modular
 classes ``UnfusedOAITritonExperts`` (``--moe-backend triton_unfused``) and ``OAITritonExperts`` (the modular form of
-the default Triton MXFP4 backend). The OAI family's tier stage.
+the default Triton MXFP4 backend), and the default monolithic ``OAITritonMxfp4ExpertsMonolithic``. The OAI family's
+tier stage.
 
 How the unsplit call computes, and what the split relies on (:mod:`pinsidecar_hook.vllm_seam.oai_triton` has the
 line numbers): each slot's row is GEMM1, the activation, GEMM2 with the router weight, written in the activation
@@ -20,12 +21,17 @@ Per-expert tensors, split in mirror by re-homing, which keeps their swizzled mem
 over the same storage); :meth:`OAITritonSplit.before_rehome` drops them so the originals are freed, and keeps their
 layout, dtype and shape as the templates of the tier tensors.
 
-The default MXFP4 kernel on SM90 is ``OAITritonMxfp4ExpertsMonolithic``, which routes inside itself: it is not an
-experts call a split can replace (count mode counts it). Its fused swiglu also rounds differently from the unfused
-class's activation op. So the honest offer is: boot vLLM with ``--moe-backend triton_unfused`` and pin mode splits
-that class bit for bit (``GUARANTEE``), which the in-engine self-check verifies on the loaded layer. Refused: LoRA
-(it hooks the activation and the rows), triton_kernels 3.8, a CPU device, a layer without MXFP4 weight scales, and a
-map with a cache tier (``CACHE`` is off: slots would need MXFP4 fills).
+The default MXFP4 kernel on SM90 is ``OAITritonMxfp4ExpertsMonolithic``, which takes the router's logits and routes
+inside itself. Its arithmetic after routing is ``OAITritonExperts``'s, so the split stands in for it (``ROUTES``):
+it routes the logits with the kernel's own ``topk`` call (count mode's probe, which also hands back the router
+weights), then runs the fused form. Its fused swiglu rounds differently from the unfused class's activation op, so
+the two classes' outputs differ from each other; each split aims at its own class. Both are bitwise by design
+(``GUARANTEE``), verified by the in-engine self-check on the loaded layer (``PINSIDECAR_PIN_SELFCHECK=1``: for the
+monolithic class on logits that route to the check's experts). Until a GPU run shows it, ``VERIFIED`` is off and
+``auto`` does not pick the backend: ``PINSIDECAR_PIN_BACKEND=oai_triton`` asks for it. Refused: LoRA (it hooks the
+activation and the rows), a call with grouped top-k or a routing replay (monolithic), triton_kernels 3.8, a CPU
+device, a layer without MXFP4 weight scales, and a map with a cache tier (``CACHE`` is off: slots would need MXFP4
+fills).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 
 import torch
 
+from pinsidecar_hook import vllm_seam
 from pinsidecar_hook.backends.base import (
     REAL_TOKENS,
     ExpertsCall,
@@ -71,11 +78,16 @@ class OAITritonSplit(SplitBackend):
     REQUIRED_TENSORS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
     VERIFIED = False  # written from 0.34's source; VERIFIED once the in-engine self-check ran on the GPU
     AUTO = False  # auto picks verified backends only
+    ROUTES = True  # it stands in for the monolithic class too (module docstring)
 
     @classmethod
     def supports(cls, experts: Any, device: torch.device) -> str | None:
-        if oai_triton.kind(experts) is None:
-            return "it splits vLLM's UnfusedOAITritonExperts and OAITritonExperts (MXFP4 through triton_kernels)"
+        form = oai_triton.kind(experts)
+        if form is None:
+            return ("it splits vLLM's OAI Triton MXFP4 experts (UnfusedOAITritonExperts, OAITritonExperts, "
+                    "OAITritonMxfp4ExpertsMonolithic)")
+        if form == "monolithic" and not hasattr(experts, "renormalize"):
+            return "this OAITritonMxfp4ExpertsMonolithic has no routing rule (renormalize) the split can follow"
         if device.type != "cuda":
             return "the OAI Triton kernels run on CUDA only"
         problem = oai_triton.api_problem()
@@ -97,9 +109,10 @@ class OAITritonSplit(SplitBackend):
         self._reducer = reducer
         self.rows_fn = rows_fn or oai_triton.tier_rows
         found = form or oai_triton.kind(experts)
-        if found not in ("unfused", "fused"):
+        if found not in ("unfused", "fused", "monolithic"):
             raise UnsupportedSplit(f"not an OAI Triton experts object: {type(experts).__name__}")
-        self.form = found
+        self.routes = found == "monolithic"
+        self.form = "fused" if self.routes else found  # the monolithic kernel's arithmetic is the fused class's
         super().__init__(experts, layer, num_real=num_real)
         self.local_experts = layer.hot_rows + layer.cold_rows
         templates = getattr(experts, "_pinsidecar_oai_templates", None) or {}
@@ -122,6 +135,9 @@ class OAITritonSplit(SplitBackend):
 
     def choose_reducer(self) -> Reducer:
         return self._reducer or OAIRows(self.layer.hot_rows)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vllm_seam.monolithic.oai_triton_routing(self.experts, router_logits)
 
     def check_call(self, call: ExpertsCall) -> None:
         if getattr(self.experts, "_lora_context", None) is not None:

@@ -29,8 +29,9 @@ class UnsplitClass:
 KNOWN_UNSPLIT: dict[str, UnsplitClass] = {
     "OAITritonMxfp4ExpertsMonolithic": UnsplitClass(
         "MXFP4 (gpt-oss), routing inside the kernel", "--moe-backend triton_unfused",
-        "the modular UnfusedOAITritonExperts, split bit-identical (to that class) by oai_triton; its activation is "
-        "an op of its own, so its output is not bit-equal to this monolithic kernel's. Count mode counts either"),
+        "the modular UnfusedOAITritonExperts, which the oai_triton backend splits bit for bit by design; or keep "
+        "this class and set PINSIDECAR_PIN_BACKEND=oai_triton, which routes as the kernel does, then splits (neither "
+        "has run on a GPU yet, so auto picks neither). Count mode counts either"),
     "HummingIndexedExperts": UnsplitClass(
         "GPTQ/AWQ int4 and NVFP4 on SM90 (prioritize_humming)", "--moe-backend marlin",
         "MarlinExperts for int4 (split by the marlin_experts backend, not bit-identical: PINSIDECAR_PIN_BACKEND="

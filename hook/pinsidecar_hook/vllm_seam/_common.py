@@ -399,14 +399,48 @@ def _split_class(cls: type) -> type:
         PINSIDECAR_CLASS: True})
 
 
+# vLLM 0.34's FusedMoEExpertsMonolithic.apply, by position (modular_kernel calls it by keyword).
+_MONOLITHIC_ARGS = ("hidden_states", "w1", "w2", "router_logits", "activation", "global_num_experts", "expert_map",
+                    "a1q_scale", "apply_router_weight_on_input")
+
+
+@functools.cache
+def _routed_split_class(cls: type) -> type:
+    """A subclass of vLLM's *monolithic* experts class ``cls`` (it takes the router's logits and routes inside
+    itself) whose ``apply`` hands the logits to the split, which routes as the kernel does and then splits
+    (:meth:`pinsidecar_hook.backends.base.SplitBackend.apply_routed`)."""
+
+    def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = dict(zip(_MONOLITHIC_ARGS, args, strict=False)) | kwargs
+        extra = sorted(k for k in call if k not in _MONOLITHIC_ARGS and call[k] is not None)
+        if extra:  # grouped top-k, a correction bias, a routing replay: routing the split does not reproduce
+            raise RuntimeError(f"pinsidecar split of {cls.__name__}: the call routes with {extra}, which the split's "
+                               "routing does not reproduce")
+        return self._pinsidecar_split.apply_routed(
+            call["hidden_states"], call["router_logits"], call["activation"], int(call["global_num_experts"]),
+            call.get("expert_map"), bool(call.get("apply_router_weight_on_input", False)))
+
+    return type(f"PinSplit{cls.__name__}", (cls,), {
+        "apply": apply, "__doc__": f"vLLM's {cls.__name__}, routed as it routes, then split by residency "
+                                   "(pinsidecar)", PINSIDECAR_CLASS: True})
+
+
 def install_split(geometry: MoEGeometry, split: Any) -> None:
-    """Make this layer's experts object run ``split.apply`` as its ``apply``: once, at attach, by switching the
-    object to a subclass of its own class (:func:`_split_class`). Everything else vLLM's modular kernel asks of it
-    (workspace shapes, quant config, activation format) is its own class's, and other layers keep theirs."""
+    """Make this layer's experts object run the split as its ``apply``: once, at attach, by switching the object to
+    a subclass of its own class (:func:`_split_class`; for a kernel that routes inside itself,
+    :func:`_routed_split_class`, which needs a backend that routes: ``split.ROUTES``). Everything else vLLM's kernel
+    asks of it (workspace shapes, quant config, activation format) is its own class's, and other layers keep
+    theirs."""
     experts = geometry.experts
     if experts is None:
-        raise RuntimeError("this MoE layer has no modular experts object (monolithic kernel); pin mode cannot split it")
-    experts.__class__ = _split_class(type(experts))
+        raise RuntimeError("this MoE layer has no experts object; pin mode cannot split it")
+    if getattr(geometry, "monolithic", False):
+        if not getattr(split, "ROUTES", False):
+            raise RuntimeError(f"{type(experts).__name__} routes inside its kernel and the {split.NAME} backend "
+                               "does not route; pin mode cannot split it")
+        experts.__class__ = _routed_split_class(vllm_class(experts))
+    else:
+        experts.__class__ = _split_class(type(experts))
     experts._pinsidecar_split = split
 
 
@@ -419,6 +453,17 @@ def forward_context(vllm_config: Any) -> AbstractContextManager[Any]:
 
             return set_forward_context(None, vllm_config)
     return contextlib.nullcontext()
+
+
+def run_layer_monolithic(geometry: MoEGeometry, x: Any, router_logits: Any, vllm_config: Any = None) -> Any:
+    """One forward of a monolithic layer's experts on given router logits (it routes inside itself), through the
+    layer's quant method as the engine calls it: the self-checks' call for such a layer."""
+    import torch
+
+    owner = geometry.param_owner
+    with torch.inference_mode(), forward_context(vllm_config):
+        out = owner.quant_method.apply_monolithic(layer=owner, x=x, router_logits=router_logits)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def run_layer_experts(geometry: MoEGeometry, x: Any, topk_weights: Any, topk_ids: Any,

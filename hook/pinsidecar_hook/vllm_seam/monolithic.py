@@ -30,10 +30,16 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from pinsidecar_hook.vllm_seam._common import PINSIDECAR_CLASS, MoEGeometry, forward_context, vllm_class
+from pinsidecar_hook.vllm_seam._common import (
+    PINSIDECAR_CLASS,
+    MoEGeometry,
+    forward_context,
+    run_layer_monolithic,
+    vllm_class,
+)
 
-__all__ = ["MODULAR_FLAG", "bind_monolithic_capture", "check_probe", "monolithic_capture_problem", "register_probe",
-           "routing_probe"]
+__all__ = ["MODULAR_FLAG", "bind_monolithic_capture", "check_probe", "monolithic_capture_problem", "oai_triton_routing",
+           "register_probe", "routing_probe"]
 
 # What to pass vLLM for a modular (splittable, router-captured) class instead, per monolithic class.
 MODULAR_FLAG = {
@@ -44,17 +50,23 @@ _DEFAULT_FLAG = "--moe-backend triton (or another backend vLLM offers for the fo
 Probe = Callable[[Any, Any], Any]  # (experts object, router logits) -> top-k ids [T, k]
 
 
-def _oai_triton_probe(experts: Any, router_logits: Any) -> Any:
-    """``triton_kernel_moe_forward``'s routing (vLLM 0.34, triton_kernels 3.6/3.8 API): softmax first unless the
-    routing renormalizes, then ``triton_kernels.topk.topk``; its ``indx`` are the ids the kernel routes."""
+def oai_triton_routing(experts: Any, router_logits: Any) -> tuple[Any, Any]:
+    """``triton_kernel_moe_forward``'s routing (vLLM 0.34; triton_kernels 3.5.1, whose fused ``routing()`` makes
+    the same call, 3.6 and 3.8): softmax first unless the routing renormalizes, then ``triton_kernels.topk.topk``.
+    Returns ``(weights, ids)`` ``[T, k]``: its ``vals`` (the router weights the kernel multiplies in, in the logits'
+    dtype) and its ``indx`` (the experts it routes to)."""
     import torch
     from triton_kernels.topk import topk as topk_fn
 
     sm_first = not experts.renormalize
     logits = torch.softmax(router_logits, dim=-1) if sm_first else router_logits
     result = topk_fn(logits, experts.topk, apply_softmax=not sm_first)
-    ids = result[1] if isinstance(result, tuple) else result.indx
-    return ids
+    return (result[0], result[1]) if isinstance(result, tuple) else (result.vals, result.indx)
+
+
+def _oai_triton_probe(experts: Any, router_logits: Any) -> Any:
+    """The ids of :func:`oai_triton_routing`: the experts the kernel routes to."""
+    return oai_triton_routing(experts, router_logits)[1]
 
 
 def _oai_triton_problem(experts: Any) -> str | None:
@@ -141,7 +153,6 @@ def check_probe(geometry: MoEGeometry, x: Any, router_logits: Any, vllm_config: 
     "equal_rows", "bitwise"}``. Valid for renormalizing routing only (``experts.renormalize``)."""
     import torch
 
-    owner = geometry.param_owner
     experts = geometry.experts
     probe = routing_probe(experts)
     if probe is None:
@@ -151,11 +162,8 @@ def check_probe(geometry: MoEGeometry, x: Any, router_logits: Any, vllm_config: 
                          "change the weights, so this check does not apply")
     with torch.inference_mode(), forward_context(vllm_config):
         ids = probe(experts, router_logits).long()
-        keep = torch.zeros_like(router_logits, dtype=torch.bool).scatter_(1, ids, True)
-        masked = router_logits.masked_fill(~keep, float("-inf"))
-        calls = []
-        for logits in (router_logits, masked):
-            out = owner.quant_method.apply_monolithic(layer=owner, x=x, router_logits=logits)
-            calls.append((out[0] if isinstance(out, tuple) else out).clone())
+    keep = torch.zeros_like(router_logits, dtype=torch.bool).scatter_(1, ids, True)
+    masked = router_logits.masked_fill(~keep, float("-inf"))
+    calls = [run_layer_monolithic(geometry, x, logits, vllm_config).clone() for logits in (router_logits, masked)]
     same = (calls[0] == calls[1]).all(dim=-1)
     return {"tokens": int(x.shape[0]), "equal_rows": int(same.sum()), "bitwise": bool(same.all())}

@@ -13,6 +13,12 @@ the 3.6 branches of the same file). Two modular classes take per-token ids, so a
   parallel): GEMM1 with the swiglu fused into it, GEMM2 with ``n_expts_act = k``, whose rows ``matmul_ogs`` sums in
   its ``reduce_grouped`` (fp32 from 0, slot order, ``-1`` skipped, one cast: the same arithmetic).
 
+The default class on SM90, ``OAITritonMxfp4ExpertsMonolithic`` (``:1506``), takes the router's logits and runs
+``triton_kernel_moe_forward`` (``:602``): its routing (``triton_kernels``' ``topk``, inside ``routing()`` on 3.5.1)
+and then the same ``triton_kernel_fused_experts`` as ``OAITritonExperts``. So the split stands in for it by running
+that routing itself (:func:`pinsidecar_hook.vllm_seam.monolithic.oai_triton_routing`, count mode's probe), then the
+fused form: the same ids, the same router weights (its ``vals``, in the logits' dtype), the same rows and sum.
+
 A row depends on its token, its expert's weights, block scales and bias, its router weight and on the **kernel's
 tiling**: ``make_opt_flags`` picks ``block_m`` (hence the warp count and the MMA shape) from the tokens per expert,
 ``m // routing_data.n_expts_tot``, and a tier's routing data counts only its own experts. So each tier call is made
@@ -49,9 +55,15 @@ def module() -> Any:
     return importlib.import_module(_MODULE)
 
 
+# vLLM's class name -> what the split calls its form: "unfused" (activation as an op of its own), "fused" (swiglu
+# inside GEMM1), "monolithic" (the fused arithmetic, and the routing inside the kernel).
+_FORMS = {"UnfusedOAITritonExperts": "unfused", "OAITritonExperts": "fused",
+          "OAITritonMxfp4ExpertsMonolithic": "monolithic"}
+
+
 def kind(experts: Any) -> str | None:
-    """``"unfused"`` for ``UnfusedOAITritonExperts``, ``"fused"`` for ``OAITritonExperts`` (each with vLLM's own
-    ``apply``); None for anything else, the monolithic class included (it routes inside itself)."""
+    """The form of vLLM's OAI Triton experts object (``_FORMS``), each with vLLM's own ``apply``; None for anything
+    else."""
     from pinsidecar_hook.vllm_seam._common import vllm_class
 
     try:
@@ -59,11 +71,10 @@ def kind(experts: Any) -> str | None:
     except ImportError:
         return None
     cls = vllm_class(experts)
-    unfused, fused = getattr(m, "UnfusedOAITritonExperts", None), getattr(m, "OAITritonExperts", None)
-    if unfused is not None and isinstance(experts, unfused) and cls.apply is unfused.apply:
-        return "unfused"
-    if fused is not None and isinstance(experts, fused) and cls.apply is fused.apply:
-        return "fused"
+    for name, form in _FORMS.items():
+        known = getattr(m, name, None)
+        if known is not None and isinstance(experts, known) and cls.apply is known.apply:
+            return form
     return None
 
 
