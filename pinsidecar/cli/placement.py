@@ -2,8 +2,10 @@
 
 ``simulate`` answers whether a cache tier would pay before anyone builds one: of N HBM rows per layer, keep H
 static (a map's hot set, or the most selected experts of counts or of a training trace) and let K = N - H follow
-the traffic, and count the selections that still go to host memory. The hot set never comes from the trace being
-simulated: that would grade the placement on the data it was chosen from.
+the traffic, and count the selections that still go to host memory. ``prefetch`` answers whether predicting each
+step's cold experts from the last steps' choice would hide their reads: its recall and precision, and the experts
+moved over the link. The hot set never comes from the trace being replayed: that would grade the placement on the
+data it was chosen from.
 """
 
 from __future__ import annotations
@@ -97,10 +99,48 @@ def _simulate_human(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _prefetch(trace_path: str, map_path: str | None, counts_path: str | None, train_path: str | None,
+              hot_rows: int | None, windows: str, batch: int) -> dict[str, Any]:
+    try:
+        window_list = [int(w) for w in windows.split(",") if w.strip()]
+    except ValueError:
+        raise UserError(f"--window {windows!r} is not a comma-separated list of step counts", "pass e.g. 1,2,4") \
+            from None
+    if not window_list:
+        raise UserError("--window names no window", "pass e.g. 1,2,4")
+    ranking, kind, source, _train = _ranking(map_path, counts_path, train_path, trace_path)
+    if hot_rows is None:
+        if ranking.fixed_hot_rows is None:
+            raise UserError("--hot-rows is needed with --counts or --train", "pass the hot rows per layer the "
+                            "budget buys (a map brings its own)")
+        hot_rows = ranking.fixed_hot_rows
+    trace = load_trace(trace_path)
+    placement.check_trace_geometry(trace, ranking, trace_path, source)
+    results = [placement.evaluate_prefetch(trace, ranking, hot_rows, "last-step", w, batch).as_dict()
+               for w in window_list]
+    return {"trace": trace_path, "tokens": trace.tokens, "layers": trace.num_layers, "num_experts": trace.num_experts,
+            "top_k": trace.top_k, "hot_rows": hot_rows, "batch": batch, "hot_from": kind, "hot_source": source,
+            "results": results}
+
+
+def _prefetch_human(r: dict[str, Any]) -> str:
+    lines = [
+        f"trace {r['trace']}: {r['tokens']} tokens, {r['layers']} layers x {r['num_experts']} experts, "
+        f"top-{r['top_k']}; steps of {r['batch']} token(s)",
+        f"{r['hot_rows']} hot rows per layer from {r['hot_source']}; per layer and step, in experts:",
+    ]
+    headers = ["predictor", "window", "recall", "precision", "cold today", "prefetched", "still missed",
+               "moved with prefetch"]
+    rows = [[x["predictor"], x["window"], f"{x['recall']:.1%}", f"{x['precision']:.1%}", f"{x['cold_per_step']:.2f}",
+             f"{x['prefetched_per_step']:.2f}", f"{x['missed_per_step']:.2f}", f"{x['moved_per_step']:.2f}"]
+            for x in r["results"]]
+    return "\n".join([*lines, "", format_table(headers, rows)])
+
+
 def register(main: click.Group) -> None:
     @main.group("placement")
     def placement_group() -> None:
-        """What-ifs beyond a static map, replayed on a routing trace (a cache tier)."""
+        """What-ifs beyond a static map, replayed on a routing trace (a cache tier, a prefetch)."""
 
     @placement_group.command("simulate")
     @click.argument("trace", type=click.Path(dir_okay=False))
@@ -132,3 +172,27 @@ def register(main: click.Group) -> None:
         """
         emit(_simulate(trace, map_path, counts_path, train_path, hbm_rows, cache_slots, policy, batch), as_json,
              _simulate_human)
+
+    @placement_group.command("prefetch")
+    @click.argument("trace", type=click.Path(dir_okay=False))
+    @click.option("--map", "map_path", type=click.Path(dir_okay=False),
+                  help="Hot set: this map's hot experts (and its hot rows).")
+    @click.option("--counts", "counts_path", type=click.Path(dir_okay=False),
+                  help="Hot set: each layer's most selected experts in this counts file.")
+    @click.option("--train", "train_path", type=click.Path(dir_okay=False),
+                  help="Hot set: each layer's most selected experts in this training trace.")
+    @click.option("--hot-rows", type=int, default=None, help="Hot rows per layer (a map brings its own).")
+    @click.option("--window", "windows", default="1,2,4", show_default=True,
+                  help="Steps of history the last-step predictor looks back, one figure per value.")
+    @click.option("--batch", type=int, default=1, show_default=True, help="Tokens per step.")
+    @json_option
+    @handle_errors
+    def prefetch_cmd(trace: str, map_path: str | None, counts_path: str | None, train_path: str | None,
+                     hot_rows: int | None, windows: str, batch: int, as_json: bool) -> None:
+        """Replay TRACE against a hot set and predict each step's cold experts from the last steps' choice.
+
+        Prints the predictor's recall (the share of cold-expert reads a prefetch would have on their way), its
+        precision (the share of prefetched experts the step uses) and, per layer and step, the experts read over
+        the link today and with the prefetch.
+        """
+        emit(_prefetch(trace, map_path, counts_path, train_path, hot_rows, windows, batch), as_json, _prefetch_human)

@@ -13,6 +13,8 @@ pipeline do the I/O around them. Import from this package; the modules behind it
 - :mod:`~pinsidecar.placement.evaluate` — cold-selection rates, leave-one-out, diffs and summaries;
 - :mod:`~pinsidecar.placement.simulate` — a routing trace replayed against hot rows plus a small expert cache
   (the cache tier's what-if);
+- :mod:`~pinsidecar.placement.prefetch` — a routing trace replayed against a hot set and a predictor of each step's
+  cold experts (the prefetch's what-if: recall, precision, link traffic);
 - :mod:`~pinsidecar.placement.heatmap` — a PNG of a map over counts. Not re-exported here: it needs the optional
   ``plot`` extra (matplotlib), and nothing else in placement does.
 """
@@ -62,6 +64,7 @@ from pinsidecar.placement.expert_bytes import (
     gptq_expert_bytes,
     unquantized_expert_bytes,
 )
+from pinsidecar.placement.prefetch import PREDICTORS, evaluate_prefetch
 from pinsidecar.placement.simulate import (
     POLICIES,
     SLOT_MIN_GAIN,
@@ -74,6 +77,7 @@ from pinsidecar.placement.simulate import (
 
 __all__ = [
     "POLICIES",
+    "PREDICTORS",
     "TUNE_FRACTION",
     "HotRanking",
     "PlacementMask",
@@ -88,6 +92,7 @@ __all__ = [
     "counts_summary",
     "diff_maps",
     "evaluate",
+    "evaluate_prefetch",
     "leave_one_out",
     "load_build_trace",
     "load_counts_files",
