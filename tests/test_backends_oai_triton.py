@@ -278,17 +278,21 @@ class FakeMonolithic:
 
 
 class RoutingFakeSplit(OAITritonSplit):
-    """The OAI split with a torch top-k as its routing (the engine's is the kernel's own topk call)."""
+    """The OAI split with a torch top-k as its routing (the engine's is the kernel's own topk call); it keeps the
+    routing arguments it was given."""
 
-    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    routing: dict[str, Any] | None = None
+
+    def route(self, router_logits: torch.Tensor, **routing: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.routing = routing
         vals, ids = torch.topk(router_logits.float(), TOP_K, dim=1)
         return torch.softmax(vals, dim=1).to(router_logits.dtype), ids
 
 
 def test_a_monolithic_layer_is_routed_then_split(fake_module: None) -> None:
     """install_split switches a monolithic experts object to a class whose apply routes the logits, then splits;
-    the output is the split of that routing, and the counters count it. A call that routes with more than the
-    logits (grouped top-k, a correction bias) is refused rather than routed differently."""
+    the output is the split of that routing, and the counters count it. The call's other routing arguments, as
+    vLLM 0.34's modular kernel passes them, reach the backend's routing."""
     from pinsidecar_hook import vllm_seam
     from pinsidecar_hook.selfcheck import routing_logits
 
@@ -304,9 +308,12 @@ def test_a_monolithic_layer_is_routed_then_split(fake_module: None) -> None:
     geometry = types.SimpleNamespace(experts=mono, monolithic=True)
     vllm_seam.install_split(geometry, split)
     assert type(mono).__name__ == "PinSplitFakeMonolithic" and vllm_seam.vllm_class(mono) is FakeMonolithic
+    routing = {"num_expert_group": None, "e_score_correction_bias": None, "routed_scaling_factor": 1.0,
+               "topk_group": None, "routing_replay_out": None}
     got = mono.apply(hidden_states=x, w1=None, w2=None, router_logits=logits, activation="swigluoai",
                      global_num_experts=E, expert_map=None, a1q_scale=None, apply_router_weight_on_input=False,
-                     num_expert_group=None, e_score_correction_bias=None)
+                     **routing)
+    assert split.routing == routing
     weights, routed = split.route(logits)
     assert torch.equal(routed, ids)
     want = torch.empty(6, HIDDEN, dtype=torch.bfloat16)
@@ -315,10 +322,6 @@ def test_a_monolithic_layer_is_routed_then_split(fake_module: None) -> None:
     modular.apply(want, x, None, None, weights, routed, "swigluoai", E, None, None, None, None, None, None, False)
     assert torch.equal(got, want)
     assert int(layer.token_counts) == 6 and int(layer.cold_counts) == int((row_map.long()[ids] >= hot_rows).sum())
-    with pytest.raises(RuntimeError, match="e_score_correction_bias"):
-        mono.apply(hidden_states=x, w1=None, w2=None, router_logits=logits, activation="swigluoai",
-                   global_num_experts=E, expert_map=None, a1q_scale=None, apply_router_weight_on_input=False,
-                   e_score_correction_bias=torch.zeros(E))
 
 
 def test_a_backend_that_does_not_route_is_not_installed_on_a_monolithic_layer() -> None:

@@ -328,18 +328,20 @@ class SplitBackend(abc.ABC):
                               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
                               apply_router_weight_on_input))
 
-    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, router_logits: torch.Tensor, **routing: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights, topk_ids)`` exactly as the monolithic kernel this backend stands in for routes
-        ``router_logits`` (a backend with ``ROUTES``)."""
+        ``router_logits``, given the rest of that kernel's routing arguments (grouped top-k, a correction bias, a
+        scaling factor: whatever its ``apply`` takes); a backend with ``ROUTES`` writes it, and refuses what its
+        kernel's routing would use and it cannot reproduce."""
         raise NotImplementedError(f"the {self.NAME} backend does not route")
 
     @final
     def apply_routed(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, activation: Any,
-                     global_num_experts: int, expert_map: torch.Tensor | None,
-                     apply_router_weight_on_input: bool) -> torch.Tensor:
+                     global_num_experts: int, expert_map: torch.Tensor | None, apply_router_weight_on_input: bool,
+                     **routing: Any) -> torch.Tensor:
         """A monolithic experts class's ``apply`` (it routes inside itself): route as it does, then split; returns
         the layer's experts output."""
-        topk_weights, topk_ids = self.route(router_logits)
+        topk_weights, topk_ids = self.route(router_logits, **routing)
         output = torch.empty_like(hidden_states)
         self._run(ExpertsCall(output, hidden_states, topk_weights, topk_ids, activation, global_num_experts,
                               expert_map, None, None, None, None, None, apply_router_weight_on_input))

@@ -29,9 +29,8 @@ the two classes' outputs differ from each other; each split aims at its own clas
 (``GUARANTEE``), verified by the in-engine self-check on the loaded layer (``PINSIDECAR_PIN_SELFCHECK=1``: for the
 monolithic class on logits that route to the check's experts). Until a GPU run shows it, ``VERIFIED`` is off and
 ``auto`` does not pick the backend: ``PINSIDECAR_PIN_BACKEND=oai_triton`` asks for it. Refused: LoRA (it hooks the
-activation and the rows), a call with grouped top-k or a routing replay (monolithic), triton_kernels 3.8, a CPU
-device, a layer without MXFP4 weight scales, and a map with a cache tier (``CACHE`` is off: slots would need MXFP4
-fills).
+activation and the rows), triton_kernels 3.8, a CPU device, a layer without MXFP4 weight scales, and a map with a
+cache tier (``CACHE`` is off: slots would need MXFP4 fills).
 """
 
 from __future__ import annotations
@@ -136,7 +135,11 @@ class OAITritonSplit(SplitBackend):
     def choose_reducer(self) -> Reducer:
         return self._reducer or OAIRows(self.layer.hot_rows)
 
-    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, router_logits: torch.Tensor, **routing: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The monolithic kernel's routing: top-k of the logits (renormalized or softmax-first). Its ``apply``
+        takes grouped top-k, a correction bias, the routed scaling factor and a replay buffer and uses none of them
+        (vLLM 0.34 ``gpt_oss_triton_kernels_moe.py:1579-1608``; its oracle admits only renormalizing routing), so
+        neither does the split."""
         return vllm_seam.monolithic.oai_triton_routing(self.experts, router_logits)
 
     def check_call(self, call: ExpertsCall) -> None:

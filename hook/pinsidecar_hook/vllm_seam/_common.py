@@ -412,13 +412,12 @@ def _routed_split_class(cls: type) -> type:
 
     def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
         call = dict(zip(_MONOLITHIC_ARGS, args, strict=False)) | kwargs
-        extra = sorted(k for k in call if k not in _MONOLITHIC_ARGS and call[k] is not None)
-        if extra:  # grouped top-k, a correction bias, a routing replay: routing the split does not reproduce
-            raise RuntimeError(f"pinsidecar split of {cls.__name__}: the call routes with {extra}, which the split's "
-                               "routing does not reproduce")
+        # the rest (grouped top-k, a correction bias, the routed scaling factor, a replay buffer) is routing: the
+        # backend's route() takes it as the class's own apply does
+        routing = {k: v for k, v in call.items() if k not in _MONOLITHIC_ARGS}
         return self._pinsidecar_split.apply_routed(
             call["hidden_states"], call["router_logits"], call["activation"], int(call["global_num_experts"]),
-            call.get("expert_map"), bool(call.get("apply_router_weight_on_input", False)))
+            call.get("expert_map"), bool(call.get("apply_router_weight_on_input", False)), **routing)
 
     return type(f"PinSplit{cls.__name__}", (cls,), {
         "apply": apply, "__doc__": f"vLLM's {cls.__name__}, routed as it routes, then split by residency "
