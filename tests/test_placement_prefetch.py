@@ -115,3 +115,25 @@ def test_the_bench_writes_one_row_per_profile_stream_count_and_window(tmp_path: 
     # the same steps, a longer memory: recall never drops with the window
     by = {(x["profile"], x["streams"], x["window"]): x["recall"] for x in r["results"]}
     assert all(by[(p, s, 1)] <= by[(p, s, 2)] <= by[(p, s, 4)] for p, s, _w in by)
+
+
+def test_the_residual_predictor_bench_scores_every_predictor_on_the_same_cold_reads(demo_model_dir: Path,
+                                                                                    tmp_path: Path) -> None:
+    """bench/prefetch_residual.py on the demo model in transformers (CPU): every predictor is scored against the
+    same cold selections, and the union of two predictors hits at least what each hits."""
+    import json
+
+    from bench import prefetch_residual
+    from pinsidecar.testing.artifacts import write_counts
+
+    counts = write_counts(tmp_path / "counts.json", num_layers=4, num_experts=64, top_k=8)
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": "def f(x):\\n    return x"}\n{"prompt": "The river ran"}\n')
+    out = tmp_path / "residual.json"
+    assert prefetch_residual.main(["--model", str(demo_model_dir), "--counts", str(counts), "--workload",
+                                   str(workload), "--hot-rows", "49", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    r = {x["predictor"]: x for x in json.loads(out.read_text())["results"]}
+    assert set(r) == {"same-layer", "next-layer", "last-step", "same-layer+last-step"}
+    assert len({x["cold"] for x in r.values()}) == 1 and r["last-step"]["cold"] > 0
+    assert r["same-layer+last-step"]["hits"] >= max(r["same-layer"]["hits"], r["last-step"]["hits"])
+    assert all(0.0 <= x["recall"] <= 1.0 and 0.0 <= x["precision"] <= 1.0 for x in r.values())
