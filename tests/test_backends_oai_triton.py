@@ -240,6 +240,9 @@ def test_the_tier_calls_get_the_unsplit_calls_tiling(monkeypatch: pytest.MonkeyP
     with pytest.raises(RuntimeError), oai_triton.unsplit_flags(128):
         raise RuntimeError("a kernel failed")
     assert fake.make_opt_flags is make_opt_flags
+    with pytest.raises(RuntimeError, match="has no n_expts_tot"), oai_triton.unsplit_flags(128):
+        fake.make_opt_flags(None, None, None, None, 64, 2048, 768, types.SimpleNamespace(), False, True, None)
+    assert fake.make_opt_flags is make_opt_flags
 
 
 def test_auto_refuses_the_monolithic_class_naming_the_flag_and_the_backend() -> None:

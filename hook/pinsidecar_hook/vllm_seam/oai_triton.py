@@ -104,7 +104,11 @@ def unsplit_flags(num_experts: int) -> Iterator[None]:
 
     def pinned(out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision_config: Any, m: Any, n: Any, k: Any,
                routing_data: Any, *rest: Any) -> Any:
-        if routing_data is not None and getattr(routing_data, "n_expts_tot", None) is not None:
+        if routing_data is not None:
+            if not hasattr(routing_data, "n_expts_tot"):  # loud at the first call (boot), never silently unpinned
+                raise RuntimeError(f"pinsidecar oai_triton: this triton_kernels' routing data "
+                                   f"({type(routing_data).__name__}) has no n_expts_tot; the split cannot pin the "
+                                   "unsplit call's tiling. Serve this engine in count mode, or without pin mode")
             routing_data = copy.copy(routing_data)
             routing_data.n_expts_tot = num_experts
         return original(out_dtype, lhs_dtype, rhs_dtype, precision_config, m, n, k, routing_data, *rest)
