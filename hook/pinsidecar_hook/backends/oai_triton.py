@@ -103,8 +103,8 @@ class OAITritonSplit(SplitBackend):
 
     def __init__(self, experts: Any, layer: Any, *, rows_fn: Any = None, reducer: Reducer | None = None,
                  form: str | None = None, num_real: Any = REAL_TOKENS) -> None:
-        """``form``: "unfused" or "fused", for an experts object that is not vLLM's class (the kernel-level check
-        and the tests); otherwise the class says."""
+        """``form``: "unfused", "fused" or "monolithic", for an experts object that is not vLLM's class (the
+        kernel-level check and the tests); otherwise the class says (:func:`oai_triton.kind`)."""
         self._reducer = reducer
         self.rows_fn = rows_fn or oai_triton.tier_rows
         found = form or oai_triton.kind(experts)
