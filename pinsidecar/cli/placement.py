@@ -100,7 +100,7 @@ def _simulate_human(r: dict[str, Any]) -> str:
 
 
 def _prefetch(trace_path: str, map_path: str | None, counts_path: str | None, train_path: str | None,
-              hot_rows: int | None, windows: str, batch: int) -> dict[str, Any]:
+              hot_rows: int | None, predictor: str, windows: str, batch: int) -> dict[str, Any]:
     try:
         window_list = [int(w) for w in windows.split(",") if w.strip()]
     except ValueError:
@@ -116,7 +116,7 @@ def _prefetch(trace_path: str, map_path: str | None, counts_path: str | None, tr
         hot_rows = ranking.fixed_hot_rows
     trace = load_trace(trace_path)
     placement.check_trace_geometry(trace, ranking, trace_path, source)
-    results = [placement.evaluate_prefetch(trace, ranking, hot_rows, "last-step", w, batch).as_dict()
+    results = [placement.evaluate_prefetch(trace, ranking, hot_rows, predictor, w, batch).as_dict()
                for w in window_list]
     return {"trace": trace_path, "tokens": trace.tokens, "layers": trace.num_layers, "num_experts": trace.num_experts,
             "top_k": trace.top_k, "hot_rows": hot_rows, "batch": batch, "hot_from": kind, "hot_source": source,
@@ -182,17 +182,21 @@ def register(main: click.Group) -> None:
     @click.option("--train", "train_path", type=click.Path(dir_okay=False),
                   help="Hot set: each layer's most selected experts in this training trace.")
     @click.option("--hot-rows", type=int, default=None, help="Hot rows per layer (a map brings its own).")
+    @click.option("--predictor", type=click.Choice(placement.PREDICTORS), default="last-step", show_default=True,
+                  help="How each step's cold experts are predicted (last-step: the layer's picks in the last "
+                       "--window steps).")
     @click.option("--window", "windows", default="1,2,4", show_default=True,
                   help="Steps of history the last-step predictor looks back, one figure per value.")
     @click.option("--batch", type=int, default=1, show_default=True, help="Tokens per step.")
     @json_option
     @handle_errors
     def prefetch_cmd(trace: str, map_path: str | None, counts_path: str | None, train_path: str | None,
-                     hot_rows: int | None, windows: str, batch: int, as_json: bool) -> None:
+                     hot_rows: int | None, predictor: str, windows: str, batch: int, as_json: bool) -> None:
         """Replay TRACE against a hot set and predict each step's cold experts from the last steps' choice.
 
         Prints the predictor's recall (the share of cold-expert reads a prefetch would have on their way), its
         precision (the share of prefetched experts the step uses) and, per layer and step, the experts read over
         the link today and with the prefetch.
         """
-        emit(_prefetch(trace, map_path, counts_path, train_path, hot_rows, windows, batch), as_json, _prefetch_human)
+        emit(_prefetch(trace, map_path, counts_path, train_path, hot_rows, predictor, windows, batch), as_json,
+             _prefetch_human)
