@@ -19,7 +19,8 @@ round trip is per layer, so the figure charges one per expert, the worst case), 
 rate at which the CPU tier would break even at the measured efficiency. Timings are medians of interleaved
 repetitions with (min-max); the verdict is the closing note's, from these figures.
 
-Usage: ``python3 bench/cpu_tier.py --out cpu_tier.json`` (needs torch only; ``PYTHONPATH=hook`` for the UVA view).
+Usage: ``PYTHONPATH=hook:. python3 bench/cpu_tier.py --out cpu_tier.json`` (torch only; the path gives the link
+figures the production UVA view and the benches' CUDA-event timing).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,20 +100,10 @@ def cpu_expert_us(pool: int, reps: int, hidden: int, inter: int) -> dict[str, An
     return {str(n): _median_spread(s) for n, s in samples.items()}
 
 
-def _cuda_time(fn: Callable[[], Any], reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1e3)  # us
-    return out
-
-
 def link(expert_bytes: int, reps: int, hidden: int) -> dict[str, Any]:
     from pinsidecar_hook.rehome import device_view_of_pinned
+
+    from bench.gpu_timing import eager_samples_us
 
     pool = 16  # distinct experts, so no read is served from the GPU's L2
     host = torch.ones(pool, expert_bytes // 4, dtype=torch.float32, pin_memory=True)
@@ -130,11 +120,11 @@ def link(expert_bytes: int, reps: int, hidden: int) -> dict[str, Any]:
         i["n"] += 1
 
     for fn in (uva, copy):
-        _cuda_time(fn, 3)
+        eager_samples_us(fn, 3)
     uva_us, copy_us = [], []
-    for _ in range(reps):
-        uva_us += _cuda_time(uva, 1)
-        copy_us += _cuda_time(copy, 1)
+    for _ in range(reps):  # interleaved, one of each a round
+        uva_us += eager_samples_us(uva, 1, warmup=False)
+        copy_us += eager_samples_us(copy, 1, warmup=False)
     trips: dict[str, Any] = {}
     for n in TOKENS:
         x = torch.randn(n, hidden, device="cuda").to(torch.bfloat16)
@@ -146,8 +136,7 @@ def link(expert_bytes: int, reps: int, hidden: int) -> dict[str, Any]:
             torch.cuda.synchronize()  # the host waits for the activations, computes, then sends the result up
             up.copy_(back, non_blocking=True)
 
-        _cuda_time(trip, 3)
-        trips[str(n)] = _median_spread(_cuda_time(trip, reps))
+        trips[str(n)] = _median_spread(eager_samples_us(trip, reps))
     gbps = [expert_bytes / u / 1e3 for u in uva_us]
     return {"link_uva_gbps": _median_spread(gbps), "link_uva_us": _median_spread(uva_us),
             "link_copy_gbps": _median_spread([expert_bytes / u / 1e3 for u in copy_us]),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from pinsidecar_hook.rehome import device_view_of_pinned
 
-__all__ = ["eager_time_us", "graph_time_us", "kernels_launched", "pinned_view"]
+__all__ = ["eager_samples_us", "eager_time_us", "graph_time_us", "kernels_launched", "pinned_view"]
 
 
 def pinned_view(t: torch.Tensor) -> torch.Tensor:
@@ -61,10 +61,12 @@ def graph_time_us(fn: Callable[[], object], inner: int = 100, reps: int = 7) -> 
     return statistics.median(times)
 
 
-def eager_time_us(fn: Callable[[], object], reps: int = 5) -> float:
-    """Median of ``reps`` eager calls of ``fn`` (after one warm-up), timed with CUDA events, in µs."""
-    fn()
-    torch.cuda.synchronize()
+def eager_samples_us(fn: Callable[[], object], reps: int = 5, warmup: bool = True) -> list[float]:
+    """``reps`` eager calls of ``fn`` (after one warm-up unless ``warmup`` is off), each timed with CUDA events, in
+    µs: for callers that interleave several things round by round and keep the spread."""
+    if warmup:
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -73,4 +75,9 @@ def eager_time_us(fn: Callable[[], object], reps: int = 5) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    return times
+
+
+def eager_time_us(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median of ``reps`` eager calls of ``fn`` (after one warm-up), timed with CUDA events, in µs."""
+    return statistics.median(eager_samples_us(fn, reps))

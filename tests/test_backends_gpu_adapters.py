@@ -214,6 +214,9 @@ FAKE_VERSIONS = {"0.26": FakeTritonExperts026, "0.32": FakeTritonExperts032, "0.
                  "0.34": FakeTritonExperts034}
 
 
+_layer = moe.SplitLayerStub.from_tensors  # the pin state a backend is built with
+
+
 def _triton_setup(seed: int):
     g = torch.Generator().manual_seed(seed)
     w1 = (torch.randn(E, 2 * INTER, HIDDEN, generator=g) / 4).to(torch.bfloat16)
@@ -223,26 +226,11 @@ def _triton_setup(seed: int):
     return g, w1, w2, s1, s2
 
 
-class _Layer:
-    """The pin state a backend class is built with (pinsidecar_hook.backends.base.SplitLayer)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> None:
-        self.row_map, self.hot_rows = row_map, hot_rows
-        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
-        self.hot, self.cold = {}, {}
-        for name, t in tensors.items():
-            self.hot[name], self.cold[name] = moe.rehome_weights(t, row_map, hot_rows)
-        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
-        self.cold_counts = torch.zeros(1, dtype=torch.int64)
-        self.token_counts = torch.zeros(1, dtype=torch.int64)
-        self.cache, self.cache_slots = None, 0  # no cache tier
-
-
 def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True,
                       fake: type = FakeTritonExperts, fused_finalize: bool = False,
                       naive_rule: NaiveRule | None = None):
     """The split over a layer re-homed as pin mode re-homes it on CUDA (the cold tier flagged host-resident)."""
-    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
+    layer = _layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
                    row_map, hot_rows)
     mark_host_resident(*layer.cold.values())
     qc = FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))
@@ -337,7 +325,7 @@ def test_triton_split_installed_once_is_the_experts_apply() -> None:
     ref = torch.empty(9, HIDDEN, dtype=torch.bfloat16)
     FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))).apply(
         ref, x, w1, w2, weights, ids, "silu", E, None, None, None, None, workspace2.clone(), None, False)
-    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
+    layer = _layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
                    row_map, hot_rows)
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
     split = te.TritonExpertsSplit(experts, layer, config_fn=lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0]),
@@ -447,7 +435,7 @@ def test_triton_experts_refuses_what_it_cannot_reproduce(monkeypatch: pytest.Mon
     assert not te.a2_scale_is_global(experts)
     g, w1, w2, _s1, _s2 = _triton_setup(3)
     ids, weights, row_map, hot_rows = moe.routing_case(4, 2, E, 0.5, False, g)
-    layer = _Layer({"w13_weight": w1, "w2_weight": w2}, row_map, hot_rows)
+    layer = _layer({"w13_weight": w1, "w2_weight": w2}, row_map, hot_rows)
     split = te.TritonExpertsSplit(experts, layer, fused_finalize=False, naive_rule=None,
                                   config_fn=lambda *a: None, override_fn=lambda c: contextlib.nullcontext())
     experts._lora_context = object()
@@ -541,7 +529,7 @@ def test_phased_split_takes_the_larger_tier_scale_and_equals_unsplit(steps: type
         for j in range(top_k):
             e = int(ids[i, j])
             want[i] += (w2[e] @ q[i * top_k + j]) * s2[e] * weights[i, j]
-    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
+    layer = _layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
                    row_map, hot_rows)
     mark_host_resident(*layer.cold.values())
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
@@ -671,7 +659,7 @@ def test_flashinfer_split_equals_unsplit_and_sums_in_slot_order(top_k, cold_frac
     ref, permuted, idx = _fi_unsplit(x, ids, weights, w1, w2, s1, s2)
     rows_per_slot = permuted[idx.long()]  # dense [T, k, H] through the permute map
     assert torch.equal(ref, _sequential_fma_reference(rows_per_slot, weights))
-    layer = _Layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map,
+    layer = _layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map,
                    hot_rows)
     out = _fi_apply(_fi_split(layer), x, ids, weights)
     assert torch.equal(out, ref) and not torch.isnan(out).any()
@@ -708,7 +696,7 @@ def test_flashinfer_expert_parallel_rank() -> None:
     for r, i in enumerate(hot_local + cold_local):
         row_map[local[i]] = r
     order = torch.tensor(hot_local + cold_local)
-    layer = _Layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map, 3)
+    layer = _layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map, 3)
     assert torch.equal(layer.hot["w13_weight"], w1[local][order[:3]])  # this rank's experts, in the map's order
     assert torch.equal(layer.cold["w2_weight_scale"], s2[local][order[3:]])
     out = _fi_apply(_fi_split(layer), x, ids, weights)
@@ -738,7 +726,7 @@ def test_flashinfer_split_chunks_and_equals_unsplit() -> None:
     not run on hardware."""
     x, ids, weights, row_map, hot_rows, w1, w2, s1, s2 = _fi_setup(8, 7, 4, 0.5, True)
     ref, _, _ = _fi_unsplit(x, ids, weights, w1, w2, s1, s2)
-    layer = _Layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map,
+    layer = _layer({"w13_weight": w1, "w13_weight_scale": s1, "w2_weight": w2, "w2_weight_scale": s2}, row_map,
                    hot_rows)
     experts = _FakeTrtllmExperts(E, max_tokens=3)
     seen: list[dict] = []
@@ -791,7 +779,7 @@ def _sc_geometry(scale_offset: float = 0.0):
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
     owner = SimpleNamespace(quant_method=_QuantMethod(), experts=experts, w13_weight=w1, w2_weight=w2)
     geo = SimpleNamespace(param_owner=owner, experts=experts)
-    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1 + scale_offset,
+    layer = _layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1 + scale_offset,
                     "w2_weight_scale": s2}, row_map, hot_rows)
     return geo, layer, row_map, hot_rows
 
@@ -889,7 +877,7 @@ def test_triton_split_with_a_cache_tier_equals_unsplit_while_the_slots_fill(vers
     top_k, hot_rows, slots = 4, 6, 4
     g, w1, w2, s1, s2 = _triton_setup(top_k)
     tensors = {"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2}
-    layer = _Layer(tensors, torch.arange(E, dtype=torch.int32), E)  # replaced below by the cached layout
+    layer = _layer(tensors, torch.arange(E, dtype=torch.int32), E)  # replaced below by the cached layout
     layer.hot = {n: torch.cat([t[:hot_rows], torch.zeros_like(t[:slots])]) for n, t in tensors.items()}
     layer.cold = {n: t[hot_rows:].clone() for n, t in tensors.items()}
     rows = [*range(hot_rows), *range(hot_rows + slots, E + slots), -1, -1]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from pinsidecar_hook.backends import select_backend
+from pinsidecar_hook.backends import BackendUnavailable, select_backend
 from pinsidecar_hook.backends.base import Tier
 from pinsidecar_hook.backends.oai_triton import OAIRows, OAITritonSplit
 from pinsidecar_hook.vllm_seam import oai_triton
@@ -93,19 +93,7 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-class _Layer:
-    """The pin state a backend is given (SplitLayer), its tiers cut by the test's stand-in for re-homing."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> None:
-        self.row_map, self.hot_rows = row_map, hot_rows
-        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
-        self.hot, self.cold = {}, {}
-        for name, t in tensors.items():
-            self.hot[name], self.cold[name] = moe.rehome_weights(t, row_map, hot_rows)
-        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
-        self.cold_counts = torch.zeros(1, dtype=torch.int64)
-        self.token_counts = torch.zeros(1, dtype=torch.int64)
-        self.cache, self.cache_slots = None, 0
+_layer = moe.SplitLayerStub.from_tensors  # the pin state a backend is given
 
 
 def _experts(tensors: dict[str, torch.Tensor]) -> Any:
@@ -147,7 +135,7 @@ def test_the_split_equals_the_unsplit_rows_and_counts(fake_module: None, cold_fr
     fake_masked_moe_sum(fake_tier_rows("unfused", hidden_states=x, topk_weights=weights, tier_ids=ids.to(torch.int32),
                                        num_experts=E, activation=None, activation_fn=None,
                                        apply_router_weight_on_input=False, **everything), ids, unsplit)
-    layer = _Layer(tensors, row_map, hot_rows)
+    layer = _layer(tensors, row_map, hot_rows)
     calls: list[dict[str, Any]] = []
 
     def recording(form: str, **kw: Any) -> torch.Tensor:
@@ -179,7 +167,7 @@ def test_a_wrong_merge_is_caught(fake_module: None) -> None:
 
     outs = []
     for reducer in (None, HotOnly(hot_rows)):
-        split = OAITritonSplit(_experts(tensors), _Layer(tensors, row_map, hot_rows), rows_fn=fake_tier_rows,
+        split = OAITritonSplit(_experts(tensors), _layer(tensors, row_map, hot_rows), rows_fn=fake_tier_rows,
                                reducer=reducer, form="unfused", num_real=None)
         out = torch.empty(8, HIDDEN, dtype=torch.bfloat16)
         split.apply(out, x, None, None, weights, ids, "swigluoai", E, None, None, None, None, None, None, False)
@@ -250,7 +238,7 @@ def test_auto_refuses_the_monolithic_class_naming_the_flag_and_the_backend() -> 
     which the backend itself does not take either) is refused with the flag and the backend that split it."""
     assert OAITritonSplit.supports(types.SimpleNamespace(), torch.device("cuda")) is not None
     experts = type("OAITritonMxfp4ExpertsMonolithic", (), {})()
-    with pytest.raises(Exception, match="--moe-backend triton_unfused") as info:
+    with pytest.raises(BackendUnavailable, match="--moe-backend triton_unfused") as info:
         select_backend("auto", torch.device("cuda"), experts)
     assert "PINSIDECAR_PIN_BACKEND=oai_triton" in str(info.value)
 
@@ -305,9 +293,9 @@ def test_a_monolithic_layer_is_routed_then_split(fake_module: None) -> None:
     logits = routing_logits(ids, E, torch.bfloat16, g)
     x = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16)
     mono = FakeMonolithic()
-    layer = _Layer(tensors, row_map, hot_rows)
+    layer = _layer(tensors, row_map, hot_rows)
     split = RoutingFakeSplit(_experts(tensors), layer, rows_fn=fake_tier_rows, form="monolithic", num_real=None)
-    assert split.routes and split.form == "fused"
+    assert split.form == "fused"  # the monolithic kernel's arithmetic
     geometry = types.SimpleNamespace(experts=mono, monolithic=True)
     vllm_seam.install_split(geometry, split)
     assert type(mono).__name__ == "PinSplitFakeMonolithic" and vllm_seam.vllm_class(mono) is FakeMonolithic
@@ -320,7 +308,7 @@ def test_a_monolithic_layer_is_routed_then_split(fake_module: None) -> None:
     weights, routed = split.route(logits)
     assert torch.equal(routed, ids)
     want = torch.empty(6, HIDDEN, dtype=torch.bfloat16)
-    modular = OAITritonSplit(_experts(tensors), _Layer(tensors, row_map, hot_rows), rows_fn=fake_tier_rows,
+    modular = OAITritonSplit(_experts(tensors), _layer(tensors, row_map, hot_rows), rows_fn=fake_tier_rows,
                              form="fused", num_real=None)
     modular.apply(want, x, None, None, weights, routed, "swigluoai", E, None, None, None, None, None, None, False)
     assert torch.equal(got, want)
@@ -355,7 +343,10 @@ def test_the_selfcheck_calls_a_monolithic_layer_on_logits_that_route_to_its_case
     monkeypatch.setattr(vllm_seam, "run_layer_monolithic", fake_layer_call)
     monkeypatch.setattr(vllm_seam, "run_layer_experts", modular_call)
     row_map = torch.arange(E, dtype=torch.int32)
-    layer_cases = cases(E, TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, 8, tokens=(1, 7))
+    layer_cases = cases(E, TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"), row_map, 8, tokens=(1, 7),
+                        monolithic=True)
+    assert all(c.router_logits is None for c in cases(E, TOP_K, HIDDEN, torch.bfloat16, torch.device("cpu"),
+                                                      row_map, 8, tokens=(1, 7)))  # modular layers: ids only
     geometry = types.SimpleNamespace(monolithic=True)
     for after, want_equal in ((0.0, True), (1.0, False)):
         checker = SelfCheck()

@@ -295,19 +295,6 @@ def test_expert_parallel_rank_matches_unsplit_with_expert_map() -> None:
     assert not torch.equal(ref, torch_ref.unsplit(x, tensors, weights, ids))  # the non-local slots mattered
 
 
-class _Layer:
-    """The pin state a backend is given (pinsidecar_hook.backends.SplitLayer): per-expert tensors only."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> None:
-        self.row_map, self.hot_rows = row_map, hot_rows
-        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
-        self.hot, self.cold = _tiers(tensors, row_map, hot_rows)
-        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
-        self.cold_counts = torch.zeros(1, dtype=torch.int64)
-        self.token_counts = torch.zeros(1, dtype=torch.int64)
-        self.cache, self.cache_slots = None, 0  # no cache tier
-
-
 def _apply_args(x, weights, ids, a1q_scale=None) -> dict:
     return dict(output=torch.empty_like(x, dtype=torch.float32), hidden_states=x, w1=None, w2=None,
                 topk_weights=weights, topk_ids=ids, activation="silu", global_num_experts=E, expert_map=None,
@@ -321,7 +308,7 @@ def test_the_split_passes_every_per_expert_tensor(fmt: str) -> None:
     g = torch.Generator().manual_seed(11)
     x = torch.randn(12, H, generator=g)
     ids, weights, row_map, hot_rows = moe.routing_case(12, 4, E, 0.5, True, g)
-    layer = _Layer(tensors, row_map, hot_rows)
+    layer = moe.SplitLayerStub(*_tiers(tensors, row_map, hot_rows), row_map, hot_rows)
     apply = torch_ref.TorchRefSplit(object(), layer).apply
     args = _apply_args(x, weights, ids)
     apply(**args)
@@ -338,11 +325,11 @@ def test_the_split_passes_every_per_expert_tensor(fmt: str) -> None:
 def test_the_split_refuses_tiers_it_cannot_split() -> None:
     tensors = _layer("fp8_block")
     _, _, row_map, hot_rows = moe.routing_case(1, 1, E, 0.5, False, torch.Generator().manual_seed(2))
-    layer = _Layer(tensors, row_map, hot_rows)
+    layer = moe.SplitLayerStub(*_tiers(tensors, row_map, hot_rows), row_map, hot_rows)
     layer.cold.pop("w13_weight_scale_inv")
     with pytest.raises(ValueError, match="lacks"):
         torch_ref.TorchRefSplit(object(), layer)
-    layer = _Layer(tensors, row_map, hot_rows)
+    layer = moe.SplitLayerStub(*_tiers(tensors, row_map, hot_rows), row_map, hot_rows)
     layer.hot["w13_awq_zeros"] = torch.zeros(hot_rows, 3, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"w13_awq_zeros \(shape \(8, 3\), dtype torch\.int8\)"):
         torch_ref.TorchRefSplit(object(), layer)

@@ -136,20 +136,6 @@ def test_rehome_weights_puts_each_expert_in_its_row() -> None:
         moe.row_map_tensor(4, [0, 1], [1])
 
 
-class _Layer:
-    """The pin state a backend is given (pinsidecar_hook.backends.SplitLayer), built from a row map."""
-
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, row_map: torch.Tensor, hot_rows: int) -> None:
-        self.row_map, self.hot_rows = row_map, hot_rows
-        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
-        (h13, c13), (h2, c2) = moe.rehome_weights(w13, row_map, hot_rows), moe.rehome_weights(w2, row_map, hot_rows)
-        self.hot, self.cold = {"w13_weight": h13, "w2_weight": h2}, {"w13_weight": c13, "w2_weight": c2}
-        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
-        self.cold_counts = torch.zeros(1, dtype=torch.int64)
-        self.token_counts = torch.zeros(1, dtype=torch.int64)
-        self.cache, self.cache_slots = None, 0  # no cache tier
-
-
 def _vllm_apply_args(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str = "silu",
                      on_input: bool = False) -> dict:
     return dict(output=torch.empty_like(x), hidden_states=x, w1=None, w2=None, topk_weights=weights, topk_ids=ids,
@@ -165,7 +151,7 @@ def test_the_split_stands_in_for_the_experts_apply_and_counts() -> None:
     w13, w2 = _weights(torch.float32)
     x = torch.randn(12, HIDDEN, generator=g)
     ids, weights, row_map, hot_rows = moe.routing_case(12, 4, NUM_EXPERTS, 0.5, True, g)
-    layer = _Layer(w13, w2, row_map, hot_rows)
+    layer = moe.SplitLayerStub.from_tensors({"w13_weight": w13, "w2_weight": w2}, row_map, hot_rows)
     apply = torch_ref.TorchRefSplit(object(), layer).apply
     args = _vllm_apply_args(x, weights, ids)
     apply(**args)

@@ -114,9 +114,10 @@ def test_triton_experts_split_counts_only_real_rows() -> None:
         FakeDesc,
         FakeQuantConfig,
         FakeTritonExperts,
-        _Layer,
+        _layer,
         _triton_setup,
     )
+
 
     g, w1, w2, s1, s2 = _triton_setup(7)
     row_map = torch.randperm(16, generator=g).to(torch.int32)
@@ -124,7 +125,7 @@ def test_triton_experts_split_counts_only_real_rows() -> None:
     weights = torch.full((6, K), 1.0 / K)
     x = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16)
     experts = FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2)))
-    layer = _Layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2}, row_map, 16)
+    layer = _layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2}, row_map, 16)
     split = te.TritonExpertsSplit(experts, layer, num_real=torch.tensor([4]), fused_finalize=False, naive_rule=None,
                                   config_fn=lambda *a: {"BLOCK_SIZE_K": 16},
                                   override_fn=lambda c: contextlib.nullcontext())

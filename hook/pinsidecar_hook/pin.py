@@ -452,7 +452,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
             hidden = geo.hidden_size or int(geo.param_owner.w2_weight.shape[1])
             check = checker.before(geo, ref.layer_id, selfcheck_cases(
                 emap.num_experts, geo.top_k, hidden, geo.act_dtype or torch.bfloat16, device, row_map,
-                hbm_rows, seed=ref.layer_id, tokens=checker.tokens))
+                hbm_rows, seed=ref.layer_id, tokens=checker.tokens, monolithic=geo.monolithic))
         backend.before_rehome(geo.experts, geo.param_owner)
         rehomed = rehome_layer(geo.param_owner, names_by_layer[ref.name], hot_local, cold_local, ledger,
                                aliases=facts.aliases_by_layer.get(ref.name), slot_rows=slots)

@@ -95,10 +95,12 @@ def _distinct_ids(scores: torch.Tensor, top_k: int, gen: torch.Generator) -> tor
 
 
 def cases(num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device,
-          row_map: torch.Tensor, hot_rows: int, seed: int = 0, tokens: tuple[int, ...] = TOKENS) -> list[Case]:
+          row_map: torch.Tensor, hot_rows: int, seed: int = 0, tokens: tuple[int, ...] = TOKENS,
+          monolithic: bool = False) -> list[Case]:
     """The routing cases of one layer (module docstring), one per kind and size in ``tokens``. Ids are in
     ``[0, num_experts)``; experts not on this rank (row map -1) are avoided, as vLLM's expert-parallel routing would
-    never send them here unmapped."""
+    never send them here unmapped. ``monolithic``: the layer routes inside its kernel, so each case also carries
+    router logits that route to its ids."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows = row_map.to("cpu", torch.int64)
     local = rows >= 0
@@ -127,7 +129,7 @@ def cases(num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, device:
             weights = torch.softmax(logits, dim=-1)
             x = (torch.randn(size, hidden, generator=gen) * 0.5).to(dtype)
             out.append(Case(kind, x, weights, ids.to(torch.int32), torch.device(device),
-                            routing_logits(ids, num_experts, dtype, gen)))
+                            routing_logits(ids, num_experts, dtype, gen) if monolithic else None))
     return out
 
 

@@ -41,6 +41,30 @@ def rehome_weights(weights: torch.Tensor, row_map: torch.Tensor, hot_rows: int) 
     return ordered[:hot_rows].clone(), ordered[hot_rows:].clone()
 
 
+class SplitLayerStub:
+    """The pin state a backend is given in an engine (:class:`pinsidecar_hook.backends.SplitLayer`: a row map, the
+    two tiers' per-expert tensors, the live counters on the CPU, no cache tier), for backend tests without one.
+    Build it from the tiers, or with :meth:`from_tensors` from a layer's tensors cut by the row map."""
+
+    def __init__(self, hot: dict[str, torch.Tensor], cold: dict[str, torch.Tensor], row_map: torch.Tensor,
+                 hot_rows: int) -> None:
+        self.row_map, self.hot_rows = row_map, hot_rows
+        self.cold_rows = int((row_map >= 0).sum()) - hot_rows
+        self.hot, self.cold = hot, cold
+        self.expert_counts = torch.zeros(row_map.shape[0], dtype=torch.int64)
+        self.cold_counts = torch.zeros(1, dtype=torch.int64)
+        self.token_counts = torch.zeros(1, dtype=torch.int64)
+        self.cache, self.cache_slots = None, 0
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], row_map: torch.Tensor, hot_rows: int) -> SplitLayerStub:
+        """Every tensor of ``tensors`` (dim 0 = experts) cut into the tiers by :func:`rehome_weights`."""
+        hot, cold = {}, {}
+        for name, t in tensors.items():
+            hot[name], cold[name] = rehome_weights(t, row_map, hot_rows)
+        return cls(hot, cold, row_map, hot_rows)
+
+
 def routing_case(
     num_tokens: int,
     top_k: int,

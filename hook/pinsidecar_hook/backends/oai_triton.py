@@ -110,11 +110,13 @@ class OAITritonSplit(SplitBackend):
         found = form or oai_triton.kind(experts)
         if found not in ("unfused", "fused", "monolithic"):
             raise UnsupportedSplit(f"not an OAI Triton experts object: {type(experts).__name__}")
-        self.routes = found == "monolithic"
-        self.form = "fused" if self.routes else found  # the monolithic kernel's arithmetic is the fused class's
+        self.form = "fused" if found == "monolithic" else found  # the monolithic kernel's arithmetic is the fused one
         super().__init__(experts, layer, num_real=num_real)
         self.local_experts = layer.hot_rows + layer.cold_rows
-        templates = getattr(experts, "_pinsidecar_oai_templates", None) or {}
+        templates = getattr(experts, "_pinsidecar_oai_templates", None)
+        if templates is None:
+            raise UnsupportedSplit("OAI Triton split: built before before_rehome kept vLLM's weight tensors, whose "
+                                   "layout the tier tensors need")
         qc = experts.quant_config
         self.tier_args = {tier.name: self._tier_args(tier, templates, qc) for tier in (self.hot, self.cold)}
 
@@ -125,9 +127,7 @@ class OAITritonSplit(SplitBackend):
         t = tier.tensors
         args: dict[str, Any] = {"w1_bias": t.get("w13_bias"), "w2_bias": t.get("w2_bias")}
         for w, name, precision in (("w1", "w13", qc.w1_precision), ("w2", "w2", qc.w2_precision)):
-            weight = t[f"{name}_weight"].data
-            template = templates.get(f"{name}_weight")
-            args[w] = weight if template is None else oai_triton.tier_tensor(template, weight)
+            args[w] = oai_triton.tier_tensor(templates[f"{name}_weight"], t[f"{name}_weight"].data)
             scale = oai_triton.tier_tensor(precision.weight_scale, t[f"{name}_weight_scale"].data)
             args[f"{w}_precision"] = oai_triton.precision_with_scale(precision, scale)
         return args
