@@ -4,7 +4,9 @@ A refusal at attach names the class vLLM chose, the formats it serves, and the v
 class pinsidecar *does* split (with the guarantee it gets there), or says that none does yet and count mode is
 what works. Read in vLLM 0.34.0's oracles (``model_executor/layers/fused_moe/oracle/``) for one SM90 GPU with a
 default install; the flag is ``--moe-backend`` (``config/kernel.py:122``, ``MoEBackend``), which every oracle maps
-to its own backend list (e.g. ``oracle/mxfp4.py:385``, ``"triton_unfused": [TRITON_UNFUSED]``).
+to its own backend list (e.g. ``oracle/mxfp4.py:385``, ``"triton_unfused": [TRITON_UNFUSED]``), or, for Humming, the
+environment variable ``VLLM_BATCH_INVARIANT=1``, which keeps the class and turns off the one thing in it a split cannot
+reproduce (stream-K, :mod:`pinsidecar_hook.vllm_seam.humming`).
 
 Torch-free data: the hook's refusal message and ``docs/backends.md``'s table read the same rows.
 """
@@ -33,9 +35,11 @@ KNOWN_UNSPLIT: dict[str, UnsplitClass] = {
         "this class and set PINSIDECAR_PIN_BACKEND=oai_triton, which routes as the kernel does, then splits (neither "
         "has run on a GPU yet, so auto picks neither). Count mode counts either"),
     "HummingIndexedExperts": UnsplitClass(
-        "GPTQ/AWQ int4 and NVFP4 on SM90 (prioritize_humming)", "--moe-backend marlin",
-        "MarlinExperts for int4 (split by the marlin_experts backend, not bit-identical: PINSIDECAR_PIN_BACKEND="
-        "marlin_experts runs it with a warning); no split for NVFP4 yet, count mode"),
+        "GPTQ/AWQ int4 and NVFP4 on SM90 (prioritize_humming)", "VLLM_BATCH_INVARIANT=1",
+        "the same class with stream-K off in every tuning range, which the humming backend splits bit for bit by "
+        "design (PINSIDECAR_PIN_BACKEND=humming; not yet run on a GPU, so auto does not pick it; vLLM's batch-"
+        "invariant mode slows its other kernels too); or boot with --moe-backend marlin for MarlinExperts (int4: "
+        "split by marlin_experts, not bit-identical). Count mode counts it as it is"),
     "FlashInferExperts": UnsplitClass(
         "FP8 block with expert parallel; compressed-tensors static FP8", "--moe-backend triton",
         "TritonExperts, split bit-identical by triton_experts"),

@@ -32,6 +32,7 @@ BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry("triton_experts", "pinsidecar_hook.backends.triton_experts", "TritonExpertsSplit", ("triton",)),
     BackendEntry("marlin_experts", "pinsidecar_hook.backends.marlin_experts", "MarlinExpertsSplit", ("marlin",)),
     BackendEntry("oai_triton", "pinsidecar_hook.backends.oai_triton", "OAITritonSplit", ("oai",)),
+    BackendEntry("humming", "pinsidecar_hook.backends.humming", "HummingSplit"),
     BackendEntry("flashinfer_trtllm", "pinsidecar_hook.backends.flashinfer_trtllm", "FlashinferTrtllmSplit",
                  ("flashinfer",)),
     BackendEntry("torch_ref", "pinsidecar_hook.backends.torch_ref", "TorchRefSplit", ("torch",)),

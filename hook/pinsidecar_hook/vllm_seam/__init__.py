@@ -18,13 +18,14 @@ What is here, by room:
 - one module per kernel family, for its backend: :mod:`~pinsidecar_hook.vllm_seam.triton` (``TritonExperts``),
   :mod:`~pinsidecar_hook.vllm_seam.marlin` (``MarlinExperts``), :mod:`~pinsidecar_hook.vllm_seam.flashinfer`
   (FlashInfer's TRT-LLM MXFP4 experts), :mod:`~pinsidecar_hook.vllm_seam.oai_triton` (gpt-oss's modular MXFP4
-  Triton experts), :mod:`~pinsidecar_hook.vllm_seam.cpu` (the CPU engine's
+  Triton experts), :mod:`~pinsidecar_hook.vllm_seam.humming` (``HummingIndexedExperts``: int4 and NVFP4 on SM90),
+  :mod:`~pinsidecar_hook.vllm_seam.cpu` (the CPU engine's
   ``cpu_fused_moe``), and :mod:`~pinsidecar_hook.vllm_seam.monolithic` (count mode's routing probes for kernels
   that route inside themselves, gpt-oss's MXFP4 Triton kernel). Each says which vLLM versions it was read against
   and tells them apart by vLLM's own code (a signature, a function that exists), not by the version string.
 """
 
-from pinsidecar_hook.vllm_seam import cpu, flashinfer, marlin, monolithic, oai_triton, triton
+from pinsidecar_hook.vllm_seam import cpu, flashinfer, humming, marlin, monolithic, oai_triton, triton
 from pinsidecar_hook.vllm_seam._common import (
     PINSIDECAR_CLASS,
     MoEGeometry,
