@@ -125,6 +125,19 @@ QUANT_ENGINE_ARGS: dict[str, list[str]] = {"bf16": [], "fp8-block": [], "fp8-onl
 # (mxfp4: oai_triton, which splits the engine only when booted with --moe-backend triton_unfused, GPU_LANE_VLLM_ARGS;
 # the default monolithic kernel is refused at attach, naming that flag)
 PIN_BACKEND: dict[str, str] = {"gptq-int4": "marlin_experts", "awq-int4": "marlin_experts", "mxfp4": "oai_triton"}
+
+
+def pin_backend(quant: str) -> str:
+    """The pin backend of a lane: ``GPU_LANE_PIN_BACKEND`` (``quant=backend,...``: e.g. ``awq-int4=humming`` for
+    vLLM 0.34 with humming-kernels, booted with ``VLLM_BATCH_INVARIANT=1``) over :data:`PIN_BACKEND`, else auto."""
+    chosen = dict(PIN_BACKEND)
+    for pair in filter(None, os.environ.get("GPU_LANE_PIN_BACKEND", "").split(",")):
+        q, sep, backend = pair.partition("=")
+        if not sep or not backend:
+            raise SystemExit(f"GPU_LANE_PIN_BACKEND: {pair!r} is not quant=backend")
+        chosen[q.strip()] = backend.strip()
+    return chosen.get(quant, "auto")
+
 FP8_BLOCK = 128  # the checkpoint's weight block (both dimensions)
 GPTQ_GROUP = 128  # GPTQ group along the input dimension
 GPTQ_PACK = 8  # int4 values per int32
@@ -431,7 +444,7 @@ def engine_for(lane: Lane, name: str, layout: dict[str, Any], mode: str = "off",
     hook_files.mkdir(parents=True, exist_ok=True)
     hook = None
     if mode != "off":
-        hook = _hook_config(mode, hook_files, map_path, lane.selfcheck, PIN_BACKEND.get(lane.quant, "auto"))
+        hook = _hook_config(mode, hook_files, map_path, lane.selfcheck, pin_backend(lane.quant))
     env = {"VLLM_CACHE_ROOT": str(lane.work / "vllm-cache")}
     if mode == "pin" and lane.selfcheck:
         env[SELFCHECK_ENV] = "1"

@@ -84,6 +84,22 @@ def test_quant_engine_args_and_report_names() -> None:
     assert {q for q in gpu_lane.CHECKPOINT_QUANT.values() if q} <= set(QUANT_METHODS)
 
 
+def test_pin_backend_per_lane_and_its_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane pins with its named backend or auto; GPU_LANE_PIN_BACKEND overrides per quant (the Humming lane on
+    vLLM 0.34), and a malformed pair stops the run with what is wrong."""
+    from pinsidecar_hook.contract.backends import PIN_BACKENDS
+
+    monkeypatch.delenv("GPU_LANE_PIN_BACKEND", raising=False)
+    assert gpu_lane.pin_backend("bf16") == "auto" and gpu_lane.pin_backend("mxfp4") == "oai_triton"
+    assert set(gpu_lane.PIN_BACKEND.values()) <= set(PIN_BACKENDS)
+    monkeypatch.setenv("GPU_LANE_PIN_BACKEND", "awq-int4=humming, nvfp4=humming")
+    assert gpu_lane.pin_backend("awq-int4") == "humming" == gpu_lane.pin_backend("nvfp4")
+    assert gpu_lane.pin_backend("gptq-int4") == "marlin_experts"
+    monkeypatch.setenv("GPU_LANE_PIN_BACKEND", "humming")
+    with pytest.raises(SystemExit, match="'humming' is not quant=backend"):
+        gpu_lane.pin_backend("awq-int4")
+
+
 def test_engine_args_per_quant(tmp_path: Path) -> None:
     """What each engine of a quantized lane is started with, read from its spec (nothing is started)."""
     lane = _lane(tmp_path, "fp8-online", selfcheck=True, vllm_args=["--moe-backend", "triton"])
