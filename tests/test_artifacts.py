@@ -178,6 +178,17 @@ def test_pin_backend_accepts_canonical_names_and_short_aliases() -> None:
     assert A.HookConfig(backend="triton").backend == "triton_experts"
 
 
+def test_the_tier_overlap_travels_from_the_engine_table_to_the_hook() -> None:
+    from pinsidecar.engine.spec import EngineConfig
+
+    assert not A.HookConfig.from_env({}).overlap_tiers
+    on = A.HookConfig.from_env({A.ENV["overlap_tiers"]: "1"})
+    assert on.overlap_tiers and A.HookConfig.from_env(on.to_env()).overlap_tiers
+    assert A.ENV["overlap_tiers"] not in A.HookConfig().to_env()
+    hook = EngineConfig(hook_mode="pin", map=None, pin_overlap=True).hook_config(Path("/state"), Path("/m.json"))
+    assert hook is not None and hook.overlap_tiers and hook.to_env()["PINSIDECAR_PIN_OVERLAP"] == "1"
+
+
 def test_bad_pin_backend_fails_at_config_time_listing_the_accepted_names() -> None:
     with pytest.raises(A.HookConfigError) as info:
         A.HookConfig.from_env({A.ENV["mode"]: "pin", A.ENV["map_path"]: "/m.json", A.ENV["backend"]: "cuda"})

@@ -228,8 +228,10 @@ def _triton_setup(seed: int):
 
 def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin: bool = True,
                       fake: type = FakeTritonExperts, fused_finalize: bool = False,
-                      naive_rule: NaiveRule | None = None):
-    """The split over a layer re-homed as pin mode re-homes it on CUDA (the cold tier flagged host-resident)."""
+                      naive_rule: NaiveRule | None = None, overlap: bool = False):
+    """The split over a layer re-homed as pin mode re-homes it on CUDA (the cold tier flagged host-resident);
+    ``overlap``: the tiers as PINSIDECAR_PIN_OVERLAP runs them (on the CPU: the cold call first, in buffers of its
+    own)."""
     layer = _layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
                    row_map, hot_rows)
     mark_host_resident(*layer.cold.values())
@@ -240,6 +242,7 @@ def _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, *, pin
         config_fn=(lambda ex, w1s, w2s, k, dt, m: default_config(w1s[0])) if pin else (lambda *a: None),
         override_fn=fake_override_config if pin else (lambda c: contextlib.nullcontext()),
     )
+    split.overlap = overlap
     num_tokens, top_k = ids.shape
     out = torch.empty(num_tokens, HIDDEN, dtype=x.dtype)
     workspace2 = torch.empty(num_tokens, top_k, max(2 * INTER, HIDDEN), dtype=x.dtype)
@@ -267,10 +270,36 @@ def test_triton_experts_split_equals_unsplit_bitwise(top_k: int, cold_fraction: 
                   torch.empty(9, top_k, 2 * INTER, dtype=torch.bfloat16), None, False)
     out, experts, counts, cold = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, fake=fake)
     assert torch.equal(out, ref)
+    overlapped, *_ = _run_triton_split(w1, w2, s1, s2, x, weights, ids, row_map, hot_rows, fake=fake, overlap=True)
+    assert torch.equal(overlapped, ref)
     assert not torch.isnan(out).any()
     assert all(c == unsplit.configs_used[0] for c in experts.configs_used)  # config pinned for both calls
     assert len(experts.configs_used) == (2 if hot_rows < E else 1)
     assert int(counts.sum()) == 9 * top_k and int(cold) == int((row_map.long()[ids] >= hot_rows).sum())
+
+
+def test_the_overlapped_cold_call_writes_only_buffers_of_its_own() -> None:
+    """With PINSIDECAR_PIN_OVERLAP the cold call runs on a side stream while the hot one runs: it gets its own
+    workspace13 and output, allocated before the fork, and fork_join queues it first (on the CPU, runs it first)."""
+    from pinsidecar_hook.backends.base import ExpertsCall
+    from pinsidecar_hook.backends.streams import fork_join
+
+    g, w1, w2, s1, s2 = _triton_setup(4)
+    ids, weights, row_map, hot_rows = moe.routing_case(3, 4, E, 0.5, True, g)
+    layer = _layer({"w13_weight": w1, "w2_weight": w2, "w13_weight_scale": s1, "w2_weight_scale": s2},
+                   row_map, hot_rows)
+    split = te.TritonExpertsSplit(FakeTritonExperts(FakeQuantConfig(FakeDesc(scale=s1), FakeDesc(scale=s2))), layer)
+    call = ExpertsCall(torch.empty(3, HIDDEN), torch.zeros(3, HIDDEN), weights, ids, "silu", E, None, None, None,
+                       torch.empty(64), torch.empty(64), None, False)
+    side = split.side_call(call)
+    for name in ("output", "workspace13"):
+        mine, theirs = getattr(side, name), getattr(call, name)
+        assert mine.shape == theirs.shape and mine.data_ptr() != theirs.data_ptr()
+    assert side.workspace2 is call.workspace2 and side.topk_ids is call.topk_ids  # the cold tier's ws2 is its own
+    order: list[str] = []
+    assert fork_join(lambda: order.append("main") or 1, lambda: order.append("side") or 2,
+                     torch.device("cpu")) == (1, 2)
+    assert order == ["side", "main"]
 
 
 @pytest.mark.parametrize("version", sorted(FAKE_VERSIONS))

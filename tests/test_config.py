@@ -312,7 +312,8 @@ def test_every_problem_of_a_file_comes_in_one_pass(tmp_path: Path, model_dir: Pa
         "engine.port: expected an integer 1-65535, got '8251' (write it without quotes: port = 8251)",
         "engine.colour: unknown key (allowed in [engine]: counts_path, env, extra_args, "
         "hook_mode, host, launcher, log_path, map, model, port, python, served_model_name, workload; in "
-        "[engine.advanced]: pin_backend, ready_timeout_s, stats_path, stop_timeout_s; in [engine.vllm]: dtype, "
+        "[engine.advanced]: pin_backend, pin_overlap, ready_timeout_s, stats_path, stop_timeout_s; in [engine.vllm]: "
+        "dtype, "
         "enable-prefix-caching, enforce-eager, kv-cache-memory-bytes, max-model-len, shutdown-timeout, and any "
         "other vLLM flag)",
         "bogus: unknown section (allowed: engine, container, supervisor, gate, control, metrics, maps, daemon, "

@@ -471,6 +471,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
             except ValueError as exc:
                 raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
         split = backend(geo.experts, pin)
+        split.overlap = cfg.overlap_tiers and backend.OVERLAP
         pin.row_map_listeners.append(split.refresh)  # an in-place apply flips the row map: the split follows
         vllm_seam.install_split(geo, split)
         if check is not None:
@@ -490,6 +491,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         "predicted_cold_rate": emap.predicted_cold_rate,
         "peak_extra_bytes": dict(ledger.peak), "peak_extra_total_bytes": ledger.peak_total,
         "backend_verified": backend.VERIFIED, "backend_guarantee": backend.GUARANTEE,
+        "overlap_tiers": cfg.overlap_tiers and backend.OVERLAP,
         "expert_bytes": facts.expert_bytes,
         "tensors": [f.describe() for f in facts.first_fates],
     }

@@ -140,6 +140,8 @@ class EngineConfig:
     workload: str = ""  # count mode: the label written into the counts
     # pin mode's split backend (PINSIDECAR_PIN_BACKEND); checked on load. "auto" picks by device.
     pin_backend: str = field(default="auto", metadata=ADVANCED)
+    # pin mode: each layer's cold tier on a side stream while its hot tier runs (PINSIDECAR_PIN_OVERLAP); same bits
+    pin_overlap: bool = field(default=False, metadata=ADVANCED)
     # Bounded waits: how long a boot may take until it serves, and a stop until it is killed.
     ready_timeout_s: float = field(default=DEFAULT_READY_TIMEOUT_S, metadata={POSITIVE: True, **ADVANCED})
     stop_timeout_s: float = field(default=60.0, metadata={POSITIVE: True, **ADVANCED})
@@ -158,6 +160,7 @@ class EngineConfig:
             stats_path=self.stats_path or state_dir / "stats.json",
             workload=self.workload,
             backend=self.pin_backend,
+            overlap_tiers=self.pin_overlap,
         )
 
 

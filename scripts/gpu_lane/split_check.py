@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -152,7 +153,9 @@ def split_identity(quick: bool) -> dict[str, Any]:
             expert_counts=torch.zeros(EXPERTS, dtype=torch.int64, device="cuda"),
             cold_counts=torch.zeros(1, dtype=torch.int64, device="cuda"),
             token_counts=torch.zeros(1, dtype=torch.int64, device="cuda"), cache=None, cache_slots=0)
-        split_apply = te.TritonExpertsSplit(experts, layer).apply
+        split = te.TritonExpertsSplit(experts, layer)
+        split.overlap = os.environ.get("SPLIT_CHECK_OVERLAP") == "1"  # the cold tier on a side stream
+        split_apply = split.apply
         for t in tokens:
             x = (torch.randn(t, HIDDEN, generator=g)).to(torch.bfloat16).cuda()
             ids, weights = _routing(t, row_map, len(hot_ids), adversarial, g)

@@ -11,8 +11,10 @@ replaces vLLM's experts call for one layer; it is the same for every backend and
 2. **tiers** (the kernel family's :meth:`SplitBackend.run_tier`): one call of the family's kernel per tier, which
    returns that tier's per-(token, slot) rows, dense ``[T, k, H]`` or permuted with an index per slot, weighted by
    the router or not (the family's reducer knows which). :meth:`SplitBackend.run_tiers` schedules the two calls
-   (hot, then cold when there are cold rows); a family overrides it only when the two calls are not independent
-   (Triton's phased FP8 path, CPU's one flat buffer, the torch reference's side stream);
+   (hot, then cold when there are cold rows; with ``overlap``, for a family whose two calls are independent
+   (``OVERLAP``), the cold call on a side stream concurrently with the hot one, :mod:`.streams`); a family
+   overrides it only when the two calls are not independent (Triton's phased FP8 path, CPU's one flat buffer,
+   Humming's shared buffers, the torch reference's own rows);
 3. **reduce** (a :class:`Reducer` chosen once, at attach, by :meth:`SplitBackend.choose_reducer`): each token's k
    rows into ``output``, once, in slot order, in the family's own arithmetic (fp32, one cast).
 
@@ -46,6 +48,7 @@ from typing import Any, ClassVar, Literal, Protocol, final, get_args
 import torch
 
 from pinsidecar_hook import vllm_seam
+from pinsidecar_hook.backends.streams import fork_join
 from pinsidecar_hook.backends.tiers import tier_expert_maps
 from pinsidecar_hook.kernels.partition import partition
 
@@ -228,6 +231,9 @@ class SplitBackend(abc.ABC):
     # logits): :meth:`route` computes the ids and weights the kernel would, then the three stages run as for a
     # modular call (:meth:`apply_routed`).
     ROUTES: ClassVar[bool] = False
+    # The two tier calls are independent once each has its own buffers (:meth:`side_call`), so the cold one may run
+    # on a side stream while the hot one runs (``self.overlap``, set by pin mode from ``PINSIDECAR_PIN_OVERLAP``).
+    OVERLAP: ClassVar[bool] = False
 
     def __init__(self, experts: Any, layer: SplitLayer, *, num_real: Any = REAL_TOKENS) -> None:
         """``num_real``: the real-token scalar that masks CUDA-graph padding out of the counters (default: the
@@ -248,6 +254,7 @@ class SplitBackend(abc.ABC):
             layer.cache.tier_maps = (self.hot_map, self.cold_map)  # the fused CUDA step updates them with the row map
         self.hot = Tier("hot", layer.hot, layer.hot_rows, 0, self.hot_map)
         self.cold = Tier("cold", layer.cold, layer.cold_rows, layer.hot_rows, self.cold_map)
+        self.overlap = False  # pin mode turns it on for an OVERLAP family when asked (PINSIDECAR_PIN_OVERLAP)
         self.key = next(_KEYS)
         _BACKENDS[self.key] = self
         self.reducer = self.choose_reducer()
@@ -283,11 +290,22 @@ class SplitBackend(abc.ABC):
         """One tier's call of the family's kernel: its rows (see :class:`Rows`)."""
 
     def run_tiers(self, call: ExpertsCall, part: Partition) -> TierRows:
-        """Both tiers' calls: hot, then cold when the layer has cold rows. Overridden only where the two calls
-        depend on each other or share a buffer."""
-        hot = self.run_tier(self.hot, call, part)
-        cold = self.run_tier(self.cold, call, part) if self.cold.rows > 0 else None
-        return TierRows(hot, cold)
+        """Both tiers' calls: hot, then cold when the layer has cold rows; with ``overlap`` (on CUDA), the cold call
+        on the side stream concurrently with the hot one (:func:`.streams.fork_join`), given buffers of its own before
+        the fork (:meth:`side_call`). Overridden only where the two calls depend on each other or share a buffer."""
+        if self.cold.rows == 0:
+            return TierRows(self.run_tier(self.hot, call, part))
+        if self.overlap:  # on the CPU fork_join runs the side call first, then the main one: the same buffers
+            cold_call = self.side_call(call)
+            hot, cold = fork_join(lambda: self.run_tier(self.hot, call, part),
+                                  lambda: self.run_tier(self.cold, cold_call, part), call.output.device)
+            return TierRows(hot, cold)
+        return TierRows(self.run_tier(self.hot, call, part), self.run_tier(self.cold, call, part))
+
+    def side_call(self, call: ExpertsCall) -> ExpertsCall:
+        """The call as the cold tier runs it on the side stream: with buffers of its own for whatever the hot call
+        also writes (vLLM's workspaces), allocated here, before the fork. The default shares nothing to replace."""
+        return call
 
     def check_call(self, call: ExpertsCall) -> None:
         """Raise :class:`UnsupportedSplit` for a call the split cannot reproduce (what only shows while serving)."""

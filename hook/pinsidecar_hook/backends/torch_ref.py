@@ -74,6 +74,7 @@ from pinsidecar_hook.backends.base import (
     TierRows,
 )
 from pinsidecar_hook.backends.reduce import SlotOrderFinalize
+from pinsidecar_hook.backends.streams import fork_join
 from pinsidecar_hook.kernels.dequant import (
     FP8_DTYPES,
     PER_EXPERT_TENSORS,
@@ -113,7 +114,6 @@ SPLIT_TENSORS = PER_EXPERT_TENSORS
 REQUIRED_TENSORS: tuple[str, ...] = ()
 # Run the cold call on a side stream, concurrently with the hot one, on CUDA (module docstring).
 OVERLAP_DEFAULT = True
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 _UNQUANTIZED = QuantScheme()
 # gpt-oss's SwiGLU constants: vLLM's SwigluOAIAndMul defaults (model_executor/layers/activation.py:481) and the
 # gemm1_alpha / gemm1_beta (the "+ 1") / swiglu_limit its mxfp4 method passes (quantization/mxfp4.py:430-432).
@@ -345,13 +345,6 @@ def split_rows(
     return _split_rows(x, _tier(w13_hot, w2_hot), _tier(w13_cold, w2_cold), hot_ids, cold_ids)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def _split_tiers(x: torch.Tensor, hot: _Tier, cold: _Tier, hot_ids: torch.Tensor, cold_ids: torch.Tensor, *,
                  impl: str, overlap: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     if cold.num_rows == 0:
@@ -359,22 +352,20 @@ def _split_tiers(x: torch.Tensor, hot: _Tier, cold: _Tier, hot_ids: torch.Tensor
     if not (overlap and x.is_cuda):
         return _rows(x, hot, hot_ids, impl), _rows(x, cold, cold_ids, impl)
     num_tokens, top_k = cold_ids.shape
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
     if impl == "loop":
         cold_rows = x.new_zeros((num_tokens, top_k, x.shape[-1]))
         cold_out = cold_rows
     else:
         cold_out = x.new_empty((num_tokens * top_k + 1, x.shape[-1]))
         cold_rows = cold_out[: num_tokens * top_k].view(num_tokens, top_k, x.shape[-1])
-    side.wait_stream(main)  # fork: the cold call sees x and the ids
-    with torch.cuda.stream(side):  # dequantized cold weights, if any, are made and used on the side stream only
+
+    def cold_call() -> None:  # dequantized cold weights, if any, are made and used on the side stream only
         if impl == "loop":
             _expert_rows(x, cold, cold_ids, out=cold_out)
         else:
             grouped_experts(x, *cold.dense(x.dtype), cold_ids, cold_out, impl)
-    hot_rows = _rows(x, hot, hot_ids, impl)
-    main.wait_stream(side)  # join: the finalize reads the cold rows after the cold call
+
+    hot_rows, _ = fork_join(lambda: _rows(x, hot, hot_ids, impl), cold_call, x.device)
     return hot_rows, cold_rows
 
 

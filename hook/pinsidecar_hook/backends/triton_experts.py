@@ -168,6 +168,7 @@ class TritonExpertsSplit(SplitBackend):
     NAME = "triton_experts"
     CACHE = True  # one fused launch a step (pinsidecar_hook.kernels.cache_plan); run in vLLM 0.26 on an H100
     TIER_MAPS = True
+    OVERLAP = True  # each tier has its own experts object, rows and workspaces (side_call); not the phased path
     SPLIT_TENSORS = ("w13_weight", "w2_weight", *_QUANT_FIELD_OF)
     SHARED_TENSORS = ("w13_input_scale", "w2_input_scale")
 
@@ -263,6 +264,14 @@ class TritonExpertsSplit(SplitBackend):
                     global_num_experts=self.global_num_experts, a1q_scale=call.a1q_scale, a2_scale=call.a2_scale,
                     expert_tokens_meta=call.expert_tokens_meta,
                     apply_router_weight_on_input=call.apply_router_weight_on_input)
+
+    def side_call(self, call: ExpertsCall) -> ExpertsCall:
+        """The cold call on the side stream gets its own ``workspace13`` (GEMM1's output and GEMM2's input, which
+        the hot call writes too) and its own ``output`` (never written by a tier object, which keeps its rows, but
+        it is vLLM's to touch); its ``workspace2`` is its own already (:meth:`_workspaces`)."""
+        fresh = {name: torch.empty_like(t) for name in ("output", "workspace13")
+                 if (t := getattr(call, name)) is not None}
+        return dataclasses.replace(call, **fresh)
 
     def _workspaces(self, tier: Tier, call: ExpertsCall) -> tuple[Any, Any]:
         """The hot call's rows are a view of ``workspace2`` and must survive the cold call: it gets its own."""

@@ -40,6 +40,9 @@ ENV = {
     # 1: at attach, compare every layer's split with vLLM's unsplit call on generated routing, bit for bit, and
     # report it (engine log, stats meta "selfcheck"); a few forwards per layer at boot, nothing while serving.
     "selfcheck": "PINSIDECAR_PIN_SELFCHECK",
+    # 1: run each layer's cold tier on a side stream while its hot tier runs (backends whose two calls are
+    # independent: triton_experts, torch_ref); the output is the same bits, only the schedule changes
+    "overlap_tiers": "PINSIDECAR_PIN_OVERLAP",
     # count mode only: also record the routing trace (contract.trace) here, at most trace_tokens tokens, every
     # trace_every-th step
     "trace_path": "PINSIDECAR_TRACE_PATH",
@@ -89,6 +92,7 @@ class HookConfig:
     histogram: bool = True
     backend: str = AUTO_BACKEND  # canonical (aliases are resolved on construction)
     selfcheck: bool = False
+    overlap_tiers: bool = False  # pin mode: the cold tier on a side stream, concurrently with the hot one
     trace_path: Path | None = None  # count mode: record the routing trace here too (None: no trace)
     trace_tokens: int = DEFAULT_TRACE_TOKENS  # the recording's bound, in tokens
     trace_every: int = 1  # record every n-th step (1: all of them, so the trace's counts equal the counts')
@@ -132,6 +136,7 @@ class HookConfig:
             histogram=env.get(ENV["histogram"], "1").strip() not in ("0", "false", "no"),
             backend=pin_backend_name(env.get(ENV["backend"], AUTO_BACKEND)),
             selfcheck=env.get(ENV["selfcheck"], "0").strip().lower() in ("1", "true", "yes"),
+            overlap_tiers=env.get(ENV["overlap_tiers"], "0").strip().lower() in ("1", "true", "yes"),
             trace_path=path("trace_path"),
             trace_tokens=positive_int("trace_tokens", DEFAULT_TRACE_TOKENS, MAX_TRACE_TOKENS),
             trace_every=positive_int("trace_every", 1, 1 << 20),
@@ -152,6 +157,8 @@ class HookConfig:
                ENV["histogram"]: "1" if self.histogram else "0", ENV["backend"]: self.backend}
         if self.selfcheck:
             out[ENV["selfcheck"]] = "1"
+        if self.overlap_tiers:
+            out[ENV["overlap_tiers"]] = "1"
         if self.trace_path is not None:
             out[ENV["trace_tokens"]] = str(self.trace_tokens)
             out[ENV["trace_every"]] = str(self.trace_every)
