@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from pinsidecar_hook.backends import BackendUnavailable, select_backend
+from pinsidecar_hook.backends import select_backend
 from pinsidecar_hook.backends.base import Tier
 from pinsidecar_hook.backends.oai_triton import OAIRows, OAITritonSplit
 from pinsidecar_hook.vllm_seam import oai_triton
@@ -233,14 +233,14 @@ def test_the_tier_calls_get_the_unsplit_calls_tiling(monkeypatch: pytest.MonkeyP
     assert fake.make_opt_flags is make_opt_flags
 
 
-def test_auto_refuses_the_monolithic_class_naming_the_flag_and_the_backend() -> None:
-    """``auto`` does not pick the unverified oai_triton: a layer of the monolithic class (here a fake of that name,
-    which the backend itself does not take either) is refused with the flag and the backend that split it."""
-    assert OAITritonSplit.supports(types.SimpleNamespace(), torch.device("cuda")) is not None
+def test_auto_picks_oai_triton_for_the_default_mxfp4_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verified on the H100 (vLLM 0.34.0), the backend is auto's for gpt-oss MXFP4: a layer it accepts (here a fake
+    of the monolithic class, accepted by a patched ``supports``) gets it, and every other backend refuses it."""
+    assert OAITritonSplit.VERIFIED and OAITritonSplit.AUTO and OAITritonSplit.GUARANTEE == "bitwise"
     experts = type("OAITritonMxfp4ExpertsMonolithic", (), {})()
-    with pytest.raises(BackendUnavailable, match="--moe-backend triton_unfused") as info:
-        select_backend("auto", torch.device("cuda"), experts)
-    assert "PINSIDECAR_PIN_BACKEND=oai_triton" in str(info.value)
+    assert OAITritonSplit.supports(experts, torch.device("cuda")) is not None  # not vLLM's class
+    monkeypatch.setattr(OAITritonSplit, "supports", classmethod(lambda cls, e, d: None))
+    assert select_backend("auto", torch.device("cuda"), experts) is OAITritonSplit
 
 
 # ---------------------------------------------------------------------------------------------- the monolithic class

@@ -20,6 +20,11 @@ gpu_lane_install() {
   [ $rc -eq 0 ] || { echo "install failed ($rc)"; return $rc; }
   ls .gpu_lane/extra/*.whl > /dev/null 2>&1 || { echo "no .gpu_lane/extra/*.whl carried (structlog; docs/gpu-lane.md)"; return 4; }
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_lane/extra/*.whl || return 4
+  # wheels an earlier call of this machine left in /tmp/gpu_lane/wheels (too large to ride with a chunk: Humming's)
+  if ls /tmp/gpu_lane/wheels/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/gpu_lane/wheels/*.whl || return 4
+    echo "== installed $(ls /tmp/gpu_lane/wheels/*.whl | wc -l) wheels from /tmp/gpu_lane/wheels"
+  fi
   python3 scripts/gpu_lane/patch_vllm.py /tmp/site || return 6
   touch "$GPU_LANE_INSTALLED"
   source scripts/gpu_lane/device_env.sh

@@ -29,11 +29,6 @@ class UnsplitClass:
 
 
 KNOWN_UNSPLIT: dict[str, UnsplitClass] = {
-    "OAITritonMxfp4ExpertsMonolithic": UnsplitClass(
-        "MXFP4 (gpt-oss), routing inside the kernel", "--moe-backend triton_unfused",
-        "the modular UnfusedOAITritonExperts, which the oai_triton backend splits bit for bit by design; or keep "
-        "this class and set PINSIDECAR_PIN_BACKEND=oai_triton, which routes as the kernel does, then splits (neither "
-        "has run on a GPU yet, so auto picks neither). Count mode counts either"),
     "HummingIndexedExperts": UnsplitClass(
         "GPTQ/AWQ int4 and NVFP4 on SM90 (prioritize_humming)", "VLLM_BATCH_INVARIANT=1",
         "the same class with stream-K off in every tuning range, which the humming backend splits bit for bit by "
