@@ -13,6 +13,8 @@ The placements, all on the same engine (vLLM), model and traffic:
   40 % of the expert bytes in host memory (cold experts in pinned host memory, read in place through vLLM's UVA
   view, by pin mode's production re-homing path), and the ``TritonExperts`` split on the GPU.
 - ``u0``: pin mode with every expert hot: what the split machinery costs when nothing is cold.
+- ``u23x`` (any pin engine name with ``x`` appended): the same map with the cold tier on a side stream while the
+  hot tier runs (``PINSIDECAR_PIN_OVERLAP=1``): booted beside ``u23``, the ratio is what the overlap buys.
 - ``u23b``: a second pin boot with another map of the same geometry (built from one workload only): does the boot
   hit the compile cache, and does the boot record's cache-miss flag say so.
 - ``count``: the count boot (hook in count mode, CUDA graphs on), whose counts build the maps; its counts are
@@ -419,14 +421,20 @@ def _attention_args(lane: Lane) -> list[str]:
     return ["--attention-backend", lane.attention_backend] if lane.attention_backend else []
 
 
-def _hook_config(mode: str, hook_files: Path, map_path: Path | None, selfcheck: bool, backend: str = "auto") -> Any:
+def _hook_config(mode: str, hook_files: Path, map_path: Path | None, selfcheck: bool, backend: str = "auto",
+                 overlap: bool = False) -> Any:
     """The hook of one engine; the selfcheck goes in as a HookConfig field where the hook has one (and always as
-    the environment variable, see :func:`engine_for`)."""
+    the environment variable, see :func:`engine_for`), the tier overlap likewise."""
     from pinsidecar_hook.contract.env import HookConfig
 
     kwargs: dict[str, Any] = {}
-    if selfcheck and mode == "pin" and "selfcheck" in {f.name for f in dataclasses.fields(HookConfig)}:
+    fields = {f.name for f in dataclasses.fields(HookConfig)}
+    if selfcheck and mode == "pin" and "selfcheck" in fields:
         kwargs["selfcheck"] = True
+    if overlap and mode == "pin":
+        if "overlap_tiers" not in fields:
+            raise SystemExit("an overlap engine (name ending in x) needs a hook with PINSIDECAR_PIN_OVERLAP")
+        kwargs["overlap_tiers"] = True
     return HookConfig(mode=mode, counts_path=hook_files / "counts.json" if mode == "count" else None,
                       map_path=map_path if mode == "pin" else None,
                       stats_path=hook_files / "stats.json" if mode == "pin" else None,
@@ -435,7 +443,7 @@ def _hook_config(mode: str, hook_files: Path, map_path: Path | None, selfcheck: 
 
 
 def engine_for(lane: Lane, name: str, layout: dict[str, Any], mode: str = "off", map_path: Path | None = None,
-               placement: dict[str, Any] | None = None) -> Any:
+               placement: dict[str, Any] | None = None, overlap: bool = False) -> Any:
     """The engine of placement ``name`` (not started): the lane's quantization arguments on every engine, the
     positional offload flags of ``placement``, the selfcheck on pin engines."""
     from pinsidecar.engine import EngineConfig, EngineProcess, free_port, hooked_spec
@@ -444,7 +452,7 @@ def engine_for(lane: Lane, name: str, layout: dict[str, Any], mode: str = "off",
     hook_files.mkdir(parents=True, exist_ok=True)
     hook = None
     if mode != "off":
-        hook = _hook_config(mode, hook_files, map_path, lane.selfcheck, pin_backend(lane.quant))
+        hook = _hook_config(mode, hook_files, map_path, lane.selfcheck, pin_backend(lane.quant), overlap)
     env = {"VLLM_CACHE_ROOT": str(lane.work / "vllm-cache")}
     if mode == "pin" and lane.selfcheck:
         env[SELFCHECK_ENV] = "1"
@@ -957,12 +965,23 @@ def _map_info(emap: Any, layout: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- engines
 
 
+def map_name(engine: str) -> str:
+    """The map (or placement) an engine runs: its own name, less the ``x`` of an overlap engine (``u23x``: u23)."""
+    return engine[:-1] if is_overlap(engine) else engine
+
+
+def is_overlap(engine: str) -> bool:
+    """A pin engine that runs the cold tier on a side stream (``u23x``, module docstring)."""
+    return engine.startswith("u") and engine.endswith("x") and len(engine) > 2
+
+
 def _engine(lane: Lane, name: str, maps: dict[str, Any], layout: dict[str, Any]) -> Any:
     if name == "off":
         return engine_for(lane, name, layout)
     if name.startswith("p"):
         return engine_for(lane, name, layout, placement=maps["maps"][name])
-    return engine_for(lane, name, layout, mode="pin", map_path=lane.maps / f"{name}.json")
+    return engine_for(lane, name, layout, mode="pin", map_path=lane.maps / f"{map_name(name)}.json",
+                      overlap=is_overlap(name))
 
 
 def _done(lane: Lane, name: str) -> bool:
@@ -1046,7 +1065,9 @@ def _run_group(lane: Lane, gi: int, todo: list[str], maps: dict[str, Any], layou
         for n, eng in engines.items():
             base: dict[str, Any] = {"name": n, "mode": "pin" if n.startswith("u") else "off", "group": gi,
                                     "booted_with": [m for m in todo if m != n],
-                                    "placement": maps["maps"].get(n, {"policy": "all in HBM", "host_bytes": 0}),
+                                    "placement": maps["maps"].get(map_name(n), {"policy": "all in HBM",
+                                                                                "host_bytes": 0}),
+                                    "overlap_tiers": is_overlap(n),
                                     "vllm_args": list(eng.spec.extra_args)}
             if lane.wants_sweep(n):
                 base["sweep_attempted"] = True
@@ -1192,6 +1213,7 @@ def ratio_specs() -> list[tuple[str, str, str, str]]:
         specs += [(f"usage_over_positional_23pct_{s}stream", "u23", "p23", s),
                   (f"usage_23pct_over_all_hbm_{s}stream", "u23", "off", s),
                   (f"positional_23pct_over_all_hbm_{s}stream", "p23", "off", s)]
+        specs.append((f"overlap_over_serial_23pct_{s}stream", "u23x", "u23", s))
     return [*specs, ("split_0pct_over_off_step_time", "off", "u0", "1"),
             ("count_mode_over_off_step_time", "off", "count", "1")]
 

@@ -100,6 +100,16 @@ def test_pin_backend_per_lane_and_its_override(monkeypatch: pytest.MonkeyPatch) 
         gpu_lane.pin_backend("awq-int4")
 
 
+def test_an_overlap_engine_runs_its_maps_placement_with_the_tier_overlap(tmp_path: Path) -> None:
+    """``u23x`` is u23's map with PINSIDECAR_PIN_OVERLAP; booted beside u23 it gives the overlap's figure."""
+    assert gpu_lane.map_name("u23x") == "u23" and gpu_lane.is_overlap("u23x") and gpu_lane.is_overlap("u0x")
+    assert gpu_lane.map_name("u23") == "u23" and not gpu_lane.is_overlap("u23") and not gpu_lane.is_overlap("off")
+    hook = gpu_lane._hook_config("pin", tmp_path, tmp_path / "u23.json", False, "triton_experts", overlap=True)
+    assert hook.overlap_tiers and hook.to_env()["PINSIDECAR_PIN_OVERLAP"] == "1"
+    assert not gpu_lane._hook_config("pin", tmp_path, tmp_path / "u23.json", False).overlap_tiers
+    assert ("overlap_over_serial_23pct_1stream", "u23x", "u23", "1") in gpu_lane.ratio_specs()
+
+
 def test_engine_args_per_quant(tmp_path: Path) -> None:
     """What each engine of a quantized lane is started with, read from its spec (nothing is started)."""
     lane = _lane(tmp_path, "fp8-online", selfcheck=True, vllm_args=["--moe-backend", "triton"])
