@@ -105,7 +105,7 @@ def test_only_the_seam_imports_vllm() -> None:
     importers = sorted(_module_name(p) for p in HOOK.rglob("*.py")
                        if any(m == "vllm" or m.startswith("vllm.") for m in _imports(p)))
     seam = "pinsidecar_hook.vllm_seam"
-    assert importers == [f"{seam}._common", f"{seam}.cpu", f"{seam}.flashinfer", f"{seam}.marlin",
+    assert importers == [f"{seam}._common", f"{seam}.cpu", f"{seam}.flashinfer", f"{seam}.humming", f"{seam}.marlin",
                          f"{seam}.monolithic", f"{seam}.triton"]
     assert "<dynamic>" not in set().union(*(_imports(p) for p in HOOK.rglob("*.py")))
 
