@@ -59,6 +59,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shlex
 import signal
@@ -92,6 +93,37 @@ HOST_FRACTIONS = {"10": 0.10, "23": 0.23, "40": 0.40}
 # read every offloaded expert each step there).
 STREAMS = {1: 64, 4: 64, 16: 32}
 SMALL_STREAMS = {1: 12, 4: 12}
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # CUDA-graph batch sizes, up to the engine's max-num-seqs
+
+
+def parse_streams(raw: str) -> dict[int, int] | None:
+    """``--streams``: ``"1:64,4:64,16:32,32:32,64:32"`` (concurrent streams: tokens each) -> a dict; "" -> None."""
+    if not raw.strip():
+        return None
+    out: dict[int, int] = {}
+    for part in raw.split(","):
+        streams, sep, tokens = part.partition(":")
+        try:
+            if not sep or int(streams) < 1 or int(tokens) < 2:
+                raise ValueError
+            out[int(streams)] = int(tokens)
+        except ValueError:
+            raise SystemExit(f"--streams: {part!r} is not STREAMS:TOKENS (both positive, tokens >= 2)") from None
+    return out
+
+
+def parse_prefill(raw: str) -> tuple[int, tuple[int, ...]] | None:
+    """``--prefill``: ``"2048:1,4"`` (prompt tokens: concurrent requests, ...) -> ``(2048, (1, 4))``; "" -> None."""
+    if not raw.strip():
+        return None
+    tokens, sep, concurrency = raw.partition(":")
+    try:
+        levels = tuple(int(c) for c in concurrency.split(","))
+        if not sep or int(tokens) < 1 or not levels or min(levels) < 1:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--prefill: {raw!r} is not TOKENS:CONCURRENCY[,CONCURRENCY...]") from None
+    return int(tokens), levels
 IDENTITY_PROMPTS = 8  # greedy fixture: 4 code + 4 prose held-out prompts, one at a time
 IDENTITY_TOKENS = 24
 COUNT_CONCURRENCY = 6  # odd batch sizes: CUDA graphs pad 6 -> 8, so the padding mask is exercised
@@ -212,6 +244,8 @@ class Lane:
     vllm_args: list[str] = field(default_factory=list)  # more vLLM arguments for every engine of the lane
     sweep: set[str] | None = None  # engines that get the decode sweep (None: all)
     reps: int = 1  # interleaved sweep rounds per group
+    streams: dict[int, int] | None = None  # decode concurrency -> tokens per stream (None: STREAMS / SMALL_STREAMS)
+    prefill: tuple[int, tuple[int, ...]] | None = None  # (prompt tokens, concurrencies): time to first token
     try_positional: bool = False  # boot positional engines even where POSITIONAL_UNAVAILABLE says they fail
 
     def __post_init__(self) -> None:
@@ -227,6 +261,14 @@ class Lane:
 
     def wants_sweep(self, name: str) -> bool:
         return self.sweep is None or name in self.sweep
+
+    def decode_streams(self) -> dict[int, int]:
+        return self.streams or (SMALL_STREAMS if self.small else STREAMS)
+
+    def max_seqs(self) -> int:
+        """The engines' ``--max-num-seqs``: 16, or the largest decode concurrency or prefill batch above it."""
+        prefill = max(self.prefill[1]) if self.prefill else 0
+        return max(16, *self.decode_streams(), prefill)
 
 
 def geometry(lane: Lane) -> Any:
@@ -460,15 +502,19 @@ def engine_for(lane: Lane, name: str, layout: dict[str, Any], mode: str = "off",
     # host memory already and vLLM leaves them in place, but the flags are exercised).
     offload = offload_args(placement or {}, layout.get("offload_params") or POSITIONAL_PARAMS["bf16"])
     quant = [*quant_engine_args(lane.quant), *lane.vllm_args]
+    seqs = str(lane.max_seqs())
+    max_len = max(1024, lane.prefill[0] + 64) if lane.prefill else 1024
     if lane.small:
-        extra = ["--max-num-seqs", "16", *quant, *offload]
+        extra = ["--max-num-seqs", seqs, *quant, *offload]
         dtype = {"dtype": SMALL_QUANT_DTYPE[lane.quant]} if lane.quant in SMALL_QUANT_DTYPE else {}
-        cfg = EngineConfig(model=lane.model, extra_args=extra, env=env, enforce_eager=True, **dtype)
+        longer = {"max_model_len": max_len + 1024} if lane.prefill else {}  # the default (2048) or more
+        cfg = EngineConfig(model=lane.model, extra_args=extra, env=env, enforce_eager=True, **dtype, **longer)
     else:
-        extra = ["--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.2",
-                 "--cudagraph-capture-sizes", "1", "2", "4", "8", "16", *_attention_args(lane), *quant, *offload]
+        sizes = [str(n) for n in CAPTURE_SIZES if n <= int(seqs)]
+        extra = ["--max-num-seqs", seqs, "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.2",
+                 "--cudagraph-capture-sizes", *sizes, *_attention_args(lane), *quant, *offload]
         cfg = EngineConfig(model=lane.model, extra_args=extra, env=env, enforce_eager=False, dtype="auto",
-                           kv_cache_bytes=1 << 30, max_model_len=1024)
+                           kv_cache_bytes=1 << 30, max_model_len=max_len)
     log_path = lane.logs / f"{name}.log"
     with contextlib.suppress(OSError):
         log_path.unlink()
@@ -634,6 +680,44 @@ def run_streams(base: str, model: str, prompts: Sequence[str], streams: int, max
     }
 
 
+def run_prefill(base: str, model: str, vocab: int, tokens: int, concurrency: int, seed: int) -> dict[str, Any]:
+    """``concurrency`` requests at once, each a prompt of ``tokens`` random token ids (distinct per request, so no
+    prefix is shared) and one output token: the time to that token is the prefill's, the batch's included."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, max(vocab - 100, 101)) for _ in range(tokens)] for _ in range(concurrency)]
+    results: list[dict[str, Any]] = [{} for _ in range(concurrency)]
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=600.0) as client:
+            t0 = time.perf_counter()
+            resp = client.post(f"{base}/v1/completions", json={"model": model, "prompt": prompts[i], "max_tokens": 1,
+                                                                "temperature": 0.0})
+            resp.raise_for_status()
+            results[i] = {"seconds": time.perf_counter() - t0, "usage": resp.json()["usage"]}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [r["seconds"] for r in results if r]
+    return {"concurrency": concurrency, "prompt_tokens": tokens, "wall_s": round(wall, 3),
+            "ttft_s_median": round(statistics.median(ttft), 4) if ttft else None,
+            "ttft_s_max": round(max(ttft), 4) if ttft else None,
+            "processed_tokens": sum(r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] - 1
+                                    for r in results if r)}
+
+
+def model_vocab(model: Path) -> int:
+    """The checkpoint's vocabulary size (random prompt ids stay inside it)."""
+    with contextlib.suppress(OSError, ValueError):
+        cfg = json.loads((model / "config.json").read_text())
+        return int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size"))
+    return 32000
+
+
 # ---------------------------------------------------------------------------------------------------- measure
 
 
@@ -648,6 +732,7 @@ class Session:
     out: dict[str, Any] = field(default_factory=dict)
     processed: int = 0
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    prefill_rounds: list[dict[str, Any]] = field(default_factory=list)
     boot_selfcheck: Any = None  # meta["selfcheck"] of the stats file as the boot wrote it
 
     @property
@@ -684,7 +769,7 @@ def sweep_round(s: Session) -> dict[str, Any]:
     prompts = _prompts(["code_heldout", "prose_heldout"])[IDENTITY_PROMPTS:]
     out: dict[str, Any] = {}
     tag = f" (round {len(s.rounds) + 1})" if s.lane.reps > 1 else ""
-    for streams, tokens in (SMALL_STREAMS if s.lane.small else STREAMS).items():
+    for streams, tokens in s.lane.decode_streams().items():
         runs = [run_streams(base, model, prompts, streams, tokens) for _ in range(2 if streams == 1 else 1)]
         best = max(runs, key=lambda r: r["decode_tok_s_per_stream"] or 0)
         best["runs_per_stream_tok_s"] = [r["decode_tok_s_per_stream"] for r in runs]
@@ -693,6 +778,17 @@ def sweep_round(s: Session) -> dict[str, Any]:
         say(f"  {s.name}{tag}: {streams} streams: {best['decode_tok_s_per_stream']} tok/s per stream, "
             f"{best['output_tok_s']} output tok/s, TTFT {best['ttft_s_median']} s")
     s.rounds.append(out)
+    if s.lane.prefill:
+        tokens, levels = s.lane.prefill
+        vocab = model_vocab(s.lane.model)
+        pre: dict[str, Any] = {}
+        for c in levels:
+            r = run_prefill(base, model, vocab, tokens, c, seed=1000 * len(s.prefill_rounds) + c)
+            s.processed += r["processed_tokens"]
+            pre[str(c)] = r
+            say(f"  {s.name}{tag}: prefill {tokens} tokens x {c}: TTFT median {r['ttft_s_median']} s, "
+                f"max {r['ttft_s_max']} s")
+        s.prefill_rounds.append(pre)
     return out
 
 
@@ -707,6 +803,10 @@ def close_session(s: Session) -> dict[str, Any]:
         out["decode"] = aggregate_rounds(s.rounds)
         if len(s.rounds) > 1:
             out["decode_reps"] = s.rounds
+    if s.prefill_rounds:
+        out["prefill"] = aggregate_rounds(s.prefill_rounds)
+        if len(s.prefill_rounds) > 1:
+            out["prefill_reps"] = s.prefill_rounds
     out["processed_tokens"] = s.processed
     if s.pin:
         snap = request_and_wait(s.eng.hook.stats_path, "flush", load_stats, timeout_s=60, alive=s.eng.alive)
@@ -1205,11 +1305,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def ratio_specs() -> list[tuple[str, str, str, str]]:
+def ratio_specs(streams: Sequence[str] = ("1", "4", "16")) -> list[tuple[str, str, str, str]]:
     """The report's tok/s ratios: (figure, numerator engine, denominator engine, streams). A step-time ratio is
     the inverse tok/s ratio, hence off over u0 and off over count."""
     specs = []
-    for s in ("1", "4", "16"):
+    for s in streams:
         specs += [(f"usage_over_positional_23pct_{s}stream", "u23", "p23", s),
                   (f"usage_23pct_over_all_hbm_{s}stream", "u23", "off", s),
                   (f"positional_23pct_over_all_hbm_{s}stream", "p23", "off", s)]
@@ -1218,18 +1318,29 @@ def ratio_specs() -> list[tuple[str, str, str, str]]:
             ("count_mode_over_off_step_time", "off", "count", "1")]
 
 
-def rep_ratio(results: dict[str, Any], num: str, den: str, streams: str) -> dict[str, Any] | None:
+def prefill_specs(levels: Sequence[str]) -> list[tuple[str, str, str, str]]:
+    """The report's time-to-first-token ratios of the prefill (lower is better): usage over positional (the issue
+    wants it never above 1) and over all-HBM, per concurrency."""
+    specs = []
+    for c in levels:
+        specs += [(f"prefill_ttft_usage_over_positional_23pct_x{c}", "u23", "p23", c),
+                  (f"prefill_ttft_usage_23pct_over_all_hbm_x{c}", "u23", "off", c)]
+    return specs
+
+
+def rep_ratio(results: dict[str, Any], num: str, den: str, streams: str, kind: str = "decode",
+              metric: str = "decode_tok_s_per_stream") -> dict[str, Any] | None:
     """A ratio over interleaved rounds: taken within each round (both engines booted together, measured one after
     the other), then median, min and max. None unless both engines have the same number of rounds from one
-    boot group."""
+    boot group. ``kind``/``metric``: which rounds and figure (the prefill's: ``prefill``, ``ttft_s_median``)."""
     a, b = results.get(num) or {}, results.get(den) or {}
-    ra, rb = a.get("decode_reps"), b.get("decode_reps")
+    ra, rb = a.get(f"{kind}_reps"), b.get(f"{kind}_reps")
     if not ra or not rb or len(ra) != len(rb) or den not in (a.get("booted_with") or []):
         return None
     vals = []
     for x, y in zip(ra, rb, strict=True):
-        tx = x.get(streams, {}).get("decode_tok_s_per_stream")
-        ty = y.get(streams, {}).get("decode_tok_s_per_stream")
+        tx = x.get(streams, {}).get(metric)
+        ty = y.get(streams, {}).get(metric)
         if tx and ty:
             vals.append(tx / ty)
     return spread(vals) if vals else None
@@ -1240,9 +1351,18 @@ def ratio_figures(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     in interleaved rounds, the median of the per-round ratios (with its spread in the second dict)."""
     figures: dict[str, Any] = {}
     reps: dict[str, Any] = {}
-    for key, num, den, streams in ratio_specs():
-        figures[key] = _ratio(_tok_s(results.get(num), streams), _tok_s(results.get(den), streams))
-        per_round = rep_ratio(results, num, den, streams)
+    streams = sorted({k for r in results.values() for k in (r or {}).get("decode") or {}} | {"1", "4", "16"}, key=int)
+    for key, num, den, s in ratio_specs(streams):
+        figures[key] = _ratio(_tok_s(results.get(num), s), _tok_s(results.get(den), s))
+        per_round = rep_ratio(results, num, den, s)
+        if per_round:
+            reps[key] = per_round
+            figures[key] = round(per_round["median"], 3)
+    levels = sorted({k for r in results.values() for k in (r or {}).get("prefill") or {}}, key=int)
+    for key, num, den, c in prefill_specs(levels):
+        ttft = [((results.get(n) or {}).get("prefill") or {}).get(c, {}).get("ttft_s_median") for n in (num, den)]
+        figures[key] = _ratio(*ttft)
+        per_round = rep_ratio(results, num, den, c, kind="prefill", metric="ttft_s_median")
         if per_round:
             reps[key] = per_round
             figures[key] = round(per_round["median"], 3)
@@ -1553,6 +1673,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--vllm-args", default=os.environ.get("GPU_LANE_VLLM_ARGS", ""),
                     help="more vLLM arguments for every engine (one string, shell-split), e.g. '--moe-backend triton'")
     ap.add_argument("--sweep", default="all", help="engines that get the decode sweep: all, none, or a comma list")
+    ap.add_argument("--streams", default=os.environ.get("GPU_LANE_STREAMS", ""),
+                    help="decode concurrencies and tokens per stream, e.g. '1:64,4:64,16:32,32:32,64:32' "
+                         "(default 1:64,4:64,16:32); engines get --max-num-seqs and CUDA graphs up to the largest")
+    ap.add_argument("--prefill", default=os.environ.get("GPU_LANE_PREFILL", ""),
+                    help="also measure time to first token of random prompts of TOKENS at each concurrency, e.g. "
+                         "'2048:1,4' (engines get --max-model-len TOKENS + 64)")
     ap.add_argument("--reps", type=int, default=1, help="interleaved sweep rounds per engine group (median/min/max)")
     ap.add_argument("--try-positional", action="store_true",
                     help="boot positional engines even for a format vLLM 0.26 cannot offload (to see it fail)")
@@ -1581,7 +1707,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quant=args.quant,
                 selfcheck=args.selfcheck == "on" or (args.selfcheck == "auto" and args.quant != "bf16"),
                 vllm_args=shlex.split(args.vllm_args), sweep=_parse_set(args.sweep), reps=max(1, args.reps),
-                try_positional=args.try_positional)
+                try_positional=args.try_positional, streams=parse_streams(args.streams),
+                prefill=parse_prefill(args.prefill))
     if args.merge:
         doc = merge_runs(json.loads(args.merge[0].read_text()), json.loads(args.merge[1].read_text()), command)
         out = args.out or args.merge[0].parent

@@ -28,7 +28,8 @@ HID, INTER, NE, NL = 2048, 768, 128, 16
 @pytest.mark.vllm
 def test_gpu_lane_small_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert gpu_lane.main(["--small", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert gpu_lane.main(["--small", "--work", str(tmp_path / "work"), "--out", str(out),
+                          "--streams", "1:12,4:12,8:6", "--prefill", "48:1,2"]) == 0
     doc = json.loads((out / "gpu_lane_vllm_cpu.json").read_text())
     engines = doc["engines"]
     assert set(engines) == {"count", "off", "p23", "u23"}
@@ -40,7 +41,12 @@ def test_gpu_lane_small_runs_end_to_end(tmp_path: Path) -> None:
     assert doc["figures"]["token_identity_all_placements"] == 1.0
     for name in ("off", "p23", "u23"):
         assert engines[name]["decode"]["1"]["decode_tok_s_per_stream"] > 0
-        assert engines[name]["decode"]["4"]["output_tok_s"] > 0
+        assert engines[name]["decode"]["4"]["output_tok_s"] > 0 and engines[name]["decode"]["8"]["max_tokens"] == 6
+        for c in ("1", "2"):  # the prefill's time to first token; its tokens are in the exact live count above
+            prefill = engines[name]["prefill"][c]
+            assert prefill["ttft_s_median"] > 0 and prefill["processed_tokens"] == 48 * int(c)
+    assert doc["figures"]["prefill_ttft_usage_over_positional_23pct_x2"] > 0
+    assert doc["figures"]["usage_over_positional_23pct_8stream"] > 0
     p23, u23 = doc["placements"]["p23"], doc["placements"]["u23"]
     assert p23["params"] >= 1 and p23["usage_map_host_bytes"] == u23["host_bytes"] > 0
     assert (out / "gpu_lane_vllm_cpu.png").read_bytes()[:4] == b"\x89PNG"
@@ -108,6 +114,29 @@ def test_an_overlap_engine_runs_its_maps_placement_with_the_tier_overlap(tmp_pat
     assert hook.overlap_tiers and hook.to_env()["PINSIDECAR_PIN_OVERLAP"] == "1"
     assert not gpu_lane._hook_config("pin", tmp_path, tmp_path / "u23.json", False).overlap_tiers
     assert ("overlap_over_serial_23pct_1stream", "u23x", "u23", "1") in gpu_lane.ratio_specs()
+
+
+def test_regime_options_parse_and_size_the_engines(tmp_path: Path) -> None:
+    """--streams and --prefill: the decode concurrencies beyond 16 and the prefill's prompt size reach the engine
+    (max-num-seqs, CUDA-graph sizes, max-model-len); malformed values stop the run naming the format."""
+    assert gpu_lane.parse_streams("") is None and gpu_lane.parse_prefill(" ") is None
+    assert gpu_lane.parse_streams("1:64,32:32,64:16") == {1: 64, 32: 32, 64: 16}
+    assert gpu_lane.parse_prefill("2048:1,4") == (2048, (1, 4))
+    for bad in ("1", "0:8", "4:1", "a:b"):
+        with pytest.raises(SystemExit, match="STREAMS:TOKENS"):
+            gpu_lane.parse_streams(bad)
+    for bad in ("2048", "2048:", "x:1", "2048:0"):
+        with pytest.raises(SystemExit, match="TOKENS:CONCURRENCY"):
+            gpu_lane.parse_prefill(bad)
+    lane = _lane(tmp_path, "bf16", streams={1: 64, 64: 32}, prefill=(2048, (1, 4)))
+    args = gpu_lane.engine_for(lane, "off", {"offload_params": ["w13_weight"]}).spec.argv()
+    assert args[args.index("--max-num-seqs") + 1] == "64"
+    rest = args[args.index("--cudagraph-capture-sizes") + 1:]
+    sizes = rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+    assert sizes == ["1", "2", "4", "8", "16", "32", "64"]
+    assert args[args.index("--max-model-len") + 1] == "2112"
+    plain = gpu_lane.engine_for(_lane(tmp_path, "fp8-block"), "off", {"offload_params": ["w13_weight"]})
+    assert plain.spec.extra_args[plain.spec.extra_args.index("--max-num-seqs") + 1] == "16"
 
 
 def test_engine_args_per_quant(tmp_path: Path) -> None:
