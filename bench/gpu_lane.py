@@ -68,7 +68,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -651,6 +651,17 @@ def complete(client: httpx.Client, base: str, model: str, prompt: str, max_token
     return {"t0": t0, "first": first, "last": last, "done": time.perf_counter(), "usage": usage}
 
 
+def at_once(one: Callable[[int], None], n: int) -> float:
+    """``one(0)`` .. ``one(n - 1)`` in threads started together; the seconds until the last has finished."""
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def run_streams(base: str, model: str, prompts: Sequence[str], streams: int, max_tokens: int) -> dict[str, Any]:
     """``streams`` concurrent streaming requests. Decode rate per stream: its tokens after the first over the time
     from its first token to the end of its stream; output tok/s: all tokens over the wall time (prefill included,
@@ -661,13 +672,7 @@ def run_streams(base: str, model: str, prompts: Sequence[str], streams: int, max
         with httpx.Client(timeout=600.0) as client:
             results[i] = complete(client, base, model, prompts[i % len(prompts)], max_tokens, stream=True)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = at_once(one, streams)
     per_stream = [(r["usage"]["completion_tokens"] - 1) / (r["done"] - r["first"]) for r in results
                   if r.get("first") and r["done"] > r["first"]]
     ttft = [r["first"] - r["t0"] for r in results if r.get("first")]
@@ -695,13 +700,7 @@ def run_prefill(base: str, model: str, vocab: int, tokens: int, concurrency: int
             resp.raise_for_status()
             results[i] = {"seconds": time.perf_counter() - t0, "usage": resp.json()["usage"]}
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = at_once(one, concurrency)
     ttft = [r["seconds"] for r in results if r]
     return {"concurrency": concurrency, "prompt_tokens": tokens, "wall_s": round(wall, 3),
             "ttft_s_median": round(statistics.median(ttft), 4) if ttft else None,
