@@ -507,7 +507,7 @@ def engine_for(lane: Lane, name: str, layout: dict[str, Any], mode: str = "off",
     if lane.small:
         extra = ["--max-num-seqs", seqs, *quant, *offload]
         dtype = {"dtype": SMALL_QUANT_DTYPE[lane.quant]} if lane.quant in SMALL_QUANT_DTYPE else {}
-        longer = {"max_model_len": max_len + 1024} if lane.prefill else {}  # the default (2048) or more
+        longer = {"max_model_len": max(2048, max_len)} if lane.prefill else {}  # EngineConfig's default: 2048
         cfg = EngineConfig(model=lane.model, extra_args=extra, env=env, enforce_eager=True, **dtype, **longer)
     else:
         sizes = [str(n) for n in CAPTURE_SIZES if n <= int(seqs)]
@@ -1295,9 +1295,12 @@ def engine_line(quant: str, r: dict[str, Any], ref_ids: list[Any] | None = None)
 
 
 def _tok_s(result: dict[str, Any] | None, streams: str) -> float | None:
-    if not result or "decode" not in result:
-        return None
-    return result["decode"].get(streams, {}).get("decode_tok_s_per_stream")
+    return _figure(result, "decode", streams, "decode_tok_s_per_stream")
+
+
+def _figure(result: dict[str, Any] | None, kind: str, level: str, metric: str) -> float | None:
+    """One engine's ``metric`` at ``level`` (streams, or the prefill's concurrency) of its ``kind`` results."""
+    return ((result or {}).get(kind) or {}).get(level, {}).get(metric)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -1305,8 +1308,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def ratio_specs(streams: Sequence[str] = ("1", "4", "16")) -> list[tuple[str, str, str, str]]:
-    """The report's tok/s ratios: (figure, numerator engine, denominator engine, streams). A step-time ratio is
-    the inverse tok/s ratio, hence off over u0 and off over count."""
+    """The report's decode tok/s ratios: (figure, numerator engine, denominator engine, streams). A step-time ratio
+    is the inverse tok/s ratio, hence off over u0 and off over count."""
     specs = []
     for s in streams:
         specs += [(f"usage_over_positional_23pct_{s}stream", "u23", "p23", s),
@@ -1350,18 +1353,17 @@ def ratio_figures(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     in interleaved rounds, the median of the per-round ratios (with its spread in the second dict)."""
     figures: dict[str, Any] = {}
     reps: dict[str, Any] = {}
-    streams = sorted({k for r in results.values() for k in (r or {}).get("decode") or {}} | {"1", "4", "16"}, key=int)
-    for key, num, den, s in ratio_specs(streams):
-        figures[key] = _ratio(_tok_s(results.get(num), s), _tok_s(results.get(den), s))
-        per_round = rep_ratio(results, num, den, s)
-        if per_round:
-            reps[key] = per_round
-            figures[key] = round(per_round["median"], 3)
-    levels = sorted({k for r in results.values() for k in (r or {}).get("prefill") or {}}, key=int)
-    for key, num, den, c in prefill_specs(levels):
-        ttft = [((results.get(n) or {}).get("prefill") or {}).get(c, {}).get("ttft_s_median") for n in (num, den)]
-        figures[key] = _ratio(*ttft)
-        per_round = rep_ratio(results, num, den, c, kind="prefill", metric="ttft_s_median")
+
+    def levels(kind: str) -> list[str]:
+        return sorted({k for r in results.values() for k in (r or {}).get(kind) or {}}, key=int)
+
+    specs = [(*spec, "decode", "decode_tok_s_per_stream")
+             for spec in ratio_specs(sorted(set(levels("decode")) | {"1", "4", "16"}, key=int))]
+    specs += [(*spec, "prefill", "ttft_s_median") for spec in prefill_specs(levels("prefill"))]
+    for key, num, den, level, kind, metric in specs:
+        figures[key] = _ratio(_figure(results.get(num), kind, level, metric),
+                              _figure(results.get(den), kind, level, metric))
+        per_round = rep_ratio(results, num, den, level, kind, metric)
         if per_round:
             reps[key] = per_round
             figures[key] = round(per_round["median"], 3)

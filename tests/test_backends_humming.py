@@ -241,12 +241,14 @@ def test_what_the_split_cannot_reproduce_is_refused() -> None:
     assert HummingSplit.supports(object(), torch.device("cuda")) is not None  # not vLLM's class
 
 
-def test_a_tier_missing_a_tensor_vllm_passes_stops_the_call() -> None:
-    """The seam's GEMM refuses a tier without a per-expert tensor that vLLM's quant config carries (it would run
-    the kernel without the zero points or global scales the unsplit call uses)."""
-    experts = FakeHummingExperts(_tensors(6))
+def test_a_tier_missing_a_tensor_vllm_passes_is_refused_at_attach() -> None:
+    """A layer whose tiers lack a per-expert tensor vLLM's quant config carries (zero points, global scales) is
+    refused when the split is built, not at every call: the kernel would run without them."""
+    tensors = _tensors(6)
+    experts = FakeHummingExperts(tensors)
     experts.quant_config = type("QC", (), {"w1_zp": torch.zeros(1), "w1_scale": None, "w1_bias": None,
                                            "g1_alphas": None})()
-    with pytest.raises(RuntimeError, match="vLLM passes w1_zp but the tier has no w13_zero_point"):
-        humming.gemm(experts, "w13", FakeLayerConfig(E, 2 * INTER), {"w13_weight": torch.zeros(1)},
-                     inputs=None, input_scale=None, input_scale_2=None, outputs=None)
+    row_map = moe.row_map_tensor(E, list(range(5)), list(range(5, E)))
+    with pytest.raises(UnsupportedSplit, match="vLLM passes w1_zp but the tier has no w13_zero_point"):
+        _split(tensors, row_map, 5, experts)
+    assert humming.missing_tensor(experts, "w2", tensors) is None  # w2's quant config fields are absent

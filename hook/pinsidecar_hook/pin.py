@@ -429,6 +429,10 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         log.warning("pinsidecar pin: the %s backend has not run on hardware against vLLM's unsplit kernel "
                     "(unverified); it runs because PINSIDECAR_PIN_BACKEND asks for it. Boot once with "
                     "PINSIDECAR_PIN_SELFCHECK=1 to compare it on this engine", backend_name)
+    overlap = cfg.overlap_tiers and backend.OVERLAP
+    if cfg.overlap_tiers and not overlap:
+        log.warning("pinsidecar pin: PINSIDECAR_PIN_OVERLAP asks for the tier overlap, but the %s backend's two tier "
+                    "calls share buffers; its tiers run one after the other", backend_name)
     facts = model_facts(layers, backend)
     check_map(emap, facts, tp_size, str(cfg.map_path))
     log.info("pinsidecar pin: layer %d tensors: %s", facts.layer_ids[0],
@@ -471,7 +475,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
             except ValueError as exc:
                 raise PinMapMismatch(f"map {cfg.map_path}: {exc}") from exc
         split = backend(geo.experts, pin)
-        split.overlap = cfg.overlap_tiers and backend.OVERLAP
+        split.overlap = overlap
         pin.row_map_listeners.append(split.refresh)  # an in-place apply flips the row map: the split follows
         vllm_seam.install_split(geo, split)
         if check is not None:
@@ -491,7 +495,7 @@ def attach(model: Any, cfg: HookConfig, worker: Any = None) -> PinState:
         "predicted_cold_rate": emap.predicted_cold_rate,
         "peak_extra_bytes": dict(ledger.peak), "peak_extra_total_bytes": ledger.peak_total,
         "backend_verified": backend.VERIFIED, "backend_guarantee": backend.GUARANTEE,
-        "overlap_tiers": cfg.overlap_tiers and backend.OVERLAP,
+        "overlap_tiers": overlap,
         "expert_bytes": facts.expert_bytes,
         "tensors": [f.describe() for f in facts.first_fates],
     }

@@ -97,6 +97,11 @@ class HummingSplit(SplitBackend):
         self._reducer = reducer
         self.gemm = gemm or humming.gemm
         super().__init__(experts, layer, num_real=num_real)
+        for tier in (self.hot, self.cold):
+            for sub in SUBLAYERS:
+                missing = humming.missing_tensor(experts, sub, tier.tensors) if tier.rows else None
+                if missing is not None:
+                    raise UnsupportedSplit(f"Humming split: {missing}")
         self.configs = {tier.name: {sub: humming.tier_config(experts.humming_configs[sub], tier.rows)
                                     for sub in SUBLAYERS} for tier in (self.hot, self.cold)}
 

@@ -267,11 +267,12 @@ class TritonExpertsSplit(SplitBackend):
 
     def side_call(self, call: ExpertsCall) -> ExpertsCall:
         """The cold call on the side stream gets its own ``workspace13`` (GEMM1's output and GEMM2's input, which
-        the hot call writes too) and its own ``output`` (never written by a tier object, which keeps its rows, but
-        it is vLLM's to touch); its ``workspace2`` is its own already (:meth:`_workspaces`)."""
-        fresh = {name: torch.empty_like(t) for name in ("output", "workspace13")
-                 if (t := getattr(call, name)) is not None}
-        return dataclasses.replace(call, **fresh)
+        the hot call writes too); its ``workspace2`` is its own already (:meth:`_workspaces`), and ``output`` is
+        written by neither tier object (they keep their rows; a post-GEMM2 hook, the one path that writes it, is
+        refused by :meth:`check_call`)."""
+        if call.workspace13 is None:
+            return call
+        return dataclasses.replace(call, workspace13=torch.empty_like(call.workspace13))
 
     def _workspaces(self, tier: Tier, call: ExpertsCall) -> tuple[Any, Any]:
         """The hot call's rows are a view of ``workspace2`` and must survive the cold call: it gets its own."""

@@ -40,7 +40,8 @@ import dataclasses
 import importlib
 from typing import Any
 
-__all__ = ["CLASS", "api_problem", "gemm", "is_indexed", "mul_sum", "stream_k_ranges", "tier_config"]
+__all__ = ["CLASS", "api_problem", "gemm", "is_indexed", "missing_tensor", "mul_sum", "stream_k_ranges",
+           "tier_config"]
 
 CLASS = "HummingIndexedExperts"
 _MODULE = "vllm.model_executor.layers.fused_moe.experts.fused_humming_moe"
@@ -84,18 +85,26 @@ def tier_config(config: Any, rows: int) -> Any:
     return dataclasses.replace(config, num_experts=rows)
 
 
+def missing_tensor(experts: Any, sub: str, tensors: dict[str, Any]) -> str | None:
+    """A per-expert tensor vLLM passes to ``sub``'s GEMM (its quant config holds it) that ``tensors`` (a tier's,
+    by layer parameter name) lacks, or None: a tier call without it would run the kernel without the zero points or
+    global scales the unsplit call uses. Asked once per tier, at attach."""
+    index = 1 if sub == "w13" else 2
+    for arg, qc_name in _QC_NAMES.items():
+        passed = qc_name.format(i=index)
+        if tensors.get(f"{sub}_{arg}") is None and getattr(experts.quant_config, passed, None) is not None:
+            return f"vLLM passes {passed} but the tier has no {sub}_{arg}"
+    return None
+
+
 def gemm(experts: Any, sub: str, config: Any, tensors: dict[str, Any], *, inputs: Any, input_scale: Any,
          input_scale_2: Any, outputs: Any, **kwargs: Any) -> Any:
     """``HummingExpertsBase.humming_forward`` for one tier: the same call with the tier's config and per-expert
-    tensors (``tensors``: the layer's parameter names, ``w13_weight``, ``w13_weight_scale``, ...)."""
-    index = 1 if sub == "w13" else 2
-    per_expert = {arg: tensors.get(f"{sub}_{arg}") for arg in _QC_NAMES}
-    for arg, qc_name in _QC_NAMES.items():  # a tensor vLLM passes but the layer does not hold per expert
-        if per_expert[arg] is None and getattr(experts.quant_config, qc_name.format(i=index), None) is not None:
-            raise RuntimeError(f"Humming split: vLLM passes {qc_name.format(i=index)} but the tier has no "
-                               f"{sub}_{arg}")
+    tensors (``tensors``: the layer's parameter names, ``w13_weight``, ``w13_weight_scale``, ...; checked against
+    vLLM's by :func:`missing_tensor` at attach)."""
     from vllm.utils.humming import humming_forward
 
+    per_expert = {arg: tensors.get(f"{sub}_{arg}") for arg in _QC_NAMES}
     return humming_forward(config, inputs=inputs, weight=tensors[f"{sub}_weight"], input_scale=input_scale,
                            input_scale_2=input_scale_2, outputs=outputs, locks=experts.locks, **per_expert, **kwargs)
 
